@@ -1,0 +1,1 @@
+"""The drafter side: DFlash drafter model, checkpoints, proposal sampling and (later) training."""

@@ -1,0 +1,41 @@
+"""Loading and saving DFlash drafters in the published checkpoint layout."""
+
+from pathlib import Path
+
+import torch
+
+from draft_worker.draft_config import DraftConfig
+from draft_worker.draft_model import DFlashDraftModel
+from shared.checkpoint_io import check_tensor_names, load_tensors, read_config, write_checkpoint
+from shared.rope import inverse_frequencies
+
+
+def load_drafter(folder: str | Path, dtype: torch.dtype = torch.float32, device="cpu") -> DFlashDraftModel:
+    cfg = DraftConfig.from_dict(read_config(folder))
+    check_tensor_names(folder, cfg.tensor_shapes())
+    tensors = load_tensors(folder, dtype=dtype, device=device)
+    with torch.device("meta"):
+        model = DFlashDraftModel(cfg)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)
+    return model.eval().requires_grad_(False)
+
+
+def save_drafter(model: DFlashDraftModel, folder: str | Path, dtype: torch.dtype | None = None) -> None:
+    tensors = {name: t.to(dtype or t.dtype) for name, t in model.state_dict().items()}
+    config = model.config.to_dict()
+    config["dtype"] = str(next(iter(tensors.values())).dtype).removeprefix("torch.")
+    write_checkpoint(folder, config, tensors)
+
+
+def random_drafter(cfg: DraftConfig, seed: int = 0, std: float = 0.02) -> DFlashDraftModel:
+    """A drafter with random weights (tests, the random demo pair); norms start at one."""
+    generator = torch.Generator().manual_seed(seed)
+    model = DFlashDraftModel(cfg)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight"):
+                param.fill_(1.0)
+            else:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    return model.eval().requires_grad_(False)

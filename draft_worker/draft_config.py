@@ -1,0 +1,203 @@
+"""DFlash drafter settings, read from and written to the published config.json layout."""
+
+from dataclasses import dataclass, field
+
+from shared.errors import ConfigError
+from shared.rope import RopeSettings
+
+DFLASH_ARCHITECTURE = "DFlashDraftModel"
+
+
+def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
+    """The published default tap rule: [N // 2] for one tap, else evenly from layer 1 to layer N - 3."""
+    if num_taps == 1:
+        return [num_target_layers // 2]
+    span = num_target_layers - 4
+    return [int(round(1 + k * span / (num_taps - 1))) for k in range(num_taps)]
+
+
+def _int(config: dict, key: str, minimum: int = 1) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
+        raise ConfigError(f"drafter config.json: {key!r} must be an integer >= {minimum}, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class DraftConfig:
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    num_target_layers: int
+    target_layer_ids: tuple[int, ...]
+    mask_token_id: int
+    block_size: int
+    rope: RopeSettings = RopeSettings()
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 4096
+    layer_types: tuple[str, ...] = ()
+    sliding_window: int | None = None
+    is_causal: bool | None = None
+    attention_bias: bool = False
+    input_embedding_scale: float = 1.0
+    output_multiplier: float = 1.0
+    final_logit_softcapping: float | None = None
+    extra: dict = field(default_factory=dict, compare=False)  # other published keys, kept for round trips
+
+    def __post_init__(self):
+        if self.block_size < 2:
+            raise ConfigError(f"block_size must be >= 2 (one anchor plus at least one draft), got {self.block_size}")
+        if not 0 <= self.mask_token_id < self.vocab_size:
+            raise ConfigError(f"mask_token_id {self.mask_token_id} is outside the vocabulary (size {self.vocab_size})")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"num_attention_heads {self.num_heads} is not a multiple of num_key_value_heads")
+        bad = [i for i in self.target_layer_ids if not 0 <= i < self.num_target_layers]
+        if bad or not self.target_layer_ids:
+            raise ConfigError(
+                f"target_layer_ids {list(self.target_layer_ids)} must be non-empty ids of the "
+                f"{self.num_target_layers} target layers"
+            )
+        if self.layer_types and len(self.layer_types) != self.num_layers:
+            raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
+
+    @property
+    def num_taps(self) -> int:
+        return len(self.target_layer_ids)
+
+    def layer_is_causal(self, layer: int) -> bool:
+        """Sliding-window layers are causal inside the block unless is_causal says otherwise."""
+        if self.is_causal is not None:
+            return self.is_causal
+        return self.layer_window(layer) is not None
+
+    def layer_window(self, layer: int) -> int | None:
+        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+            return self.sliding_window
+        return None
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "DraftConfig":
+        archs = config.get("architectures") or []
+        if DFLASH_ARCHITECTURE not in archs:
+            raise ConfigError(f"unknown drafter architecture {archs!r}: supported is [{DFLASH_ARCHITECTURE!r}]")
+        dflash = config.get("dflash_config") or {}
+        if not isinstance(dflash, dict):
+            raise ConfigError("drafter config.json: dflash_config must be a JSON object")
+
+        def value(key, default=None):
+            return dflash.get(key, config.get(key, default))
+
+        num_layers = _int(config, "num_hidden_layers")
+        num_target_layers = _int(config, "num_target_layers")
+        ids = value("target_layer_ids")
+        if ids is None:
+            ids = default_target_layer_ids(num_target_layers, num_layers)
+        mask = value("mask_token_id")
+        if not isinstance(mask, int) or isinstance(mask, bool):
+            raise ConfigError(f"drafter config.json: dflash_config.mask_token_id must be an integer, got {mask!r}")
+        block_size = value("block_size", 16)
+        if not isinstance(block_size, int) or isinstance(block_size, bool):
+            raise ConfigError(f"drafter config.json: block_size must be an integer, got {block_size!r}")
+        hidden = _int(config, "hidden_size")
+        heads = _int(config, "num_attention_heads")
+        softcap = value("final_logit_softcapping")
+        known = {
+            "architectures", "dflash_config", "hidden_size", "intermediate_size", "num_hidden_layers",
+            "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers",
+            "block_size", "rms_norm_eps", "max_position_embeddings", "layer_types", "sliding_window", "is_causal",
+            "attention_bias", "rope_theta", "rope_scaling", "rope_parameters", "model_type",
+        }
+        return cls(
+            hidden_size=hidden,
+            intermediate_size=_int(config, "intermediate_size"),
+            num_layers=num_layers,
+            num_heads=heads,
+            num_kv_heads=int(config.get("num_key_value_heads") or heads),
+            head_dim=int(config.get("head_dim") or hidden // heads),
+            vocab_size=_int(config, "vocab_size"),
+            num_target_layers=num_target_layers,
+            target_layer_ids=tuple(int(i) for i in ids),
+            mask_token_id=mask,
+            block_size=block_size,
+            rope=RopeSettings.from_config(config),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            layer_types=tuple(config.get("layer_types") or ()),
+            sliding_window=config.get("sliding_window"),
+            is_causal=config.get("is_causal"),
+            attention_bias=bool(config.get("attention_bias", False)),
+            input_embedding_scale=float(value("input_embedding_scale", 1.0)),
+            output_multiplier=float(value("output_multiplier", 1.0)),
+            final_logit_softcapping=None if softcap is None else float(softcap),
+            extra={k: v for k, v in config.items() if k not in known},
+        )
+
+    def to_dict(self) -> dict:
+        """The published layout: DFlashDraftModel, model_type qwen3, block_size at the top level and in
+        dflash_config, mask_token_id and target_layer_ids in dflash_config."""
+        dflash: dict = {
+            "block_size": self.block_size,
+            "mask_token_id": self.mask_token_id,
+            "target_layer_ids": list(self.target_layer_ids),
+        }
+        if self.input_embedding_scale != 1.0:
+            dflash["input_embedding_scale"] = self.input_embedding_scale
+        if self.output_multiplier != 1.0:
+            dflash["output_multiplier"] = self.output_multiplier
+        if self.final_logit_softcapping is not None:
+            dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        out = {
+            **self.extra,
+            "architectures": [DFLASH_ARCHITECTURE],
+            "model_type": "qwen3",
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "rms_norm_eps": self.rms_norm_eps,
+            "max_position_embeddings": self.max_position_embeddings,
+            "vocab_size": self.vocab_size,
+            "layer_types": list(self.layer_types) or ["full_attention"] * self.num_layers,
+            "sliding_window": self.sliding_window,
+            "num_target_layers": self.num_target_layers,
+            "block_size": self.block_size,
+            "attention_bias": self.attention_bias,
+            "hidden_act": "silu",
+            "tie_word_embeddings": False,
+            "dflash_config": dflash,
+            **self.rope.to_config(),
+        }
+        if self.is_causal is not None:
+            out["is_causal"] = self.is_causal
+        return out
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """Published tensor names (no "model." prefix, no embedding, no lm_head) and their shapes."""
+        h, hd = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
+        shapes = {"fc.weight": (h, self.num_taps * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
+        for i in range(self.num_layers):
+            p = f"layers.{i}."
+            shapes.update({
+                p + "self_attn.q_proj.weight": (q_out, h),
+                p + "self_attn.k_proj.weight": (kv_out, h),
+                p + "self_attn.v_proj.weight": (kv_out, h),
+                p + "self_attn.o_proj.weight": (h, q_out),
+                p + "self_attn.q_norm.weight": (hd,),
+                p + "self_attn.k_norm.weight": (hd,),
+                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
+                p + "mlp.up_proj.weight": (self.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, self.intermediate_size),
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+            })
+            if self.attention_bias:
+                for name, size in (("q", q_out), ("k", kv_out), ("v", kv_out), ("o", h)):
+                    shapes[p + f"self_attn.{name}_proj.bias"] = (size,)
+        return shapes

@@ -1,0 +1,115 @@
+"""The DFlash (v1) drafter: block denoising conditioned on target features through KV injection.
+
+Module names are the published tensor names. The drafter has no embedding and no lm_head of its own: it
+borrows the target's, passed in as tensors.
+"""
+
+import torch
+from torch import nn
+
+from draft_worker.draft_config import DraftConfig
+from shared.attention import cached_attention, visibility_mask
+from shared.kv_cache import PositionalKVCache, slot_selector
+from shared.layers import GatedMLP, RMSNorm
+from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+
+
+class DraftAttention(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.causal = cfg.layer_is_causal(layer_index)
+        self.window = cfg.layer_window(layer_index)
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=bias)
+        self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+
+    def keys_values(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """rows [b, s, hidden] -> rotated keys and values [b, s, kv_heads, dim]."""
+        b, s, _ = rows.shape
+        k = self.k_norm(self.k_proj(rows).view(b, s, self.num_kv_heads, self.head_dim))
+        v = self.v_proj(rows).view(b, s, self.num_kv_heads, self.head_dim)
+        k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
+        return k, v
+
+    def forward(self, x, cos, sin, cache: PositionalKVCache, slots, positions, block_end):
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [b, heads, block, dim]
+        k, v = self.keys_values(x, cos, sin)  # block rows join the context rows already cached
+        cache.write(self.layer_index, slots, positions, k, v)
+        kv_len = int(block_end.max())
+        keys, values = cache.read(self.layer_index, slot_selector(slots), kv_len)
+        if self.causal:
+            mask = visibility_mask(positions, kv_len, sliding_window=self.window)
+        else:
+            mask = visibility_mask(positions, kv_len, visible_end=block_end, sliding_window=self.window)
+        return self.o_proj(cached_attention(q, keys, values, mask, self.head_dim**-0.5))
+
+
+class DraftDecoderLayer(nn.Module):
+    def __init__(self, cfg: DraftConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = DraftAttention(cfg, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
+
+    def forward(self, x, cos, sin, cache, slots, positions, block_end):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, positions, block_end)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DFlashDraftModel(nn.Module):
+    def __init__(self, cfg: DraftConfig):
+        super().__init__()
+        self.config = cfg
+        h = cfg.hidden_size
+        self.fc = nn.Linear(cfg.num_taps * h, h, bias=False)
+        self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.layers = nn.ModuleList(DraftDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(h, cfg.rms_norm_eps)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
+
+    def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
+        cfg, weight = self.config, self.fc.weight
+        return PositionalKVCache(
+            cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype, weight.device
+        )
+
+    def ingest_context(self, cache: PositionalKVCache, slots: torch.Tensor, positions: torch.Tensor,
+                       features: torch.Tensor) -> None:
+        """Cache every layer's keys/values of context rows: features [rows, taps * hidden] of the target,
+        for cache slots [rows] at positions [rows]. Context rows are the same in every layer."""
+        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))[:, None]  # [rows, 1, hidden]
+        cos, sin = rotary_cos_sin(self.inv_freq, positions[:, None], context.dtype)
+        for index, layer in enumerate(self.layers):
+            k, v = layer.self_attn.keys_values(context, cos, sin)  # [rows, 1, kv_heads, dim]
+            cache.write(index, slots, positions[:, None], k, v)
+
+    def block_hidden(self, cache: PositionalKVCache, slots: torch.Tensor, block_start: torch.Tensor,
+                     block_embeds: torch.Tensor) -> torch.Tensor:
+        """Denoise one block per slot. block_embeds [b, B, hidden] (anchor then masks) sit at positions
+        block_start[b] + 0..B-1, right after the slot's cached context. Returns [b, B, hidden] after the final
+        norm. The block's keys/values land past the context length, so the cache keeps context rows only."""
+        block = block_embeds.shape[1]
+        positions = block_start[:, None] + torch.arange(block, device=block_start.device)  # [b, B]
+        cos, sin = rotary_cos_sin(self.inv_freq, positions, block_embeds.dtype)
+        block_end = block_start + block
+        x = block_embeds
+        for layer in self.layers:
+            x = layer(x, cos, sin, cache, slots, positions, block_end)
+        return self.norm(x)
+
+    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 [..., vocab], with the published output multiplier and soft-capping."""
+        logits = (hidden @ lm_head_weight.T).float() * self.config.output_multiplier
+        cap = self.config.final_logit_softcapping
+        if cap:
+            logits = torch.tanh(logits / cap) * cap
+        return logits

@@ -1,0 +1,143 @@
+"""The in-process proposer: a DFlash drafter with a per-request context cache, all requests drafted in one
+batched forward. Used by dflash-generate and tests; the draft worker process serves the same logic remotely."""
+
+from enum import Enum
+
+import torch
+
+from draft_worker.draft_model import DFlashDraftModel
+from shared.errors import ConfigError
+from shared.proposals import DraftItem, DraftResult
+from shared.sampling import request_generator, sample_from, sampling_probs
+
+DRAFT_STREAM = 1  # random stream id of the drafter's draws (the verifier uses 0)
+
+
+class ContextOutOfSync(RuntimeError):
+    """The verifier sent context for positions the drafter's cache does not continue (e.g. after a restart)."""
+
+
+class DraftSampling(Enum):
+    DENSE = "dense"  # sample from the full processed drafter distribution q; report q
+    SPARSE = "sparse"  # sample from q restricted to its top-K tokens; report that sparse q
+    GREEDY = "greedy"  # argmax drafts; the verifier treats them as point masses
+
+
+class LocalProposer:
+    def __init__(
+        self,
+        drafter: DFlashDraftModel,
+        embed_weight: torch.Tensor,
+        lm_head_weight: torch.Tensor,
+        block_size: int | None = None,
+        max_requests: int = 64,
+        max_model_len: int = 4096,
+        draft_sampling: DraftSampling = DraftSampling.DENSE,
+        sparse_top_k: int = 16,
+    ):
+        cfg = drafter.config
+        if embed_weight.shape[1] != cfg.hidden_size:
+            raise ConfigError(
+                f"target hidden size {embed_weight.shape[1]} does not match the drafter's hidden_size {cfg.hidden_size}"
+            )
+        if embed_weight.shape[0] != cfg.vocab_size or lm_head_weight.shape[0] != cfg.vocab_size:
+            raise ConfigError(
+                f"target vocabulary {embed_weight.shape[0]} does not match the drafter's vocab_size {cfg.vocab_size}"
+            )
+        self.block_size = block_size or cfg.block_size
+        if self.block_size < 2:
+            raise ConfigError(f"block size must be >= 2, got {self.block_size}")
+        self.drafter = drafter
+        self.target_layer_ids = cfg.target_layer_ids
+        self.num_target_layers = cfg.num_target_layers
+        self.embed_weight = embed_weight
+        self.lm_head_weight = lm_head_weight
+        self.draft_sampling = draft_sampling
+        self.sparse_top_k = sparse_top_k
+        self.cache = drafter.new_cache(max_requests, max_model_len + self.block_size)
+        self.free_slots = list(range(max_requests - 1, -1, -1))
+        self.slots: dict[str, int] = {}
+        self.lengths: dict[str, int] = {}
+        self.generators: dict[str, torch.Generator] = {}
+
+    def release(self, request_id: str) -> None:
+        slot = self.slots.pop(request_id, None)
+        if slot is not None:
+            self.free_slots.append(slot)
+        self.lengths.pop(request_id, None)
+        self.generators.pop(request_id, None)
+
+    def _slot(self, item: DraftItem) -> int:
+        if item.request_id not in self.slots:
+            if item.context_start != 0:
+                raise ContextOutOfSync(f"request {item.request_id}: no cache, context starts at {item.context_start}")
+            if not self.free_slots:
+                raise RuntimeError("drafter cache is full")
+            self.slots[item.request_id] = self.free_slots.pop()
+            self.lengths[item.request_id] = 0
+            self.generators[item.request_id] = request_generator(item.seed, DRAFT_STREAM)
+        if self.lengths[item.request_id] != item.context_start:
+            raise ContextOutOfSync(
+                f"request {item.request_id}: cache holds {self.lengths[item.request_id]} positions, "
+                f"context sent from {item.context_start}"
+            )
+        return self.slots[item.request_id]
+
+    @torch.inference_mode()
+    def propose(self, items: list[DraftItem]) -> list[DraftResult]:
+        if not items:
+            return []
+        device = self.embed_weight.device
+        slots = torch.tensor([self._slot(item) for item in items], device=device)
+        self._ingest(items, slots)
+        starts = torch.tensor([self.lengths[item.request_id] for item in items], device=device)  # [b]
+        anchors = torch.tensor([item.anchor_token for item in items], device=device)
+        block_ids = torch.full((len(items), self.block_size), self.drafter.config.mask_token_id, device=device)
+        block_ids[:, 0] = anchors  # [b, B]: anchor then masks
+        embeds = self.embed_weight[block_ids] * self.drafter.config.input_embedding_scale
+        hidden = self.drafter.block_hidden(self.cache, slots, starts, embeds)  # [b, B, hidden]
+        logits = self.drafter.logits(hidden[:, 1:], self.lm_head_weight)  # [b, B-1, vocab]
+        return self._choose(items, logits)
+
+    def _ingest(self, items: list[DraftItem], slots: torch.Tensor) -> None:
+        rows = [item.context_features for item in items if len(item.context_features)]
+        if rows:
+            counts = torch.tensor([len(item.context_features) for item in items], device=slots.device)
+            starts = torch.tensor([item.context_start for item in items], device=slots.device)
+            row_slots = slots.repeat_interleave(counts)
+            offsets = torch.arange(int(counts.sum()), device=slots.device) - (counts.cumsum(0) - counts).repeat_interleave(counts)
+            positions = starts.repeat_interleave(counts) + offsets  # [rows]
+            self.drafter.ingest_context(self.cache, row_slots, positions, torch.cat(rows))
+        for item in items:
+            self.lengths[item.request_id] = item.context_start + len(item.context_features)
+
+    def _choose(self, items: list[DraftItem], logits: torch.Tensor) -> list[DraftResult]:
+        """Greedy rows take the argmax; sampled rows draw each position from the processed q."""
+        results = []
+        greedy_tokens = logits.argmax(-1)  # [b, B-1]
+        sampled = [i for i, item in enumerate(items) if not item.sampling.greedy and self.draft_sampling != DraftSampling.GREEDY]
+        probs = None
+        if sampled:
+            params = [items[i].sampling for i in sampled]
+            probs = sampling_probs(
+                logits[sampled],
+                torch.tensor([p.temperature for p in params], device=logits.device)[:, None],
+                torch.tensor([p.top_p for p in params], device=logits.device)[:, None],
+                torch.tensor([p.top_k for p in params], device=logits.device)[:, None],
+            )  # [s, B-1, vocab]
+        for row, item in enumerate(items):
+            n = item.num_draft
+            if row not in sampled:
+                results.append(DraftResult(tokens=greedy_tokens[row, :n].clone()))
+                continue
+            q = probs[sampled.index(row), :n]  # [n, vocab]
+            uniforms = torch.rand(n, generator=self.generators[item.request_id], dtype=torch.float64).to(q.device)
+            if self.draft_sampling == DraftSampling.SPARSE:
+                top_probs, top_ids = q.topk(min(self.sparse_top_k, q.shape[-1]), dim=-1)  # [n, K]
+                top_probs = top_probs / top_probs.sum(-1, keepdim=True)
+                choice = sample_from(top_probs, uniforms)
+                tokens = top_ids.gather(1, choice[:, None])[:, 0]
+                results.append(DraftResult(tokens=tokens, q_probs=top_probs, q_ids=top_ids))
+            else:
+                results.append(DraftResult(tokens=sample_from(q, uniforms), q_probs=q))
+        return results

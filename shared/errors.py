@@ -1,0 +1,17 @@
+"""User-facing error types: raised for bad input, caught by the CLIs and turned into clear messages."""
+
+
+class DFlashError(Exception):
+    """Base class of every error that is the user's input, not a bug in this project."""
+
+
+class ConfigError(DFlashError, ValueError):
+    """A config.json (or a CLI flag) holds a value this project cannot serve."""
+
+
+class CheckpointError(DFlashError):
+    """A checkpoint folder is missing files, or holds tensors of the wrong name, shape or dtype."""
+
+
+class RequestError(DFlashError, ValueError):
+    """A generation request is invalid (empty prompt, too long, bad sampling parameters)."""

@@ -1,0 +1,46 @@
+"""A key/value cache written by absolute position.
+
+Each request owns one slot. Entries at positions >= the owner's committed length are garbage that the
+attention mask never shows, so rolling back rejected tokens is only a change of the owner's length.
+"""
+
+import torch
+
+
+class PositionalKVCache:
+    def __init__(
+        self,
+        num_layers: int,
+        num_slots: int,
+        num_kv_heads: int,
+        capacity: int,
+        head_dim: int,
+        dtype: torch.dtype,
+        device: torch.device | str = "cpu",
+    ):
+        self.num_slots = num_slots
+        self.capacity = capacity
+        shape = (num_slots, num_kv_heads, capacity, head_dim)
+        self.keys = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.values = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+
+    def nbytes(self) -> int:
+        return sum(t.numel() * t.element_size() for t in self.keys + self.values)
+
+    def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
+        """Store k, v [batch, seq, kv_heads, head_dim] at slots [batch] and positions [batch, seq]."""
+        index = (slots[:, None], slice(None), positions)
+        self.keys[layer][index] = k
+        self.values[layer][index] = v
+
+    def read(self, layer: int, slots: torch.Tensor | slice, length: int):
+        """Keys and values [batch, kv_heads, length, head_dim] of the given slots, positions 0..length-1."""
+        return self.keys[layer][slots, :, :length], self.values[layer][slots, :, :length]
+
+
+def slot_selector(slots: torch.Tensor) -> torch.Tensor | slice:
+    """A slice when slots are consecutive (reads become views, no copy), else the index tensor itself."""
+    first = int(slots[0])
+    if torch.equal(slots.cpu(), torch.arange(first, first + len(slots))):
+        return slice(first, first + len(slots))
+    return slots

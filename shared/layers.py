@@ -1,0 +1,34 @@
+"""Layers both the target and the drafter use: RMSNorm and the gated SiLU MLP."""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+
+class RMSNorm(nn.Module):
+    """RMSNorm computed in float32, as the HF Qwen3/Llama reference does."""
+
+    def __init__(self, size: int, eps: float, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        input_dtype = x.dtype
+        x32 = x.float()
+        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x32.to(input_dtype)
+
+
+class GatedMLP(nn.Module):
+    """down(silu(gate(x)) * up(x)): the MLP of Qwen3, Llama and the DFlash drafter."""
+
+    def __init__(self, hidden: int, intermediate: int, bias: bool = False, device=None, dtype=None):
+        super().__init__()
+        kw = dict(bias=bias, device=device, dtype=dtype)
+        self.gate_proj = nn.Linear(hidden, intermediate, **kw)
+        self.up_proj = nn.Linear(hidden, intermediate, **kw)
+        self.down_proj = nn.Linear(intermediate, hidden, **kw)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))

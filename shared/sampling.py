@@ -1,0 +1,70 @@
+"""Logits processing and random draws shared by plain decoding, drafting and verification.
+
+Speculative and plain decoding call the same `sampling_probs`, so they sample the same distribution.
+Every draw takes an explicit uniform number from the request's own generator, so a seeded request consumes
+the same random stream whether it runs alone or in a batch.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+from shared.errors import RequestError
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = 0  # 0 = no top-k cut
+    seed: int | None = None
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+def sampling_probs(
+    logits: torch.Tensor, temperature: torch.Tensor, top_p: torch.Tensor, top_k: torch.Tensor
+) -> torch.Tensor:
+    """Probabilities after temperature, top-k, then top-p; float32, same shape as logits [..., vocab].
+
+    temperature, top_p, top_k: per-row settings broadcastable to logits.shape[:-1] (temperature > 0;
+    top_k 0 means no cut). Top-k keeps the k most likely tokens; top-p then keeps the smallest prefix of the
+    sorted renormalised distribution whose mass reaches top_p (always at least one token).
+    """
+    vocab = logits.shape[-1]
+    scaled = logits.float() / temperature[..., None].float()  # [..., vocab]
+    probs = torch.softmax(scaled, dim=-1)
+    sorted_probs, order = probs.sort(dim=-1, descending=True)  # [..., vocab]
+    rank = torch.arange(vocab, device=logits.device)
+    k = torch.where(top_k > 0, top_k, vocab)[..., None]
+    sorted_probs = sorted_probs * (rank < k)
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    mass_before = sorted_probs.cumsum(-1) - sorted_probs
+    sorted_probs = sorted_probs * (mass_before < top_p[..., None].float())
+    sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
+    return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
+
+
+def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """Inverse-CDF draw: probs [..., vocab] (need not be normalised), uniforms [...] in [0, 1) -> ids [...]."""
+    cdf = probs.double().cumsum(-1)  # [..., vocab]
+    target = uniforms.double() * cdf[..., -1]
+    ids = torch.searchsorted(cdf, target[..., None], right=True)[..., 0]
+    return ids.clamp_(max=probs.shape[-1] - 1)
+
+
+def request_generator(seed: int, stream: int) -> torch.Generator:
+    """A CPU generator for one request; `stream` separates the verifier's and the drafter's draws."""
+    generator = torch.Generator(device="cpu")
+    generator.manual_seed((seed * 1_000_003 + stream) % (2**63))
+    return generator

@@ -1,0 +1,116 @@
+"""Requests, their per-request state in the engine, and their results."""
+
+import secrets
+import uuid
+from dataclasses import dataclass, field
+from enum import Enum
+
+import torch
+
+from shared.sampling import SamplingParams, request_generator
+
+VERIFY_STREAM = 0  # random stream id of the verifier's draws
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    prompt_ids: tuple[int, ...]
+    max_tokens: int
+    sampling: SamplingParams = SamplingParams()
+    stop_token_ids: tuple[int, ...] = ()
+    num_speculative_tokens: int | None = None  # None = block size - 1; 0 = plain decoding
+    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+
+
+class Status(Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass
+class RequestStats:
+    verify_steps: int = 0  # decode steps (target forwards) after the prefill
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    committed_tokens: int = 0  # tokens committed by decode steps, bonus tokens included
+    drafted_at: list[int] = field(default_factory=list)  # per block position: drafts made
+    accepted_at: list[int] = field(default_factory=list)  # per block position: drafts accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Mean tokens committed per verify step, bonus included (1.0 for plain decoding)."""
+        return self.committed_tokens / self.verify_steps if self.verify_steps else 0.0
+
+    def record(self, num_drafts: int, accepted: int, committed: int) -> None:
+        self.verify_steps += 1
+        self.draft_tokens += num_drafts
+        self.accepted_tokens += accepted
+        self.committed_tokens += committed
+        grow = num_drafts - len(self.drafted_at)
+        if grow > 0:
+            self.drafted_at += [0] * grow
+            self.accepted_at += [0] * grow
+        for i in range(num_drafts):
+            self.drafted_at[i] += 1
+            self.accepted_at[i] += i < accepted
+
+    def as_dict(self) -> dict:
+        return {
+            "verify_steps": self.verify_steps,
+            "draft_tokens": self.draft_tokens,
+            "accepted_tokens": self.accepted_tokens,
+            "acceptance_length": round(self.acceptance_length, 4),
+        }
+
+
+@dataclass
+class RequestState:
+    request: GenerationRequest
+    seed: int
+    generator: torch.Generator
+    status: Status = Status.WAITING
+    slot: int = -1
+    output_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None
+    cache_len: int = 0  # target KV positions holding committed tokens (the anchor sits at this position)
+    drafter_context_len: int = 0  # positions whose features the proposer already has
+    pending_features: list[torch.Tensor] = field(default_factory=list)  # features not yet sent
+    stats: RequestStats = field(default_factory=RequestStats)
+
+    @classmethod
+    def create(cls, request: GenerationRequest) -> "RequestState":
+        seed = request.sampling.seed if request.sampling.seed is not None else secrets.randbits(62)
+        return cls(request=request, seed=seed, generator=request_generator(seed, VERIFY_STREAM))
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def last_token(self) -> int:
+        return self.output_ids[-1]
+
+    @property
+    def remaining(self) -> int:
+        return self.request.max_tokens - len(self.output_ids)
+
+    def uniforms(self, count: int) -> torch.Tensor:
+        return torch.rand(count, generator=self.generator, dtype=torch.float64)
+
+
+@dataclass
+class GenerationResult:
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str
+    stats: RequestStats
+
+
+@dataclass
+class StepEvent:
+    """Tokens a request committed in one engine step; finish_reason set when it ended."""
+
+    request_id: str
+    new_token_ids: list[int]
+    finish_reason: str | None

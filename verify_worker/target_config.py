@@ -1,0 +1,121 @@
+"""Target model settings read from an HF config.json (Qwen3 and Llama decoder families)."""
+
+from dataclasses import dataclass
+
+from shared.errors import ConfigError
+from shared.rope import RopeSettings
+
+ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
+MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
+
+
+def _positive_int(config: dict, key: str) -> int:
+    value = config.get(key)
+    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
+        raise ConfigError(f"config.json: {key!r} must be a positive integer, got {value!r}")
+    return value
+
+
+@dataclass(frozen=True)
+class TargetConfig:
+    family: str  # "qwen3" or "llama"
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: RopeSettings
+    tie_word_embeddings: bool
+    attention_bias: bool
+    mlp_bias: bool
+    max_position_embeddings: int
+    checkpoint_dtype: str
+    eos_token_ids: tuple[int, ...]
+
+    @property
+    def qk_norm(self) -> bool:
+        return self.family == "qwen3"
+
+    @classmethod
+    def from_dict(cls, config: dict) -> "TargetConfig":
+        family = None
+        for arch in config.get("architectures") or []:
+            family = family or ARCHITECTURES.get(arch)
+        if family is None:
+            family = MODEL_TYPES.get(config.get("model_type"))
+        if family is None:
+            raise ConfigError(
+                f"unknown target architecture {config.get('architectures')!r} / model_type "
+                f"{config.get('model_type')!r}: supported are {', '.join(ARCHITECTURES)}"
+            )
+        act = config.get("hidden_act", "silu")
+        if act != "silu":
+            raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
+        if config.get("use_sliding_window"):
+            raise ConfigError("config.json: sliding-window targets are not supported (use_sliding_window is true)")
+        hidden = _positive_int(config, "hidden_size")
+        heads = _positive_int(config, "num_attention_heads")
+        kv_heads = config.get("num_key_value_heads") or heads
+        head_dim = config.get("head_dim") or hidden // heads
+        if heads % kv_heads:
+            raise ConfigError(f"num_attention_heads {heads} is not a multiple of num_key_value_heads {kv_heads}")
+        eos = config.get("eos_token_id")
+        eos_ids = tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ())
+        dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
+        return cls(
+            family=family,
+            vocab_size=_positive_int(config, "vocab_size"),
+            hidden_size=hidden,
+            intermediate_size=_positive_int(config, "intermediate_size"),
+            num_layers=_positive_int(config, "num_hidden_layers"),
+            num_heads=heads,
+            num_kv_heads=int(kv_heads),
+            head_dim=int(head_dim),
+            rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+            rope=RopeSettings.from_config(config),
+            tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+            attention_bias=bool(config.get("attention_bias", False)),
+            mlp_bias=bool(config.get("mlp_bias", False)),
+            max_position_embeddings=int(config.get("max_position_embeddings", 4096)),
+            checkpoint_dtype=str(dtype),
+            eos_token_ids=eos_ids,
+        )
+
+    def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
+        """The HF checkpoint's tensor names and shapes: the loading table."""
+        h, hd = self.hidden_size, self.head_dim
+        q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
+        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
+        shapes["lm_head.weight"] = (self.vocab_size, h)
+        for i in range(self.num_layers):
+            p = f"model.layers.{i}."
+            shapes.update({
+                p + "input_layernorm.weight": (h,),
+                p + "post_attention_layernorm.weight": (h,),
+                p + "self_attn.q_proj.weight": (q_out, h),
+                p + "self_attn.k_proj.weight": (kv_out, h),
+                p + "self_attn.v_proj.weight": (kv_out, h),
+                p + "self_attn.o_proj.weight": (h, q_out),
+                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
+                p + "mlp.up_proj.weight": (self.intermediate_size, h),
+                p + "mlp.down_proj.weight": (h, self.intermediate_size),
+            })
+            if self.attention_bias:
+                shapes.update({
+                    p + "self_attn.q_proj.bias": (q_out,),
+                    p + "self_attn.k_proj.bias": (kv_out,),
+                    p + "self_attn.v_proj.bias": (kv_out,),
+                    p + "self_attn.o_proj.bias": (h,),
+                })
+            if self.mlp_bias:
+                shapes.update({
+                    p + "mlp.gate_proj.bias": (self.intermediate_size,),
+                    p + "mlp.up_proj.bias": (self.intermediate_size,),
+                    p + "mlp.down_proj.bias": (h,),
+                })
+            if self.qk_norm:
+                shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+        return shapes

@@ -1,0 +1,128 @@
+"""The target decoder (Qwen3 / Llama): a batched forward over new tokens with a positional KV cache.
+
+Module names mirror the HF checkpoint's tensor names, so the state dict is the loading table.
+"""
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from shared.attention import cached_attention, visibility_mask
+from shared.kv_cache import PositionalKVCache, slot_selector
+from shared.layers import GatedMLP, RMSNorm
+from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from verify_worker.target_config import TargetConfig
+
+
+class TargetAttention(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer_index: int):
+        super().__init__()
+        self.layer_index = layer_index
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        h, bias = cfg.hidden_size, cfg.attention_bias
+        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=bias)
+        if cfg.qk_norm:
+            self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+            self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = None
+
+    def forward(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask):
+        batch, seq, _ = x.shape
+        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)  # [b, s, heads, dim]
+        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)  # [b, s, kv_heads, dim]
+        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        if self.q_norm is not None:
+            q, k = self.q_norm(q), self.k_norm(k)
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [b, heads, s, dim]
+        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [b, kv_heads, s, dim]
+        cache.write(self.layer_index, slots, positions, k.transpose(1, 2), v)
+        keys, values = cache.read(self.layer_index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
+        out = cached_attention(q, keys, values, mask, self.head_dim**-0.5)  # [b, s, heads * dim]
+        return self.o_proj(out)
+
+
+class TargetDecoderLayer(nn.Module):
+    def __init__(self, cfg: TargetConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = TargetAttention(cfg, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+
+    def forward(self, x, cos, sin, cache, slots, read_slots, positions, kv_len, mask):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, read_slots, positions, kv_len, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(TargetDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [batch, seq, hidden] after the final norm
+    taps: torch.Tensor | None  # [batch, seq, num_taps * hidden]: outputs of the tapped layers, before the norm
+
+
+class TargetModel(nn.Module):
+    def __init__(self, cfg: TargetConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.model.embed_tokens.weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.embed_weight if self.lm_head is None else self.lm_head.weight
+
+    def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
+        cfg = self.config
+        return PositionalKVCache(
+            cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim,
+            dtype=self.embed_weight.dtype, device=self.embed_weight.device,
+        )
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        cache: PositionalKVCache,
+        slots: torch.Tensor,
+        tap_layers: tuple[int, ...] = (),
+    ) -> TargetOutput:
+        """Run new tokens input_ids [batch, seq] at absolute positions [batch, seq] of cache rows slots [batch].
+
+        Writes their keys/values into the cache; attends causally by absolute position over everything the
+        slot holds below each query. Rows may be right-padded: padding sits at later positions, so real
+        queries never see it.
+        """
+        kv_len = int(positions.max()) + 1
+        mask = visibility_mask(positions, kv_len)  # [b, 1, s, kv_len]
+        read_slots = slot_selector(slots)
+        x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
+        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        taps = []
+        for index, layer in enumerate(self.model.layers):
+            x = layer(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask)
+            if index in tap_layers:
+                taps.append(x)
+        tapped = torch.cat([taps[sorted(tap_layers).index(i)] for i in tap_layers], -1) if tap_layers else None
+        return TargetOutput(hidden=self.model.norm(x), taps=tapped)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 [..., vocab]."""
+        return (hidden @ self.lm_head_weight.T).float()
