@@ -84,6 +84,31 @@ class TargetConfig:
             eos_token_ids=eos_ids,
         )
 
+    def to_dict(self) -> dict:
+        """An HF config.json for this target (what transformers writes, in the legacy rope style)."""
+        arch = {v: k for k, v in ARCHITECTURES.items()}[self.family]
+        eos = list(self.eos_token_ids)
+        return {
+            "architectures": [arch],
+            "model_type": self.family,
+            "vocab_size": self.vocab_size,
+            "hidden_size": self.hidden_size,
+            "intermediate_size": self.intermediate_size,
+            "num_hidden_layers": self.num_layers,
+            "num_attention_heads": self.num_heads,
+            "num_key_value_heads": self.num_kv_heads,
+            "head_dim": self.head_dim,
+            "hidden_act": "silu",
+            "rms_norm_eps": self.rms_norm_eps,
+            "tie_word_embeddings": self.tie_word_embeddings,
+            "attention_bias": self.attention_bias,
+            "mlp_bias": self.mlp_bias,
+            "max_position_embeddings": self.max_position_embeddings,
+            "torch_dtype": self.checkpoint_dtype,
+            "eos_token_id": eos[0] if len(eos) == 1 else (eos or None),
+            **self.rope.to_config(),
+        }
+
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """The HF checkpoint's tensor names and shapes: the loading table."""
         h, hd = self.hidden_size, self.head_dim

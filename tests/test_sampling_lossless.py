@@ -1,0 +1,118 @@
+"""Speculative sampling is lossless: the first tokens follow exactly the target's sampling distribution.
+
+Method. On a 5-token vocabulary the exact joint distribution of the first 4 generated tokens (625 outcomes)
+is computed by enumerating every prefix with the target and applying the same logits processing. Each
+configuration draws N seeded requests (one batched engine run) and a chi-square goodness-of-fit test compares
+the counts with the exact probabilities (outcomes expected fewer than 5 times are pooled into one cell).
+
+Bound. Requests are seeded, so every run draws the same samples: the test is deterministic, and a correct
+sampler fails it with probability ALPHA over the choice of seeds. The power check below shows that N is large
+enough: the classic wrong residual (resampling from p instead of norm(max(0, p - q)) after a rejection) is
+rejected at the same ALPHA with the same N.
+"""
+
+import itertools
+
+import pytest
+import torch
+
+from conftest import tiny_draft_config, write_hf_checkpoint
+from draft_worker.draft_checkpoint import random_drafter
+from draft_worker.local_proposer import DraftSampling, LocalProposer
+from shared.sampling import SamplingParams, sample_from, sampling_probs
+from verify_worker import engine as engine_module
+from verify_worker.engine import SpeculativeEngine
+from verify_worker.request import GenerationRequest
+from verify_worker.target_loader import load_target
+
+VOCAB, TOKENS, N, ALPHA = 5, 4, 12000, 1e-3
+PROMPT = (1, 2, 3)
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_pair(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("tiny_vocab")
+    write_hf_checkpoint(folder, "qwen3", seed=11, std=0.3, vocab_size=VOCAB, hidden_size=32, head_dim=8,
+                        intermediate_size=64, num_hidden_layers=2)
+    target = load_target(folder)
+    drafter = random_drafter(
+        tiny_draft_config(target_layers=2, vocab=VOCAB, hidden=32, head_dim=8, intermediate_size=64,
+                          target_layer_ids=(0, 1), block_size=4), seed=5, std=0.3)
+    return target, drafter
+
+
+def exact_joint(target, params: SamplingParams) -> torch.Tensor:
+    """P(first TOKENS tokens = t) for every t, flattened [VOCAB ** TOKENS]."""
+    settings = [torch.tensor([v]) for v in (params.temperature, params.top_p, params.top_k)]
+    joint = {(): 1.0}
+    for _ in range(TOKENS):
+        nxt = {}
+        for prefix, mass in joint.items():
+            seq = list(PROMPT) + list(prefix)
+            cache = target.new_cache(1, len(seq))
+            out = target(torch.tensor([seq]), torch.arange(len(seq))[None], cache, torch.tensor([0]))
+            probs = sampling_probs(target.logits(out.hidden[:, -1]), *settings)[0]
+            for token in range(VOCAB):
+                nxt[prefix + (token,)] = mass * float(probs[token])
+        joint = nxt
+    return torch.tensor([joint[t] for t in itertools.product(range(VOCAB), repeat=TOKENS)], dtype=torch.float64)
+
+
+def sample_counts(target, proposer, params: SamplingParams) -> torch.Tensor:
+    engine = SpeculativeEngine(target, proposer, max_requests=N, max_model_len=16)
+    requests = [GenerationRequest(PROMPT, TOKENS, SamplingParams(params.temperature, params.top_p, params.top_k, seed))
+                for seed in range(N)]
+    counts = torch.zeros(VOCAB**TOKENS, dtype=torch.float64)
+    for result in engine.generate(requests):
+        index = 0
+        for token in result.token_ids:
+            index = index * VOCAB + token
+        counts[index] += 1
+    return counts
+
+
+def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:
+    expected = probs * counts.sum()
+    small = expected < 5
+    observed = torch.cat([counts[~small], counts[small].sum()[None]])
+    expected = torch.cat([expected[~small], expected[small].sum()[None]])
+    keep = expected > 0
+    assert counts[probs == 0].sum() == 0, "sampled an outcome of probability zero"
+    statistic = ((observed[keep] - expected[keep]) ** 2 / expected[keep]).sum()
+    dof = int(keep.sum()) - 1
+    return float(torch.special.gammaincc(torch.tensor(dof / 2.0), statistic / 2.0))
+
+
+SETTINGS = {"t1": SamplingParams(temperature=1.0), "t1_top_p0.9": SamplingParams(temperature=1.0, top_p=0.9)}
+
+
+@pytest.mark.parametrize("setting", list(SETTINGS))
+@pytest.mark.parametrize("mode", [None, DraftSampling.DENSE, DraftSampling.SPARSE, DraftSampling.GREEDY])
+def test_first_tokens_follow_the_target_distribution(tiny_vocab_pair, setting, mode):
+    target, drafter = tiny_vocab_pair
+    params = SETTINGS[setting]
+    proposer = None
+    if mode is not None:
+        proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N,
+                                 max_model_len=16, draft_sampling=mode, sparse_top_k=2)
+    counts = sample_counts(target, proposer, params)
+    p_value = chi_square_p_value(counts, exact_joint(target, params))
+    assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"
+
+
+def test_power_a_wrong_residual_is_detected(tiny_vocab_pair, monkeypatch):
+    """The same test with the same N rejects a verifier that resamples from p after a rejection."""
+    target, drafter = tiny_vocab_pair
+    real = engine_module.verify_sampled
+
+    def wrong_residual(draft, num_drafts, target_probs, draft_probs, accept_u, sample_u):
+        accepted, next_token = real(draft, num_drafts, target_probs, draft_probs, accept_u, sample_u)
+        rows = torch.arange(len(accepted))
+        from_p = sample_from(target_probs[rows, accepted], sample_u)
+        return accepted, from_p
+
+    monkeypatch.setattr(engine_module, "verify_sampled", wrong_residual)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16)
+    params = SETTINGS["t1"]
+    counts = sample_counts(target, proposer, params)
+    assert chi_square_p_value(counts, exact_joint(target, params)) < ALPHA

@@ -1,0 +1,125 @@
+"""dflash-generate: offline generation in one process, for quick checks and benchmarks."""
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from draft_worker.draft_checkpoint import load_drafter
+from draft_worker.local_proposer import DraftSampling, LocalProposer
+from draft_worker.random_pair import ensure_random_pair
+from shared.errors import ConfigError, DFlashError, RequestError
+from shared.sampling import SamplingParams
+from verify_worker.engine import SpeculativeEngine
+from verify_worker.request import GenerationRequest
+from verify_worker.target_loader import load_target
+
+DEMO_PROMPT = "def fibonacci(n):\n"
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="dflash-generate", description=__doc__)
+    parser.add_argument("--target", help="target checkpoint folder (default: the embedded demo pair)")
+    parser.add_argument("--draft", help="DFlash drafter checkpoint folder (default: the demo drafter when "
+                        "--target is not given; otherwise none, i.e. plain decoding)")
+    prompt = parser.add_mutually_exclusive_group()
+    prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the target folder)")
+    prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
+    parser.add_argument("--max-tokens", type=int, default=64)
+    parser.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    parser.add_argument("--top-p", type=float, default=1.0)
+    parser.add_argument("--top-k", type=int, default=0)
+    parser.add_argument("--seed", type=int, default=None)
+    parser.add_argument("--block-size", type=int, default=None, help="tokens per verify block (default: the drafter's)")
+    parser.add_argument("--draft-sampling", choices=[m.value for m in DraftSampling], default="dense",
+                        help="how the drafter proposes when sampling (dense q, sparse top-K q, or greedy point mass)")
+    parser.add_argument("--no-spec", action="store_true", help="plain decoding: one target forward per token")
+    parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (0 = PyTorch's default)")
+    parser.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    return parser.parse_args(argv)
+
+
+def _prompt_ids(args, tokenizer) -> list[int]:
+    if args.prompt_ids is not None:
+        try:
+            return [int(part) for part in args.prompt_ids.split(",") if part.strip()]
+        except ValueError:
+            raise RequestError(f"--prompt-ids must be comma-separated integers, got {args.prompt_ids!r}") from None
+    text = args.prompt if args.prompt is not None else DEMO_PROMPT
+    if tokenizer is None:
+        raise RequestError("the target folder has no tokenizer.json: pass --prompt-ids instead of --prompt")
+    return tokenizer.encode(text).ids
+
+
+def _load_tokenizer(folder: Path):
+    path = folder / "tokenizer.json"
+    if not path.is_file():
+        return None
+    from tokenizers import Tokenizer
+
+    try:
+        return Tokenizer.from_file(str(path))
+    except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
+        raise ConfigError(f"cannot read {str(path)!r}: {exc}") from None
+
+
+def run(args) -> dict:
+    if args.threads:
+        torch.set_num_threads(args.threads)
+    if args.max_tokens < 1:
+        raise RequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
+    if args.block_size is not None and args.block_size < 2:
+        raise ConfigError(f"--block-size must be >= 2 (one anchor plus at least one draft), got {args.block_size}")
+    target_path, draft_path = (Path(args.target), Path(args.draft) if args.draft else None) if args.target else (None, None)
+    if target_path is None:
+        target_path, demo_draft = ensure_random_pair()
+        draft_path = Path(args.draft) if args.draft else demo_draft
+        print("note: no --target given: using the RANDOM (untrained) demo pair; its output is gibberish",
+              file=sys.stderr)
+    target = load_target(target_path, device=args.device, dtype=args.dtype)
+    tokenizer = _load_tokenizer(target_path)
+    sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
+    proposer = None
+    if draft_path is not None and not args.no_spec:
+        drafter = load_drafter(draft_path, dtype=target.embed_weight.dtype, device=args.device)
+        proposer = LocalProposer(
+            drafter, target.embed_weight, target.lm_head_weight, block_size=args.block_size, max_requests=1,
+            max_model_len=target.config.max_position_embeddings, draft_sampling=DraftSampling(args.draft_sampling),
+        )
+    engine = SpeculativeEngine(target, proposer, max_requests=1)
+    stops = () if args.ignore_eos else target.config.eos_token_ids
+    request = GenerationRequest(tuple(_prompt_ids(args, tokenizer)), args.max_tokens, sampling, stops)
+    started = time.perf_counter()
+    result = engine.generate([request])[0]
+    elapsed = time.perf_counter() - started
+    stats = result.stats.as_dict()
+    stats["tokens_per_second"] = round(len(result.token_ids) / elapsed, 3)
+    report = {"token_ids": result.token_ids, "stats": stats}
+    if tokenizer is not None:
+        report["text"] = tokenizer.decode(result.token_ids, skip_special_tokens=True)
+    return report
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    try:
+        report = run(args)
+    except DFlashError as exc:
+        print(f"dflash-generate: error: {exc}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(report))
+    else:
+        print(report.get("text", " ".join(map(str, report["token_ids"]))))
+        print(json.dumps(report["stats"]), file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
