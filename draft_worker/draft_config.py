@@ -49,6 +49,8 @@ class DraftConfig:
     extra: dict = field(default_factory=dict, compare=False)  # other published keys, kept for round trips
 
     def __post_init__(self):
+        if not self.layer_types:
+            object.__setattr__(self, "layer_types", ("full_attention",) * self.num_layers)
         if self.block_size < 2:
             raise ConfigError(f"block_size must be >= 2 (one anchor plus at least one draft), got {self.block_size}")
         if not 0 <= self.mask_token_id < self.vocab_size:
@@ -75,7 +77,7 @@ class DraftConfig:
         return self.layer_window(layer) is not None
 
     def layer_window(self, layer: int) -> int | None:
-        if self.layer_types and self.layer_types[layer] == "sliding_attention":
+        if self.layer_types[layer] == "sliding_attention":
             return self.sliding_window
         return None
 
@@ -163,7 +165,7 @@ class DraftConfig:
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "vocab_size": self.vocab_size,
-            "layer_types": list(self.layer_types) or ["full_attention"] * self.num_layers,
+            "layer_types": list(self.layer_types),
             "sliding_window": self.sliding_window,
             "num_target_layers": self.num_target_layers,
             "block_size": self.block_size,

@@ -41,7 +41,7 @@ class RopeSettings:
             high_freq_factor=float(merged.get("high_freq_factor", 4.0)),
             original_max_position_embeddings=int(
                 merged.get("original_max_position_embeddings", config.get("max_position_embeddings", 8192))
-            ),
+            ) if rope_type == "llama3" else 8192,
         )
         if settings.theta <= 0 or settings.factor <= 0:
             raise ConfigError(f"rope_theta and rope factor must be positive, got {settings}")
