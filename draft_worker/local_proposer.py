@@ -8,7 +8,7 @@ import torch
 from draft_worker.draft_model import DFlashDraftModel
 from shared.errors import ConfigError
 from shared.proposals import DraftItem, DraftResult
-from shared.sampling import request_generator, sample_from, sampling_probs
+from shared.sampling import batch_sampling_probs, request_generator, sample_from
 
 DRAFT_STREAM = 1  # random stream id of the drafter's draws (the verifier uses 0)
 
@@ -115,22 +115,19 @@ class LocalProposer:
         """Greedy rows take the argmax; sampled rows draw each position from the processed q."""
         results = []
         greedy_tokens = logits.argmax(-1)  # [b, B-1]
-        sampled = [i for i, item in enumerate(items) if not item.sampling.greedy and self.draft_sampling != DraftSampling.GREEDY]
+        sampled = [] if self.draft_sampling == DraftSampling.GREEDY else [
+            i for i, item in enumerate(items) if not item.sampling.greedy
+        ]
+        sampled_row = {row: i for i, row in enumerate(sampled)}  # batch row -> row of probs
         probs = None
         if sampled:
-            params = [items[i].sampling for i in sampled]
-            probs = sampling_probs(
-                logits[sampled],
-                torch.tensor([p.temperature for p in params], device=logits.device)[:, None],
-                torch.tensor([p.top_p for p in params], device=logits.device)[:, None],
-                torch.tensor([p.top_k for p in params], device=logits.device)[:, None],
-            )  # [s, B-1, vocab]
+            probs = batch_sampling_probs(logits[sampled], [items[i].sampling for i in sampled])  # [s, B-1, vocab]
         for row, item in enumerate(items):
             n = item.num_draft
-            if row not in sampled:
+            if row not in sampled_row:
                 results.append(DraftResult(tokens=greedy_tokens[row, :n].clone()))
                 continue
-            q = probs[sampled.index(row), :n]  # [n, vocab]
+            q = probs[sampled_row[row], :n]  # [n, vocab]
             uniforms = torch.rand(n, generator=self.generators[item.request_id], dtype=torch.float64).to(q.device)
             if self.draft_sampling == DraftSampling.SPARSE:
                 top_probs, top_ids = q.topk(min(self.sparse_top_k, q.shape[-1]), dim=-1)  # [n, K]

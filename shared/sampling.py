@@ -55,6 +55,21 @@ def sampling_probs(
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 
 
+def batch_sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """sampling_probs with one SamplingParams per row of logits [rows, ..., vocab]."""
+    extra = (1,) * (logits.dim() - 2)
+
+    def column(values):  # [rows, 1, ...]
+        return torch.tensor(values, device=logits.device).view(len(values), *extra)
+
+    return sampling_probs(
+        logits,
+        column([p.temperature for p in params]),
+        column([p.top_p for p in params]),
+        column([p.top_k for p in params]),
+    )
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     """Inverse-CDF draw: probs [..., vocab] (need not be normalised), uniforms [...] in [0, 1) -> ids [...]."""
     cdf = probs.double().cumsum(-1)  # [..., vocab]

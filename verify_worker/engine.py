@@ -9,7 +9,7 @@ import torch
 
 from shared.errors import ConfigError, RequestError
 from shared.proposals import DraftItem, Proposer
-from shared.sampling import sample_from, sampling_probs
+from shared.sampling import batch_sampling_probs, sample_from
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent
 from verify_worker.target_model import TargetModel
 from verify_worker.verification import dense_proposal, verify_greedy, verify_sampled
@@ -40,7 +40,7 @@ class SpeculativeEngine:
         self.cache = target.new_cache(max_requests, self.max_model_len + max(self.block_size, 1))
         self.free_slots = list(range(max_requests - 1, -1, -1))
         self.waiting: list[RequestState] = []
-        self.running: list[RequestState] = []
+        self.running: dict[str, RequestState] = {}  # request id -> state, in admission order
         self.device = target.embed_weight.device
 
     # ------------------------------------------------------------------ admission
@@ -70,13 +70,14 @@ class SpeculativeEngine:
             raise RequestError(f"num_speculative_tokens must be an integer >= 0, got {spec!r}")
 
     def abort(self, request_id: str) -> bool:
-        for queue in (self.waiting, self.running):
-            for state in queue:
-                if state.request_id == request_id:
-                    queue.remove(state)
-                    self._free(state, "abort")
-                    return True
-        return False
+        state = self.running.pop(request_id, None)
+        if state is None:
+            state = next((s for s in self.waiting if s.request_id == request_id), None)
+            if state is None:
+                return False
+            self.waiting.remove(state)
+        self._free(state, "abort")
+        return True
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
@@ -92,7 +93,7 @@ class SpeculativeEngine:
             admitted.append(state)
         if admitted:
             self._prefill(admitted, events)
-        decoding = [s for s in self.running if s.status is Status.RUNNING]
+        decoding = list(self.running.values())
         if decoding:
             self._decode(decoding, events)
         return list(events.values())
@@ -119,7 +120,7 @@ class SpeculativeEngine:
             state.cache_len = lengths[row]
             if self.proposer is not None:
                 state.pending_features.append(out.taps[row, : lengths[row]])
-            self.running.append(state)
+            self.running[state.request_id] = state
             self._commit(state, [int(first[row])], events)
 
     def _decode(self, states: list[RequestState], events: dict) -> None:
@@ -186,7 +187,7 @@ class SpeculativeEngine:
         if not sampled:
             return accepted, next_tokens
         b_s, n, vocab = len(sampled), drafts.shape[1], logits.shape[-1]
-        probs = self._processed_probs([states[r] for r in sampled], logits[sampled])  # [s, n+1, vocab]
+        probs = batch_sampling_probs(logits[sampled], [states[r].request.sampling for r in sampled])  # [s, n+1, vocab]
         q = torch.zeros(b_s, n, vocab, device=self.device)
         accept_u = torch.ones(b_s, n, dtype=torch.float64)
         sample_u = torch.zeros(b_s, dtype=torch.float64)
@@ -202,22 +203,12 @@ class SpeculativeEngine:
         index = torch.tensor(sampled, device=self.device)
         return accepted.index_copy(0, index, acc_s), next_tokens.index_copy(0, index, next_s)
 
-    def _processed_probs(self, states: list[RequestState], logits: torch.Tensor) -> torch.Tensor:
-        params = [s.request.sampling for s in states]
-        column = lambda values: torch.tensor(values, device=self.device)[:, None]  # noqa: E731  [s, 1]
-        return sampling_probs(
-            logits,
-            column([p.temperature for p in params]),
-            column([p.top_p for p in params]),
-            column([p.top_k for p in params]),
-        )
-
     def _sample(self, states: list[RequestState], logits: torch.Tensor) -> torch.Tensor:
         """One token per row from logits [b, 1, vocab]: argmax for greedy rows, a draw for sampled rows."""
         tokens = logits.argmax(-1)  # [b, 1]
         sampled = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
         if sampled:
-            probs = self._processed_probs([states[r] for r in sampled], logits[sampled])  # [s, 1, vocab]
+            probs = batch_sampling_probs(logits[sampled], [states[r].request.sampling for r in sampled])  # [s, 1, vocab]
             draws = torch.stack([states[r].uniforms(1) for r in sampled]).to(self.device)  # [s, 1]
             tokens[sampled] = sample_from(probs, draws)
         return tokens
@@ -238,7 +229,7 @@ class SpeculativeEngine:
         event.new_token_ids.extend(kept)
         if state.finish_reason is not None:
             event.finish_reason = state.finish_reason
-            self.running.remove(state)
+            del self.running[state.request_id]
             self._free(state, state.finish_reason)
         return len(kept)
 
