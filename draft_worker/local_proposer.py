@@ -1,6 +1,7 @@
 """The in-process proposer: a DFlash drafter with a per-request context cache, all requests drafted in one
 batched forward. Used by dflash-generate and tests; the draft worker process serves the same logic remotely."""
 
+import time
 from enum import Enum
 
 import torch
@@ -11,10 +12,6 @@ from shared.proposals import DraftItem, DraftResult
 from shared.sampling import batch_sampling_probs, request_generator, sample_from
 
 DRAFT_STREAM = 1  # random stream id of the drafter's draws (the verifier uses 0)
-
-
-class ContextOutOfSync(RuntimeError):
-    """The verifier sent context for positions the drafter's cache does not continue (e.g. after a restart)."""
 
 
 class DraftSampling(Enum):
@@ -59,6 +56,7 @@ class LocalProposer:
         self.slots: dict[str, int] = {}
         self.lengths: dict[str, int] = {}
         self.generators: dict[str, torch.Generator] = {}
+        self.last_timing: dict[str, float] = {}
 
     def release(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)
@@ -67,28 +65,33 @@ class LocalProposer:
         self.lengths.pop(request_id, None)
         self.generators.pop(request_id, None)
 
-    def _slot(self, item: DraftItem) -> int:
+    def _in_sync(self, item: DraftItem) -> bool:
+        """Claim a slot for a new request; False when the item's context does not continue the cache (the
+        drafter restarted, or lost the request): the verifier must resend the context from position 0."""
         if item.request_id not in self.slots:
             if item.context_start != 0:
-                raise ContextOutOfSync(f"request {item.request_id}: no cache, context starts at {item.context_start}")
+                return False
             if not self.free_slots:
-                raise RuntimeError("drafter cache is full")
+                raise RuntimeError("drafter cache is full: more running requests than max_requests")
             self.slots[item.request_id] = self.free_slots.pop()
             self.lengths[item.request_id] = 0
             self.generators[item.request_id] = request_generator(item.seed, DRAFT_STREAM)
-        if self.lengths[item.request_id] != item.context_start:
-            raise ContextOutOfSync(
-                f"request {item.request_id}: cache holds {self.lengths[item.request_id]} positions, "
-                f"context sent from {item.context_start}"
-            )
-        return self.slots[item.request_id]
+        # A context that restarts earlier simply rewrites those positions (the cache is positional).
+        return item.context_start <= self.lengths[item.request_id]
 
     @torch.inference_mode()
     def propose(self, items: list[DraftItem]) -> list[DraftResult]:
-        if not items:
-            return []
+        started = time.perf_counter()
+        synced = [item for item in items if self._in_sync(item)]
+        results = {item.request_id: DraftResult(tokens=None) for item in items}
+        if synced:
+            results.update(zip((i.request_id for i in synced), self._draft(synced)))
+        self.last_timing = {"draft": time.perf_counter() - started, "transfer": 0.0}
+        return [results[item.request_id] for item in items]
+
+    def _draft(self, items: list[DraftItem]) -> list[DraftResult]:
         device = self.embed_weight.device
-        slots = torch.tensor([self._slot(item) for item in items], device=device)
+        slots = torch.tensor([self.slots[item.request_id] for item in items], device=device)
         self._ingest(items, slots)
         starts = torch.tensor([self.lengths[item.request_id] for item in items], device=device)  # [b]
         anchors = torch.tensor([item.anchor_token for item in items], device=device)

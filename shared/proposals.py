@@ -38,9 +38,13 @@ class DraftResult:
     q_ids None with q_probs [n, vocab]: dense q. q_ids [n, K] with q_probs [n, K]: sparse q on K candidates.
     """
 
-    tokens: torch.Tensor  # [n] int64
+    tokens: torch.Tensor | None  # [n] int64; None: the proposer lacks this request's context, resend it all
     q_probs: torch.Tensor | None = None
     q_ids: torch.Tensor | None = None
+
+
+class ProposerUnavailable(Exception):
+    """The proposer cannot answer now (dead, restarting, timed out): decode this step without drafts."""
 
 
 class Proposer(Protocol):
@@ -48,6 +52,8 @@ class Proposer(Protocol):
     target_layer_ids: tuple[int, ...]  # target layers whose outputs form the context features
     num_target_layers: int  # the target depth the drafter was built for
 
-    def propose(self, items: list[DraftItem]) -> list[DraftResult]: ...
+    def propose(self, items: list[DraftItem]) -> list[DraftResult]:
+        """One result per item, in order. May raise ProposerUnavailable."""
+        ...
 
     def release(self, request_id: str) -> None: ...

@@ -90,3 +90,70 @@ def test_invalid_requests_are_rejected(qwen3_pair, request_args, message):
 def test_invalid_sampling_params_are_rejected():
     with pytest.raises(RequestError, match="top_k must be an integer >= 0"):
         SamplingParams(top_k=-1)
+
+
+def test_chunked_prefill_gives_the_same_output_and_keeps_streams_running(qwen3_pair):
+    _, target, drafter, _ = qwen3_pair
+    long_prompt = tuple((i * 7) % 120 for i in range(150))
+    want = make_engine(qwen3_pair, spec=False).generate([GenerationRequest(long_prompt, 12)])[0].token_ids
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4, max_requests=2,
+                             max_model_len=256)
+    engine = SpeculativeEngine(target, proposer, max_requests=2, max_model_len=256, max_prefill_tokens=32)
+    short = engine.add(GenerationRequest((1, 2, 3), 40))
+    engine.step()
+    tokens_before = len(short.output_ids)
+    long = engine.add(GenerationRequest(long_prompt, 12))
+    steps_prefilling = 0
+    while long.status.value in ("waiting", "prefilling"):
+        engine.step()
+        steps_prefilling += 1
+        assert engine.last_report.prefill_tokens <= 32
+    assert steps_prefilling == 5  # 150 prompt tokens in chunks of at most 32
+    assert len(short.output_ids) >= tokens_before + 5  # the running stream decoded during every chunk
+    while engine.has_work():
+        engine.step()
+    assert_same_or_near_tie(target, list(long_prompt), long.output_ids, want)
+
+
+class FlakyProposer:
+    """Wraps a real proposer: unavailable on some calls, and 'restarted' (a fresh drafter with an empty
+    cache) on another, as a dead and restarted draft worker would be."""
+
+    def __init__(self, make, fail_calls, restart_call):
+        self.make, self.inner = make, make()
+        self.block_size, self.target_layer_ids = self.inner.block_size, self.inner.target_layer_ids
+        self.num_target_layers = self.inner.num_target_layers
+        self.fail_calls, self.restart_call, self.calls, self.resyncs = fail_calls, restart_call, 0, 0
+
+    def propose(self, items):
+        from shared.proposals import ProposerUnavailable
+
+        self.calls += 1
+        if self.calls in self.fail_calls:
+            raise ProposerUnavailable("drafter down")
+        if self.calls == self.restart_call:
+            self.inner = self.make()
+        results = self.inner.propose(items)
+        self.resyncs += sum(r.tokens is None for r in results)
+        return results
+
+    def release(self, request_id):
+        self.inner.release(request_id)
+
+
+def test_drafter_outage_and_restart_keep_outputs_identical(qwen3_pair):
+    _, target, drafter, _ = qwen3_pair
+    prompts = [(1, 2, 3), (7, 8), (50, 51, 52, 53)]
+    plain = make_engine(qwen3_pair, spec=False).generate([GenerationRequest(p, 40) for p in prompts])
+    flaky = FlakyProposer(lambda: LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4,
+                                                max_requests=4, max_model_len=256), fail_calls={3, 4}, restart_call=8)
+    engine = SpeculativeEngine(target, flaky, max_requests=4, max_model_len=256)
+    states = [engine.add(GenerationRequest(p, 40)) for p in prompts]
+    fallbacks = 0
+    while engine.has_work():
+        engine.step()
+        fallbacks += engine.last_report.fallback
+    assert fallbacks == 2 and flaky.resyncs == 3  # after the restart every request resent its whole context
+    for prompt, state, want in zip(prompts, states, plain):
+        assert_same_or_near_tie(target, list(prompt), state.output_ids, want.token_ids)
+        assert state.stats.draft_tokens > 0

@@ -1,16 +1,23 @@
 """The speculative engine: prefill, draft, verify, commit and roll back for a batch of requests.
 
 One engine serves both placements: dflash-generate drives it with an in-process proposer, the verify worker
-(later) with a remote one. Without a proposer, or with num_speculative_tokens 0, a step is plain decoding:
-the same code path with zero drafts.
+with a remote one. Without a proposer, with num_speculative_tokens 0, or while the proposer is unavailable,
+a step is plain decoding: the same code path with zero drafts.
+
+Continuous batching: requests may be added or aborted between steps. Each step prefills prompt chunks (at
+most max_prefill_tokens in all, so a long prompt does not stall running streams) in one target forward, then
+decodes every running request in one more.
 """
+
+import time
 
 import torch
 
 from shared.errors import ConfigError, RequestError
-from shared.proposals import DraftItem, Proposer
+from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.sampling import batch_sampling_probs, sample_from
-from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent
+from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
+from verify_worker.scheduler import num_drafts, plan_prefill
 from verify_worker.target_model import TargetModel
 from verify_worker.verification import dense_proposal, verify_greedy, verify_sampled
 
@@ -22,6 +29,7 @@ class SpeculativeEngine:
         proposer: Proposer | None = None,
         max_requests: int = 16,
         max_model_len: int | None = None,
+        max_prefill_tokens: int = 2048,
     ):
         cfg = target.config
         self.target = target
@@ -35,22 +43,28 @@ class SpeculativeEngine:
                 )
             if self.block_size < 2:
                 raise ConfigError(f"block size must be >= 2, got {self.block_size}")
+        if max_prefill_tokens < 1:
+            raise ConfigError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
         self.tap_layers = tuple(proposer.target_layer_ids) if proposer else ()
-        self.max_model_len = max_model_len or cfg.max_position_embeddings
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_requests = max_requests
         self.cache = target.new_cache(max_requests, self.max_model_len + max(self.block_size, 1))
         self.free_slots = list(range(max_requests - 1, -1, -1))
         self.waiting: list[RequestState] = []
-        self.running: dict[str, RequestState] = {}  # request id -> state, in admission order
+        self.prefilling: list[RequestState] = []
+        self.running: dict[str, RequestState] = {}  # request id -> decoding state, in admission order
         self.device = target.embed_weight.device
+        self.last_report = StepReport()
 
     # ------------------------------------------------------------------ admission
     def add(self, request: GenerationRequest) -> RequestState:
-        self._validate(request)
+        self.validate(request)
         state = RequestState.create(request)
         self.waiting.append(state)
         return state
 
-    def _validate(self, request: GenerationRequest) -> None:
+    def validate(self, request: GenerationRequest) -> None:
         vocab = self.target.config.vocab_size
         if not request.prompt_ids:
             raise RequestError("the prompt is empty")
@@ -70,32 +84,43 @@ class SpeculativeEngine:
             raise RequestError(f"num_speculative_tokens must be an integer >= 0, got {spec!r}")
 
     def abort(self, request_id: str) -> bool:
+        """Drop a request wherever it is; its cache slot and drafter context are freed at once."""
         state = self.running.pop(request_id, None)
-        if state is None:
-            state = next((s for s in self.waiting if s.request_id == request_id), None)
+        for queue in (self.waiting, self.prefilling):
             if state is None:
-                return False
-            self.waiting.remove(state)
+                state = next((s for s in queue if s.request_id == request_id), None)
+                if state is not None:
+                    queue.remove(state)
+        if state is None:
+            return False
         self._free(state, "abort")
         return True
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.running)
+        return bool(self.waiting or self.prefilling or self.running)
+
+    @property
+    def num_running(self) -> int:
+        return len(self.running) + len(self.prefilling)
 
     # ------------------------------------------------------------------ stepping
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
+        report = StepReport(seconds={"draft": 0.0, "transfer": 0.0, "verify": 0.0, "prefill": 0.0, "cache": 0.0})
+        started = time.perf_counter()
         events: dict[str, StepEvent] = {}
-        admitted = []
         while self.waiting and self.free_slots:
             state = self.waiting.pop(0)
-            state.slot, state.status = self.free_slots.pop(), Status.RUNNING
-            admitted.append(state)
-        if admitted:
-            self._prefill(admitted, events)
-        decoding = list(self.running.values())
-        if decoding:
-            self._decode(decoding, events)
+            state.slot, state.status = self.free_slots.pop(), Status.PREFILLING
+            self.prefilling.append(state)
+        chunks = plan_prefill(self.prefilling, self.max_prefill_tokens)
+        if chunks:
+            self._prefill(chunks, events, report)
+        if self.running:
+            self._decode(list(self.running.values()), events, report)
+        measured = sum(report.seconds.values())
+        report.seconds["scheduling"] = max(0.0, time.perf_counter() - started - measured)
+        self.last_report = report
         return list(events.values())
 
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
@@ -104,101 +129,139 @@ class SpeculativeEngine:
             self.step()
         return [GenerationResult(s.request_id, s.output_ids, s.finish_reason, s.stats) for s in states]
 
-    def _prefill(self, states: list[RequestState], events: dict) -> None:
-        lengths = [len(s.request.prompt_ids) for s in states]
-        width = max(lengths)
-        ids = torch.zeros(len(states), width, dtype=torch.long)
-        for row, state in enumerate(states):
-            ids[row, : lengths[row]] = torch.tensor(state.request.prompt_ids)
-        positions = torch.arange(width)[None].expand(len(states), -1)  # [b, width]; padding sits past the prompt
-        slots = torch.tensor([s.slot for s in states])
-        out = self.target(ids.to(self.device), positions.to(self.device), self.cache, slots.to(self.device), self.tap_layers)
-        last = torch.tensor(lengths, device=self.device) - 1
-        logits = self.target.logits(out.hidden[torch.arange(len(states), device=self.device), last])  # [b, vocab]
-        first = self._sample(states, logits[:, None])[:, 0]
-        for row, state in enumerate(states):
-            state.cache_len = lengths[row]
+    def _prefill(self, chunks: list[tuple[RequestState, int]], events: dict, report: StepReport) -> None:
+        """One forward over the next prompt chunk of each prefilling request; requests whose prompt is now
+        complete sample their first token and start decoding."""
+        started = time.perf_counter()
+        width = max(n for _, n in chunks)
+        ids = torch.zeros(len(chunks), width, dtype=torch.long)
+        for row, (state, n) in enumerate(chunks):
+            ids[row, :n] = torch.tensor(state.request.prompt_ids[state.prefilled: state.prefilled + n])
+        starts = torch.tensor([state.prefilled for state, _ in chunks])
+        positions = starts[:, None] + torch.arange(width)  # [b, width]; padding sits past each chunk
+        out = self._forward(ids, positions, [state.slot for state, _ in chunks])
+        done = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.request.prompt_ids)]
+        first = None
+        if done:
+            last = torch.tensor([chunks[row][1] - 1 for row in done], device=self.device)
+            logits = self.target.logits(out.hidden[torch.tensor(done, device=self.device), last])  # [d, vocab]
+            first = self._sample([chunks[row][0] for row in done], logits[:, None])[:, 0]
+        report.prefill_tokens = sum(n for _, n in chunks)
+        for row, (state, n) in enumerate(chunks):
             if self.proposer is not None:
-                state.pending_features.append(out.taps[row, : lengths[row]])
+                state.feature_chunks.append(out.taps[row, :n])
+            state.cache_len += n
+        report.seconds["prefill"] += time.perf_counter() - started
+        for i, row in enumerate(done):
+            state = chunks[row][0]
+            self.prefilling.remove(state)
+            state.status = Status.RUNNING
             self.running[state.request_id] = state
-            self._commit(state, [int(first[row])], events)
+            self._commit(state, [int(first[i])], events)
 
-    def _decode(self, states: list[RequestState], events: dict) -> None:
-        num_drafts = [self._num_drafts(s) for s in states]
-        drafts, q_rows = self._draft(states, num_drafts)  # [b, n]
-        b, n = drafts.shape
+    def _decode(self, states: list[RequestState], events: dict, report: StepReport) -> None:
+        counts = [num_drafts(s, self.block_size, self.proposer is not None) for s in states]
+        drafts, q_rows, counts = self._draft(states, counts, report)  # drafts [b, n]
+        started = time.perf_counter()
+        n = drafts.shape[1]
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
-        starts = torch.tensor([s.cache_len for s in states])
-        positions = starts[:, None] + torch.arange(n + 1)  # [b, n+1]
-        slots = torch.tensor([s.slot for s in states])
-        out = self.target(block.to(self.device), positions.to(self.device), self.cache, slots.to(self.device), self.tap_layers)
+        positions = torch.tensor([s.cache_len for s in states])[:, None] + torch.arange(n + 1)  # [b, n+1]
+        out = self._forward(block, positions, [s.slot for s in states])
         logits = self.target.logits(out.hidden)  # [b, n+1, vocab]
-        accepted, next_tokens = self._verify(states, drafts.to(self.device), torch.tensor(num_drafts, device=self.device), q_rows, logits)
+        accepted, next_tokens = self._verify(
+            states, drafts.to(self.device), torch.tensor(counts, device=self.device), q_rows, logits
+        )
+        accepted, next_tokens = accepted.tolist(), next_tokens.tolist()
+        report.seconds["verify"] += time.perf_counter() - started
+        report.decode_requests = len(states)
+        report.drafted_at, report.accepted_at = [0] * n, [0] * n
         for row, state in enumerate(states):
-            a = int(accepted[row])
-            state.cache_len += a + 1  # anchor and accepted drafts are now committed context
+            a = accepted[row]
+            state.cache_len += a + 1  # rollback is implicit: positions past cache_len are never attended
             if self.proposer is not None:
-                state.pending_features.append(out.taps[row, : a + 1])
-            tokens = drafts[row, :a].tolist() + [int(next_tokens[row])]
+                state.feature_chunks.append(out.taps[row, : a + 1])
+            tokens = drafts[row, :a].tolist() + [next_tokens[row]]
             committed = self._commit(state, tokens, events)
-            state.stats.record(num_drafts[row], min(a, committed), committed)
+            state.stats.record(counts[row], min(a, committed), committed)
+            report.draft_tokens += counts[row]
+            report.accepted_tokens += min(a, committed)
+            for i in range(counts[row]):
+                report.drafted_at[i] += 1
+                report.accepted_at[i] += i < min(a, committed)
 
-    def _num_drafts(self, state: RequestState) -> int:
-        if self.proposer is None:
-            return 0
-        limit = self.block_size - 1
-        if state.request.num_speculative_tokens is not None:
-            limit = min(limit, state.request.num_speculative_tokens)
-        return max(0, min(limit, state.remaining - 1))
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int]):
+        return self.target(
+            ids.to(self.device), positions.to(self.device), self.cache, torch.tensor(slots, device=self.device),
+            self.tap_layers,
+        )
 
-    def _draft(self, states: list[RequestState], num_drafts: list[int]):
-        """Ask the proposer for drafts. Returns drafts [b, n] (zero-padded) and per-row dense q or None."""
-        n = max(num_drafts)
-        drafts = torch.zeros(len(states), n, dtype=torch.long)
+    def _draft(self, states: list[RequestState], counts: list[int], report: StepReport):
+        """Ask the proposer for drafts. Returns drafts [b, n] (zero-padded), per-row dense q or None, and the
+        draft counts actually obtained (0 for rows the proposer could not serve this step)."""
         q_rows: list[torch.Tensor | None] = [None] * len(states)
-        if n == 0:
-            return drafts, q_rows
-        rows = [r for r, k in enumerate(num_drafts) if k > 0]
+        rows = [r for r, k in enumerate(counts) if k > 0]
+        if not rows:
+            return torch.zeros(len(states), 0, dtype=torch.long), q_rows, counts
         items = []
         for r in rows:
             state = states[r]
-            features = torch.cat(state.pending_features) if state.pending_features else self._no_features()
+            unsent = state.unsent_features()
+            features = torch.cat(unsent) if unsent else self._no_features()
             items.append(DraftItem(
                 request_id=state.request_id, context_start=state.drafter_context_len, context_features=features,
-                anchor_token=state.last_token, num_draft=num_drafts[r], sampling=state.request.sampling, seed=state.seed,
+                anchor_token=state.last_token, num_draft=counts[r], sampling=state.request.sampling, seed=state.seed,
             ))
-            state.drafter_context_len += len(features)
-            state.pending_features = []
+        started = time.perf_counter()
+        try:
+            results = self.proposer.propose(items)
+        except ProposerUnavailable:
+            for r in rows:  # whatever reached the proposer is unknown: send every request's context again
+                states[r].resend_features()
+            report.fallback = True
+            report.seconds["transfer"] += time.perf_counter() - started
+            return torch.zeros(len(states), 0, dtype=torch.long), q_rows, [0] * len(states)
+        elapsed = time.perf_counter() - started
+        timing = getattr(self.proposer, "last_timing", None) or {}
+        report.seconds["draft"] += timing.get("draft", elapsed)
+        report.seconds["transfer"] += max(0.0, elapsed - timing.get("draft", elapsed))
+        counts = list(counts)
+        drafts = torch.zeros(len(states), max(counts), dtype=torch.long)
         vocab = self.target.config.vocab_size
-        for r, result in zip(rows, self.proposer.propose(items)):
-            drafts[r, : num_drafts[r]] = result.tokens.cpu()
-            if not states[r].request.sampling.greedy:
+        for r, result in zip(rows, results):
+            state = states[r]
+            if result.tokens is None:  # the proposer lost this context: resend it with the next call
+                state.resend_features()
+                counts[r] = 0
+                continue
+            state.mark_features_sent()
+            drafts[r, : counts[r]] = result.tokens.cpu()
+            if not state.request.sampling.greedy:
                 q_rows[r] = dense_proposal(result.tokens.to(self.device), vocab, result.q_probs, result.q_ids)
-        return drafts, q_rows
+        return drafts[:, : max(counts)], q_rows, counts
 
     def _no_features(self) -> torch.Tensor:
         width = len(self.tap_layers) * self.target.config.hidden_size
         return torch.zeros(0, width, dtype=self.target.embed_weight.dtype, device=self.device)
 
-    def _verify(self, states, drafts, num_drafts, q_rows, logits):
+    def _verify(self, states, drafts, counts, q_rows, logits):
         """Greedy rows by prefix match, sampled rows by rejection sampling; returns (accepted, next) [b]."""
-        accepted, next_tokens = verify_greedy(drafts, num_drafts, logits)
+        accepted, next_tokens = verify_greedy(drafts, counts, logits)
         sampled = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
         if not sampled:
             return accepted, next_tokens
         b_s, n, vocab = len(sampled), drafts.shape[1], logits.shape[-1]
-        probs = batch_sampling_probs(logits[sampled], [states[r].request.sampling for r in sampled])  # [s, n+1, vocab]
+        probs = batch_sampling_probs(logits[sampled], [states[r].request.sampling for r in sampled])  # [s, n+1, V]
         q = torch.zeros(b_s, n, vocab, device=self.device)
         accept_u = torch.ones(b_s, n, dtype=torch.float64)
         sample_u = torch.zeros(b_s, dtype=torch.float64)
         for i, r in enumerate(sampled):
-            k = int(num_drafts[r])
+            k = int(counts[r])
             if k:
                 q[i, :k] = q_rows[r]
             draws = states[r].uniforms(k + 1)  # k acceptance tests, then one draw
             accept_u[i, :k], sample_u[i] = draws[:k], draws[k]
         acc_s, next_s = verify_sampled(
-            drafts[sampled], num_drafts[sampled], probs, q, accept_u.to(self.device), sample_u.to(self.device)
+            drafts[sampled], counts[sampled], probs, q, accept_u.to(self.device), sample_u.to(self.device)
         )
         index = torch.tensor(sampled, device=self.device)
         return accepted.index_copy(0, index, acc_s), next_tokens.index_copy(0, index, next_s)
@@ -208,7 +271,7 @@ class SpeculativeEngine:
         tokens = logits.argmax(-1)  # [b, 1]
         sampled = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
         if sampled:
-            probs = batch_sampling_probs(logits[sampled], [states[r].request.sampling for r in sampled])  # [s, 1, vocab]
+            probs = batch_sampling_probs(logits[sampled], [states[r].request.sampling for r in sampled])  # [s, 1, V]
             draws = torch.stack([states[r].uniforms(1) for r in sampled]).to(self.device)  # [s, 1]
             tokens[sampled] = sample_from(probs, draws)
         return tokens
@@ -229,6 +292,7 @@ class SpeculativeEngine:
         event.new_token_ids.extend(kept)
         if state.finish_reason is not None:
             event.finish_reason = state.finish_reason
+            event.stats = state.stats
             del self.running[state.request_id]
             self._free(state, state.finish_reason)
         return len(kept)
@@ -236,8 +300,12 @@ class SpeculativeEngine:
     def _free(self, state: RequestState, reason: str) -> None:
         state.status = Status.FINISHED
         state.finish_reason = state.finish_reason or reason
+        state.feature_chunks = []
         if state.slot >= 0:
             self.free_slots.append(state.slot)
             state.slot = -1
         if self.proposer is not None:
-            self.proposer.release(state.request_id)
+            try:
+                self.proposer.release(state.request_id)
+            except ProposerUnavailable:
+                pass  # a restarted drafter holds nothing for this request anyway

@@ -23,8 +23,9 @@ class GenerationRequest:
 
 
 class Status(Enum):
-    WAITING = "waiting"
-    RUNNING = "running"
+    WAITING = "waiting"  # queued, no cache slot yet
+    PREFILLING = "prefilling"  # holds a slot; its prompt is being prefilled in chunks
+    RUNNING = "running"  # decoding
     FINISHED = "finished"
 
 
@@ -74,8 +75,9 @@ class RequestState:
     output_ids: list[int] = field(default_factory=list)
     finish_reason: str | None = None
     cache_len: int = 0  # target KV positions holding committed tokens (the anchor sits at this position)
+    feature_chunks: list[torch.Tensor] = field(default_factory=list)  # tapped features of positions 0..cache_len-1
+    sent_chunks: int = 0  # leading feature chunks the proposer already has
     drafter_context_len: int = 0  # positions whose features the proposer already has
-    pending_features: list[torch.Tensor] = field(default_factory=list)  # features not yet sent
     stats: RequestStats = field(default_factory=RequestStats)
 
     @classmethod
@@ -86,6 +88,22 @@ class RequestState:
     @property
     def request_id(self) -> str:
         return self.request.request_id
+
+    @property
+    def prefilled(self) -> int:
+        """Prompt tokens already in the cache (while prefilling, cache_len counts only prompt tokens)."""
+        return min(self.cache_len, len(self.request.prompt_ids))
+
+    def unsent_features(self) -> list[torch.Tensor]:
+        return self.feature_chunks[self.sent_chunks:]
+
+    def mark_features_sent(self) -> None:
+        self.drafter_context_len += sum(len(c) for c in self.unsent_features())
+        self.sent_chunks = len(self.feature_chunks)
+
+    def resend_features(self) -> None:
+        """The proposer lost this request's context (restart, timeout): send everything again next time."""
+        self.sent_chunks, self.drafter_context_len = 0, 0
 
     @property
     def last_token(self) -> int:
@@ -108,9 +126,24 @@ class GenerationResult:
 
 
 @dataclass
+class StepReport:
+    """What one engine step did, for metrics: token counts and the time spent in each phase."""
+
+    prefill_tokens: int = 0
+    decode_requests: int = 0
+    draft_tokens: int = 0
+    accepted_tokens: int = 0
+    drafted_at: list[int] = field(default_factory=list)  # per block position, this step
+    accepted_at: list[int] = field(default_factory=list)
+    fallback: bool = False  # drafts were wanted but the proposer was unavailable
+    seconds: dict[str, float] = field(default_factory=dict)  # draft, transfer, verify, prefill, cache, scheduling
+
+
+@dataclass
 class StepEvent:
     """Tokens a request committed in one engine step; finish_reason set when it ended."""
 
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
+    stats: RequestStats | None = None  # set with the final event
