@@ -57,6 +57,8 @@ class LocalProposer:
         self.lengths: dict[str, int] = {}
         self.generators: dict[str, torch.Generator] = {}
         self.last_timing: dict[str, float] = {}
+        self.last_used: dict[str, int] = {}  # request id -> call counter of its last draft
+        self.clock = 0
 
     def release(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)
@@ -64,15 +66,24 @@ class LocalProposer:
             self.free_slots.append(slot)
         self.lengths.pop(request_id, None)
         self.generators.pop(request_id, None)
+        self.last_used.pop(request_id, None)
 
-    def _in_sync(self, item: DraftItem) -> bool:
+    def _evict_least_recent(self, protect: set[str]) -> None:
+        """Free the slot of the request drafted longest ago (its release may have been lost while this
+        worker was unreachable); should it come back, it resends its context."""
+        candidates = [r for r in self.slots if r not in protect]
+        if not candidates:
+            raise RuntimeError(f"drafter cache is full: one call drafts more than {len(self.slots)} requests")
+        self.release(min(candidates, key=lambda r: self.last_used.get(r, 0)))
+
+    def _in_sync(self, item: DraftItem, protect: set[str]) -> bool:
         """Claim a slot for a new request; False when the item's context does not continue the cache (the
         drafter restarted, or lost the request): the verifier must resend the context from position 0."""
         if item.request_id not in self.slots:
             if item.context_start != 0:
                 return False
             if not self.free_slots:
-                raise RuntimeError("drafter cache is full: more running requests than max_requests")
+                self._evict_least_recent(protect)
             self.slots[item.request_id] = self.free_slots.pop()
             self.lengths[item.request_id] = 0
             self.generators[item.request_id] = request_generator(item.seed, DRAFT_STREAM)
@@ -82,7 +93,11 @@ class LocalProposer:
     @torch.inference_mode()
     def propose(self, items: list[DraftItem]) -> list[DraftResult]:
         started = time.perf_counter()
-        synced = [item for item in items if self._in_sync(item)]
+        protect = {item.request_id for item in items}
+        synced = [item for item in items if self._in_sync(item, protect)]
+        self.clock += 1
+        for item in synced:
+            self.last_used[item.request_id] = self.clock
         results = {item.request_id: DraftResult(tokens=None) for item in items}
         if synced:
             results.update(zip((i.request_id for i in synced), self._draft(synced)))

@@ -290,9 +290,9 @@ class SpeculativeEngine:
             state.finish_reason = "length"
         event = events.setdefault(state.request_id, StepEvent(state.request_id, [], None))
         event.new_token_ids.extend(kept)
+        event.stats = state.stats
         if state.finish_reason is not None:
             event.finish_reason = state.finish_reason
-            event.stats = state.stats
             del self.running[state.request_id]
             self._free(state, state.finish_reason)
         return len(kept)

@@ -146,4 +146,4 @@ class StepEvent:
     request_id: str
     new_token_ids: list[int]
     finish_reason: str | None
-    stats: RequestStats | None = None  # set with the final event
+    stats: RequestStats | None = None  # the request's running totals

@@ -1,0 +1,152 @@
+"""The draft worker process: serves draft calls from the verify worker over a ZeroMQ ROUTER socket.
+
+It loads the drafter and only the target's embedding and lm_head tensors, never the whole target.
+"""
+
+import argparse
+import logging
+import os
+import sys
+import time
+
+import torch
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from draft_worker.draft_checkpoint import load_drafter
+from draft_worker.local_proposer import DraftSampling, LocalProposer
+from shared import metric_names as names
+from shared.channel_draft import TO_DRAFTER, DraftRequest, Ping, Pong, Release
+from shared.checkpoint_io import load_tensors, read_config
+from shared.draft_codec import items_from_message, reply_message
+from shared.errors import DFlashError
+from shared.role import announce_ready, configure_process
+from shared.wire import WireError, decode, encode
+from verify_worker.target_config import TargetConfig
+from verify_worker.target_loader import resolve_dtype
+
+
+def load_target_head(target_path: str, dtype: torch.dtype, device: str):
+    """(embedding, lm_head) of the target, read alone from its checkpoint."""
+    cfg = TargetConfig.from_dict(read_config(target_path))
+    wanted = {"model.embed_tokens.weight", "lm_head.weight"}
+    tensors = load_tensors(target_path, names=wanted, dtype=dtype, device=device)
+    embed = tensors["model.embed_tokens.weight"]
+    head = embed if cfg.tie_word_embeddings else tensors.get("lm_head.weight")
+    if head is None:
+        raise DFlashError(f"{target_path!r} has no lm_head.weight and does not tie its embeddings")
+    return embed, head
+
+
+class DraftMetrics:
+    def __init__(self):
+        self.registry = CollectorRegistry()
+        self.calls = Counter(names.DRAFT_CALLS, "Draft calls served", registry=self.registry)
+        self.forward = Histogram(names.DRAFT_FORWARD, "Time to serve one draft call", registry=self.registry,
+                                 buckets=(0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5))
+        self.cached = Gauge(names.DRAFT_CACHED_REQUESTS, "Requests with a drafter context cache",
+                            registry=self.registry)
+        self.resyncs = Counter(names.DRAFT_RESYNCS, "Requests asked to resend their context",
+                               registry=self.registry)
+        self.bad = Counter(names.BAD_MESSAGES, "Rejected wire messages", ["role"], registry=self.registry)
+
+
+class DraftServer:
+    def __init__(self, proposer: LocalProposer, address: str, metrics: DraftMetrics, log: logging.Logger):
+        self.proposer, self.metrics, self.log = proposer, metrics, log
+        self.context = zmq.Context.instance()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+
+    def serve_forever(self) -> None:
+        while True:
+            identity, *frames = self.socket.recv_multipart(copy=False)
+            try:
+                message = decode(frames, TO_DRAFTER)
+            except WireError as exc:
+                self.metrics.bad.labels("draft").inc()
+                self.log.warning("rejected message: %s", exc)
+                continue
+            reply = self.handle(message)
+            if reply is not None:
+                self.socket.send_multipart([identity, *encode(reply)], copy=False)
+
+    def handle(self, message):
+        if isinstance(message, Ping):
+            return Pong(call_id=message.call_id, drafter_kind="dflash", block_size=self.proposer.block_size)
+        if isinstance(message, Release):
+            for request_id in message.request_ids:
+                self.proposer.release(request_id)
+            self.metrics.cached.set(len(self.proposer.slots))
+            return None
+        assert isinstance(message, DraftRequest)
+        started = time.perf_counter()
+        try:
+            items = items_from_message(message)
+        except DFlashError as exc:
+            self.metrics.bad.labels("draft").inc()
+            self.log.warning("rejected draft call %d: %s", message.call_id, exc)
+            return None
+        results = self.proposer.propose(items)
+        elapsed = time.perf_counter() - started
+        self.metrics.calls.inc()
+        self.metrics.forward.observe(elapsed)
+        self.metrics.resyncs.inc(sum(r.tokens is None for r in results))
+        self.metrics.cached.set(len(self.proposer.slots))
+        return reply_message(message.call_id, results, elapsed)
+
+
+def parse_args(argv):
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="dflash-draft-worker", description="The DFlash draft worker role.")
+    parser.add_argument("--role", default="draft", choices=["draft"], help=argparse.SUPPRESS)
+    parser.add_argument("--target", default=env("DFLASH_TARGET"), help="target checkpoint (embedding and lm_head only)")
+    parser.add_argument("--draft", default=env("DFLASH_DRAFT"), help="DFlash drafter checkpoint")
+    parser.add_argument("--draft-addr", default=env("DFLASH_DRAFT_ADDR", "tcp://127.0.0.1:5557"),
+                        help="ZeroMQ address to bind for draft calls")
+    parser.add_argument("--metrics-port", type=int, default=int(env("DFLASH_DRAFT_METRICS_PORT", "9102")),
+                        help="Prometheus port (0 = none)")
+    parser.add_argument("--metrics-host", default=env("DFLASH_METRICS_HOST", "127.0.0.1"))
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--max-requests", type=int, default=64, help="requests with a cached context at once")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--draft-sampling", choices=[m.value for m in DraftSampling], default="dense")
+    parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=int(env("DFLASH_DRAFT_THREADS", "0")))
+    return parser.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = configure_process("draft", args.threads)
+    try:
+        if not args.target or not args.draft:
+            raise DFlashError("--target and --draft are required")
+        target_cfg = TargetConfig.from_dict(read_config(args.target))
+        dtype = resolve_dtype(args.dtype, target_cfg.checkpoint_dtype, args.device)
+        drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
+        embed, head = load_target_head(args.target, dtype, args.device)
+        proposer = LocalProposer(
+            drafter, embed, head, block_size=args.block_size, max_requests=args.max_requests,
+            max_model_len=args.max_model_len or target_cfg.max_position_embeddings,
+            draft_sampling=DraftSampling(args.draft_sampling),
+        )
+        metrics = DraftMetrics()
+        server = DraftServer(proposer, args.draft_addr, metrics, log)
+        if args.metrics_port:
+            start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    except (DFlashError, zmq.ZMQError, OSError) as exc:
+        print(f"dflash-draft-worker: error: {exc}", file=sys.stderr)
+        return 2
+    announce_ready("draft", args.draft_addr)
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

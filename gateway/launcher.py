@@ -1,0 +1,245 @@
+"""dflash-serve: the gateway, verify worker and draft worker as three local processes.
+
+Each child's command line names its role. The launcher waits for each child's ready line, prints one line of
+its own, restarts a drafter that dies, and exits non-zero (after the gateway has failed the open streams)
+when the verify worker or the gateway dies, so a supervisor can restart the service. SIGINT / SIGTERM stop
+every child; children also die with the launcher (PR_SET_PDEATHSIG), so none is orphaned.
+"""
+
+import argparse
+import ctypes
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from pathlib import Path
+
+from shared.role import READY_PREFIX
+
+MODULES = {"verify": "verify_worker.server", "draft": "draft_worker.server", "gateway": "gateway.main"}
+
+
+def _die_with_parent() -> None:
+    try:
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except OSError:
+        pass
+
+
+class Child:
+    def __init__(self, role: str, argv: list[str], env: dict):
+        self.role, self.argv, self.env = role, argv, env
+        self.process: subprocess.Popen | None = None
+        self.ready = threading.Event()
+        self.restarts = 0
+
+    def start(self) -> None:
+        self.ready.clear()
+        command = [sys.executable, "-m", MODULES[self.role], "--role", self.role, *self.argv]
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=None, text=True, env=self.env,
+                                        preexec_fn=_die_with_parent)
+        threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
+
+    def _read(self, process: subprocess.Popen) -> None:
+        for line in process.stdout:
+            if line.startswith(f"{READY_PREFIX} {self.role}"):
+                self.ready.set()
+            else:
+                sys.stderr.write(line)
+
+    def exited(self) -> int | None:
+        return None if self.process is None else self.process.poll()
+
+    def stop(self, grace_s: float = 10.0) -> None:
+        if self.process is None or self.process.poll() is not None:
+            return
+        self.process.terminate()
+        try:
+            self.process.wait(grace_s)
+        except subprocess.TimeoutExpired:
+            self.process.kill()
+            self.process.wait()
+
+
+def parse_args(argv):
+    parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", help="target checkpoint folder (default: the embedded demo pair)")
+    parser.add_argument("--draft", help="drafter checkpoint folder (default: the demo drafter with the demo target)")
+    parser.add_argument("--no-draft", action="store_true", help="serve without a drafter (plain decoding)")
+    parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
+    parser.add_argument("--port", type=int, default=8000)
+    parser.add_argument("--served-model-name")
+    parser.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"))
+    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the verify worker")
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--max-running", type=int, default=16)
+    parser.add_argument("--max-waiting", type=int, default=64)
+    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--zmq-base-port", type=int, default=5555,
+                        help="ports N (requests), N+1 (token events), N+2 (draft calls) on 127.0.0.1")
+    parser.add_argument("--metrics-base-port", type=int, default=9101,
+                        help="Prometheus ports: N (verify worker), N+1 (draft worker); the gateway serves /metrics")
+    parser.add_argument("--verify-threads", type=int, default=0)
+    parser.add_argument("--draft-threads", type=int, default=0)
+    parser.add_argument("--draft-timeout", type=float, default=5.0)
+    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    return parser.parse_args(argv)
+
+
+def build_children(args) -> dict[str, Child]:
+    target, draft = args.target, args.draft
+    if target is None:
+        from draft_worker.random_pair import ensure_random_pair
+
+        target_path, demo_draft = ensure_random_pair()
+        target, draft = str(target_path), draft or str(demo_draft)
+        args.served_model_name = args.served_model_name or "dflash-random-demo"
+        print("dflash-serve: no --target given: serving the RANDOM (untrained) demo pair; its text is gibberish",
+              file=sys.stderr)
+    if args.no_draft:
+        draft = None
+    base = args.zmq_base_port
+    requests, events, drafts = (f"tcp://127.0.0.1:{base + i}" for i in range(3))
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+    common = ["--requests-addr", requests, "--events-addr", events]
+    verify = ["--target", target, *common, "--draft-addr", drafts, "--metrics-port", str(args.metrics_base_port),
+              "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting), "--device", args.device,
+              "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout)]
+    gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
+               "--max-pending", str(args.max_running + args.max_waiting)]
+    for flag, value in (("--max-model-len", args.max_model_len), ("--block-size", args.block_size)):
+        if value is not None:
+            verify += [flag, str(value)]
+    if args.max_model_len is not None:
+        gateway += ["--max-model-len", str(args.max_model_len)]
+    if args.served_model_name:
+        gateway += ["--served-model-name", args.served_model_name]
+    if args.api_key:
+        env["DFLASH_API_KEY"] = args.api_key
+    children = {}
+    if draft:
+        verify += ["--draft", draft]
+        draft_argv = ["--target", target, "--draft", draft, "--draft-addr", drafts, "--metrics-port",
+                      str(args.metrics_base_port + 1), "--max-requests", str(args.max_running), "--device",
+                      args.device, "--threads", str(args.draft_threads)]
+        if args.block_size is not None:
+            draft_argv += ["--block-size", str(args.block_size)]
+        if args.max_model_len is not None:
+            draft_argv += ["--max-model-len", str(args.max_model_len)]
+        children["draft"] = Child("draft", draft_argv, env)
+    else:
+        verify.append("--no-draft")
+        gateway.append("--no-draft")
+    children["verify"] = Child("verify", verify, env)
+    children["gateway"] = Child("gateway", gateway, env)
+    return children
+
+
+class Launcher:
+    def __init__(self, args, children: dict[str, Child]):
+        self.args, self.children = args, children
+        self.stopping = False
+
+    def stop_all(self) -> None:
+        for role in ("gateway", "verify", "draft"):
+            if role in self.children:
+                self.children[role].stop()
+
+    def _wait_ready(self, roles: list[str]) -> str | None:
+        """None when every role reported ready; otherwise the role that failed."""
+        deadline = time.monotonic() + self.args.ready_timeout
+        while time.monotonic() < deadline and not self.stopping:
+            pending = [r for r in roles if not self.children[r].ready.is_set()]
+            if not pending:
+                return None
+            for role in pending:
+                if self.children[role].exited() is not None:
+                    return role
+            time.sleep(0.05)
+        return "timeout" if not self.stopping else "interrupted"
+
+    def _gateway_sees_verify_down(self, timeout_s: float = 10.0) -> None:
+        url = f"http://{self.args.host}:{self.args.port}/ready"
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            try:
+                urllib.request.urlopen(url, timeout=1)
+            except Exception as exc:  # 503 (HTTPError) is what we wait for; a dead gateway ends the wait too
+                if getattr(exc, "code", None) == 503 or self.children["gateway"].exited() is not None:
+                    return
+            time.sleep(0.2)
+
+    def run(self) -> int:
+        workers = [r for r in ("draft", "verify") if r in self.children]
+        for role in workers:
+            self.children[role].start()
+        failed = self._wait_ready(workers)
+        if failed is None:
+            self.children["gateway"].start()
+            failed = self._wait_ready(["gateway"])
+        if failed is not None:
+            if failed != "interrupted":
+                print(f"dflash-serve: error: the {failed} role did not become ready", file=sys.stderr)
+            self.stop_all()
+            return 0 if failed == "interrupted" else 2
+        drafter = self.args.draft or ("demo drafter" if "draft" in self.children else "none")
+        print(f"dflash-serve ready: http://{self.args.host}:{self.args.port} (drafter: {drafter}; metrics: "
+              f"gateway /metrics, verify :{self.args.metrics_base_port}, draft :{self.args.metrics_base_port + 1})",
+              flush=True)
+        return self._supervise()
+
+    def _supervise(self) -> int:
+        while not self.stopping:
+            time.sleep(0.2)
+            draft = self.children.get("draft")
+            if draft is not None and draft.exited() is not None and not self.stopping:
+                draft.restarts += 1
+                print(f"dflash-serve: the draft worker exited (code {draft.exited()}); restart #{draft.restarts}",
+                      file=sys.stderr, flush=True)
+                time.sleep(min(5.0, 0.5 * draft.restarts))
+                draft.start()
+            if self.children["verify"].exited() is not None and not self.stopping:
+                print(f"dflash-serve: the verify worker exited (code {self.children['verify'].exited()}); "
+                      "stopping", file=sys.stderr, flush=True)
+                self._gateway_sees_verify_down()
+                self.stop_all()
+                return 1
+            if self.children["gateway"].exited() is not None and not self.stopping:
+                print("dflash-serve: the gateway exited; stopping", file=sys.stderr, flush=True)
+                self.stop_all()
+                return 1
+        self.stop_all()
+        return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    if args.tp != 1:
+        print("dflash-serve: error: --tp > 1 is not available yet (tensor parallelism is a later release)",
+              file=sys.stderr)
+        return 2
+    for path in (args.target, args.draft):
+        if path is not None and not Path(path).is_dir():
+            print(f"dflash-serve: error: checkpoint folder {path!r} does not exist", file=sys.stderr)
+            return 2
+    launcher = Launcher(args, build_children(args))
+
+    def on_signal(_signum, _frame):
+        launcher.stopping = True
+
+    signal.signal(signal.SIGINT, on_signal)
+    signal.signal(signal.SIGTERM, on_signal)
+    try:
+        return launcher.run()
+    finally:
+        launcher.stop_all()
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,94 @@
+"""dflash-gateway: the HTTP role. Loads no model and does not import torch: it handles token ids only."""
+
+import argparse
+import asyncio
+import json
+import logging
+import os
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from gateway.app import GatewaySettings, create_app
+from gateway.tokenization import TextCodec
+from shared.errors import ConfigError
+from shared.role import announce_ready, configure_process
+
+
+def target_facts(folder: str) -> dict:
+    """vocab size, context length and eos ids from the target's config.json (plain JSON, no torch)."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except FileNotFoundError:
+        raise ConfigError(f"{str(path)!r} is missing") from None
+    except json.JSONDecodeError as exc:
+        raise ConfigError(f"{str(path)!r} is not valid JSON: {exc}") from None
+    eos = config.get("eos_token_id")
+    return {
+        "vocab_size": int(config.get("vocab_size", 0)),
+        "max_position_embeddings": int(config.get("max_position_embeddings", 4096)),
+        "eos": tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ()),
+    }
+
+
+def parse_args(argv):
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="dflash-gateway", description="The DFlash HTTP gateway role.")
+    parser.add_argument("--role", default="gateway", choices=["gateway"], help=argparse.SUPPRESS)
+    parser.add_argument("--target", default=env("DFLASH_TARGET"), help="target checkpoint (tokenizer and config only)")
+    parser.add_argument("--served-model-name", default=env("DFLASH_MODEL_NAME"))
+    parser.add_argument("--host", default=env("DFLASH_HOST", "127.0.0.1"))
+    parser.add_argument("--port", type=int, default=int(env("DFLASH_PORT", "8000")))
+    parser.add_argument("--requests-addr", default=env("DFLASH_REQUESTS_ADDR", "tcp://127.0.0.1:5555"))
+    parser.add_argument("--events-addr", default=env("DFLASH_EVENTS_ADDR", "tcp://127.0.0.1:5556"))
+    parser.add_argument("--api-key", default=env("DFLASH_API_KEY"), help="require Authorization: Bearer KEY")
+    parser.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429")
+    parser.add_argument("--max-model-len", type=int, default=None)
+    parser.add_argument("--default-max-tokens", type=int, default=256)
+    parser.add_argument("--no-draft", action="store_true", help="no drafter is configured (affects /ready)")
+    return parser.parse_args(argv)
+
+
+async def serve(args, log) -> int:
+    facts = target_facts(args.target)
+    codec = TextCodec.from_folder(args.target, facts["eos"])
+    max_model_len = min(args.max_model_len or facts["max_position_embeddings"], facts["max_position_embeddings"])
+    settings = GatewaySettings(
+        model_name=args.served_model_name or Path(args.target).resolve().name,
+        vocab_size=facts["vocab_size"] or codec.tokenizer.get_vocab_size(), max_model_len=max_model_len,
+        requests_addr=args.requests_addr, events_addr=args.events_addr, api_key=args.api_key,
+        max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
+        drafter_configured=not args.no_draft,
+    )
+    server = uvicorn.Server(uvicorn.Config(create_app(settings, codec, log), host=args.host, port=args.port,
+                                           log_level="warning", timeout_graceful_shutdown=2))
+    task = asyncio.create_task(server.serve())
+    while not server.started and not task.done():
+        await asyncio.sleep(0.05)
+    if task.done():
+        return 2
+    announce_ready("gateway", f"http://{args.host}:{args.port}")
+    await task
+    return 0
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = configure_process("gateway")
+    if not args.target:
+        print("dflash-gateway: error: --target is required", file=sys.stderr)
+        return 2
+    try:
+        return asyncio.run(serve(args, log))
+    except ConfigError as exc:
+        print(f"dflash-gateway: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 0
+
+
+if __name__ == "__main__":
+    logging.captureWarnings(True)
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""Request validation for the OpenAI-compatible endpoints, with errors that name the offending field."""
+
+import json
+from dataclasses import dataclass, field
+
+MAX_STOP_STRINGS = 4
+
+
+class ApiError(Exception):
+    """An HTTP error with an OpenAI-style body."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 kind: str = "invalid_request_error", headers: dict | None = None):
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
+        self.headers = headers or {}
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}}
+
+
+@dataclass
+class GenerationParams:
+    """Everything a completion or chat request asks for, validated; prompt_ids are filled in by the app."""
+
+    model: str
+    stream: bool
+    include_usage: bool
+    max_tokens: int | None
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop: list[str]
+    num_speculative_tokens: int | None
+    return_token_ids: bool = False  # extension: include the generated token ids in the response
+    prompt_text: str | None = None
+    prompt_ids: list[int] = field(default_factory=list)
+    messages: list[dict] | None = None
+
+
+def parse_json(raw: bytes) -> dict:
+    try:
+        body = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    if not isinstance(body, dict):
+        raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    return body
+
+
+def _number(body, name, default, low=None, high=None, low_open=False):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise ApiError(400, f"'{name}' must be a number, got {json.dumps(value)}", param=name)
+    if low is not None and (value < low or (low_open and value == low)):
+        bound = f"> {low}" if low_open else f">= {low}"
+        raise ApiError(400, f"'{name}' must be {bound}{f' and <= {high}' if high is not None else ''}, got {value}",
+                       param=name)
+    if high is not None and value > high:
+        raise ApiError(400, f"'{name}' must be <= {high}, got {value}", param=name)
+    return value
+
+
+def _integer(body, name, default=None, low=None):
+    value = body.get(name, default)
+    if value is None:
+        return default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)}", param=name)
+    if low is not None and value < low:
+        raise ApiError(400, f"'{name}' must be >= {low}, got {value}", param=name)
+    return value
+
+
+def _boolean(body, name, default=False) -> bool:
+    value = body.get(name, default)
+    if not isinstance(value, bool):
+        raise ApiError(400, f"'{name}' must be a boolean, got {json.dumps(value)}", param=name)
+    return value
+
+
+def parse_common(body: dict, served_model: str) -> GenerationParams:
+    model = body.get("model", served_model)
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+    if model != served_model:
+        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_model}'",
+                       param="model", code="model_not_found")
+    n = _integer(body, "n", 1)
+    if n != 1:
+        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n")
+    stream = _boolean(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    stop = body.get("stop") or []
+    if isinstance(stop, str):
+        stop = [stop]
+    if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
+    top_k = _integer(body, "top_k", 0)
+    if top_k is not None and top_k < -1:
+        raise ApiError(400, f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
+    max_tokens = _integer(body, "max_completion_tokens", None, low=1)
+    max_tokens = _integer(body, "max_tokens", max_tokens, low=1)
+    return GenerationParams(
+        model=model,
+        stream=stream,
+        include_usage=bool(options.get("include_usage", False)),
+        max_tokens=max_tokens,
+        temperature=float(_number(body, "temperature", 1.0, low=0, high=2)),
+        top_p=float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True)),
+        top_k=max(top_k, 0),
+        seed=_integer(body, "seed", None),
+        stop=stop,
+        num_speculative_tokens=_integer(body, "num_speculative_tokens", None, low=0),
+        return_token_ids=_boolean(body, "return_token_ids"),
+    )
+
+
+def parse_completion(body: dict, served_model: str) -> GenerationParams:
+    params = parse_common(body, served_model)
+    if "prompt" not in body:
+        raise ApiError(400, "'prompt' is required", param="prompt")
+    prompt = body["prompt"]
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
+        prompt = prompt[0]  # a batch of one
+    if isinstance(prompt, str):
+        params.prompt_text = prompt
+    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
+        params.prompt_ids = list(prompt)
+    else:
+        raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids (one prompt per request)",
+                       param="prompt")
+    return params
+
+
+def parse_chat(body: dict, served_model: str) -> GenerationParams:
+    params = parse_common(body, served_model)
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    cleaned = []
+    for i, message in enumerate(messages):
+        if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+            raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
+        content = message.get("content")
+        if isinstance(content, list):  # the content-parts form: text parts only
+            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            content = "".join(p.get("text", "") for p in content)
+        if not isinstance(content, str):
+            raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        cleaned.append({"role": message["role"], "content": content})
+    params.messages = cleaned
+    return params

@@ -1,0 +1,129 @@
+"""Tokenizer, chat template, incremental detokenization and stop strings. Token ids only: no torch here."""
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+from tokenizers import Tokenizer
+
+from shared.errors import ConfigError
+
+FALLBACK_CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}assistant: {% endif %}"
+)
+
+
+def _token_text(value) -> str | None:
+    if isinstance(value, dict):
+        return value.get("content")
+    return value if isinstance(value, str) else None
+
+
+@dataclass
+class TextCodec:
+    """The target's tokenizer.json and tokenizer_config.json, as the gateway uses them."""
+
+    tokenizer: Tokenizer
+    chat_template: str
+    eos_token_ids: tuple[int, ...]
+    bos_token: str | None
+    eos_token: str | None
+
+    @classmethod
+    def from_folder(cls, folder: str | Path, config_eos: tuple[int, ...] = ()) -> "TextCodec":
+        folder = Path(folder)
+        path = folder / "tokenizer.json"
+        if not path.is_file():
+            raise ConfigError(f"{str(path)!r} is missing: the gateway needs the target's tokenizer")
+        try:
+            tokenizer = Tokenizer.from_file(str(path))
+        except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
+            raise ConfigError(f"cannot read {str(path)!r}: {exc}") from None
+        settings = {}
+        config_path = folder / "tokenizer_config.json"
+        if config_path.is_file():
+            try:
+                settings = json.loads(config_path.read_text())
+            except json.JSONDecodeError as exc:
+                raise ConfigError(f"{str(config_path)!r} is not valid JSON: {exc}") from None
+        eos, bos = _token_text(settings.get("eos_token")), _token_text(settings.get("bos_token"))
+        eos_ids = list(config_eos)
+        if eos is not None and tokenizer.token_to_id(eos) is not None:
+            eos_ids.append(tokenizer.token_to_id(eos))
+        template = settings.get("chat_template")
+        if isinstance(template, list):  # the named-templates form: take "default"
+            template = next((t.get("template") for t in template if t.get("name") == "default"), None)
+        return cls(tokenizer, template or FALLBACK_CHAT_TEMPLATE, tuple(dict.fromkeys(eos_ids)), bos, eos)
+
+    def encode(self, text: str) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens=False).ids
+
+    def render_chat(self, messages: list[dict]) -> str:
+        from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+        env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
+        return env.from_string(self.chat_template).render(
+            messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+            eos_token=self.eos_token or "",
+        )
+
+    def detokenizer(self) -> "IncrementalDetokenizer":
+        return IncrementalDetokenizer(self.tokenizer)
+
+
+class IncrementalDetokenizer:
+    """Turns a growing list of token ids into text deltas that never split a UTF-8 character: text whose
+    last character is the replacement character is held back until the following tokens complete it."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # ids before this are fully emitted and never decoded again
+        self.read_offset = 0  # ids before this are reflected in emitted text
+
+    def add(self, new_ids: list[int]) -> str:
+        self.ids.extend(new_ids)
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset: self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        if full.endswith("\ufffd") or len(full) < len(prefix):
+            return ""
+        delta = full[len(prefix):]
+        self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+        return delta
+
+    def flush(self) -> str:
+        """At the end of a stream: whatever is held back, replacement characters included."""
+        prefix = self.tokenizer.decode(self.ids[self.prefix_offset: self.read_offset], skip_special_tokens=True)
+        full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+
+class StopMatcher:
+    """Finds stop strings in streamed text. Text that might be the start of a stop string is held back, so
+    no part of a stop string is ever emitted."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+
+    def feed(self, delta: str) -> tuple[str, bool]:
+        """Returns (text safe to emit, stopped)."""
+        text = self.held + delta
+        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
+        if cut >= 0:
+            self.held = ""
+            return text[:cut], True
+        keep = 0
+        for stop in self.stops:
+            for length in range(min(len(stop) - 1, len(text)), 0, -1):
+                if text.endswith(stop[:length]):
+                    keep = max(keep, length)
+                    break
+        self.held = text[len(text) - keep:] if keep else ""
+        return text[: len(text) - keep], False
+
+    def flush(self) -> str:
+        held, self.held = self.held, ""
+        return held

@@ -1,0 +1,95 @@
+"""The gateway's side of the gateway <-> verify channel (asyncio ZeroMQ).
+
+Events are routed to one asyncio.Queue per request. The verify worker sends heartbeats; when none arrives
+for dead_after_s, it is considered dead: every open request gets a failure and new requests are refused.
+"""
+
+import asyncio
+import logging
+import time
+
+import zmq
+import zmq.asyncio
+
+from shared.channel_gateway import TO_GATEWAY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent
+from shared.wire import WireError, decode, encode
+
+
+class VerifyClient:
+    def __init__(self, requests_addr: str, events_addr: str, dead_after_s: float = 2.0,
+                 log: logging.Logger | None = None, on_bad_message=None):
+        self.context = zmq.asyncio.Context()
+        self.sender = self.context.socket(zmq.PUSH)
+        self.sender.setsockopt(zmq.LINGER, 0)
+        self.sender.setsockopt(zmq.IMMEDIATE, 1)
+        self.sender.connect(requests_addr)
+        self.receiver = self.context.socket(zmq.PULL)
+        self.receiver.connect(events_addr)
+        self.dead_after_s = dead_after_s
+        self.log = log or logging.getLogger("dflash.gateway")
+        self.on_bad_message = on_bad_message or (lambda: None)
+        self.queues: dict[str, asyncio.Queue] = {}
+        self.last_heartbeat: Heartbeat | None = None
+        self.last_seen = 0.0
+        self.was_alive = False
+        self.task: asyncio.Task | None = None
+
+    @property
+    def alive(self) -> bool:
+        return self.last_seen > 0 and time.monotonic() - self.last_seen < self.dead_after_s
+
+    def start(self) -> None:
+        self.task = asyncio.get_running_loop().create_task(self._receive_loop())
+
+    async def close(self) -> None:
+        if self.task:
+            self.task.cancel()
+        self.sender.close(0)
+        self.receiver.close(0)
+        self.context.term()
+
+    async def submit(self, message: SubmitRequest) -> asyncio.Queue:
+        queue: asyncio.Queue = asyncio.Queue()
+        self.queues[message.request_id] = queue
+        try:
+            await self.sender.send_multipart(encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            self.queues.pop(message.request_id, None)
+            raise ConnectionError("the verify worker is not connected") from None
+        return queue
+
+    async def abort(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+        try:
+            await self.sender.send_multipart(encode(AbortRequest(request_id)), flags=zmq.NOBLOCK)
+        except zmq.Again:
+            pass
+
+    def finish(self, request_id: str) -> None:
+        self.queues.pop(request_id, None)
+
+    async def _receive_loop(self) -> None:
+        while True:
+            if await self.receiver.poll(250):
+                frames = await self.receiver.recv_multipart(copy=False)
+                try:
+                    message = decode(frames, TO_GATEWAY)
+                except WireError as exc:
+                    self.on_bad_message()
+                    self.log.warning("rejected message: %s", exc)
+                    continue
+                self.last_seen = time.monotonic()
+                if isinstance(message, Heartbeat):
+                    self.last_heartbeat = message
+                elif isinstance(message, (TokenEvent, RequestFailed)):
+                    queue = self.queues.get(message.request_id)
+                    if queue is not None:
+                        queue.put_nowait(message)
+            alive = self.alive
+            if self.was_alive and not alive:
+                self.log.error("verify worker silent for %.1f s: failing %d open requests",
+                               self.dead_after_s, len(self.queues))
+                for request_id, queue in list(self.queues.items()):
+                    queue.put_nowait(RequestFailed(request_id, "verify_worker_down", "the verify worker stopped responding"))
+                self.queues.clear()
+            self.was_alive = alive

@@ -1,0 +1,66 @@
+"""Channel gateway <-> verify worker: requests and aborts one way; token events, rejections and heartbeats
+the other. No tensors travel here (the gateway does not import torch)."""
+
+from dataclasses import dataclass
+
+from shared.wire import Message, WireError, channel
+
+
+@dataclass
+class SubmitRequest(Message):
+    TYPE = "submit"
+    request_id: str
+    prompt_ids: list[int]
+    max_tokens: int
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int | None
+    stop_token_ids: list[int]
+    num_speculative_tokens: int | None
+
+    def validate(self):
+        if not self.request_id:
+            raise WireError("submit: empty request_id")
+
+
+@dataclass
+class AbortRequest(Message):
+    TYPE = "abort"
+    request_id: str
+
+
+@dataclass
+class TokenEvent(Message):
+    """New tokens of one request; finish_reason and the stats are set on its last event."""
+
+    TYPE = "tokens"
+    request_id: str
+    token_ids: list[int]
+    finish_reason: str | None
+    verify_steps: int
+    draft_tokens: int
+    accepted_tokens: int
+
+
+@dataclass
+class RequestFailed(Message):
+    """The verify worker refused or lost a request. code: invalid_request, queue_full, internal."""
+
+    TYPE = "failed"
+    request_id: str
+    code: str
+    message: str
+
+
+@dataclass
+class Heartbeat(Message):
+    TYPE = "heartbeat"
+    running: int
+    waiting: int
+    drafter_kind: str  # "dflash", or "none" when no drafter is configured
+    drafter_available: bool
+
+
+TO_VERIFY = channel(SubmitRequest, AbortRequest)
+TO_GATEWAY = channel(TokenEvent, RequestFailed, Heartbeat)

@@ -1,0 +1,31 @@
+"""Prometheus metric names (base units, _total counters), shared so dashboards and tests agree."""
+
+PREFIX = "dflash_"
+
+# gateway
+REQUESTS = PREFIX + "requests"  # counter, label outcome: success, error, rejected, aborted
+PROMPT_TOKENS = PREFIX + "prompt_tokens"  # counter
+GENERATION_TOKENS = PREFIX + "generation_tokens"  # counter
+TIME_TO_FIRST_TOKEN = PREFIX + "time_to_first_token_seconds"  # histogram
+INTER_TOKEN_LATENCY = PREFIX + "inter_token_latency_seconds"  # histogram
+E2E_LATENCY = PREFIX + "e2e_request_latency_seconds"  # histogram
+VERIFY_WORKER_UP = PREFIX + "verify_worker_up"  # gauge
+
+# verify worker
+SPEC_DRAFTS = PREFIX + "spec_drafts"  # counter: verify steps of a request that carried drafts
+SPEC_DRAFT_TOKENS = PREFIX + "spec_draft_tokens"  # counter
+SPEC_ACCEPTED_TOKENS = PREFIX + "spec_accepted_tokens"  # counter
+SPEC_ACCEPTED_PER_POSITION = PREFIX + "spec_accepted_tokens_per_position"  # counter, label position
+SPEC_DRAFTED_PER_POSITION = PREFIX + "spec_draft_tokens_per_position"  # counter, label position
+STEP_SECONDS = PREFIX + "step_duration_seconds"  # histogram, label phase
+RUNNING = PREFIX + "running_requests"  # gauge
+WAITING = PREFIX + "waiting_requests"  # gauge
+DRAFTER_AVAILABLE = PREFIX + "drafter_available"  # gauge, label kind
+FALLBACK_STEPS = PREFIX + "spec_fallback_steps"  # counter: steps decoded without drafts for want of a drafter
+
+# draft worker
+DRAFT_CALLS = PREFIX + "draft_calls"  # counter
+DRAFT_FORWARD = PREFIX + "draft_forward_seconds"  # histogram
+DRAFT_CACHED_REQUESTS = PREFIX + "draft_cached_requests"  # gauge
+DRAFT_RESYNCS = PREFIX + "draft_resyncs"  # counter
+BAD_MESSAGES = PREFIX + "bad_messages"  # counter (every role), label role

@@ -1,0 +1,123 @@
+"""Starts a real dflash-serve (three processes) on loopback with tiny random checkpoints, for end-to-end tests."""
+
+import json
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+
+from conftest import tiny_draft_config, write_hf_checkpoint
+from draft_worker.draft_checkpoint import random_drafter, save_drafter
+from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
+
+CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
+                 "{% if add_generation_prompt %}<assistant>{% endif %}")
+
+
+def write_server_models(root: Path) -> tuple[Path, Path]:
+    target, draft = root / "target", root / "draft"
+    write_hf_checkpoint(target, "qwen3", seed=7, vocab_size=258, max_position_embeddings=512)
+    write_byte_tokenizer(target)
+    (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT, "chat_template": CHAT_TEMPLATE}))
+    save_drafter(random_drafter(tiny_draft_config(vocab=258, block_size=4), seed=3, std=0.2), draft)
+    return target, draft
+
+
+def _free(port: int) -> bool:
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+            return True
+        except OSError:
+            return False
+
+
+def free_port_block(count: int) -> int:
+    for _ in range(200):
+        base = random.randint(20000, 60000)
+        if all(_free(base + i) for i in range(count)):
+            return base
+    raise RuntimeError("no free port block")
+
+
+class Server:
+    def __init__(self, target: Path, draft: Path | None, *extra: str, log_dir: Path):
+        base = free_port_block(6)
+        self.port, self.zmq_base, self.metrics_base = base, base + 1, base + 4
+        command = [sys.executable, "-m", "gateway.launcher", "--target", str(target), "--port", str(self.port),
+                   "--zmq-base-port", str(self.zmq_base), "--metrics-base-port", str(self.metrics_base),
+                   "--served-model-name", "tiny", "--verify-threads", "1", "--draft-threads", "1", *extra]
+        command += ["--draft", str(draft)] if draft else ["--no-draft"]
+        self.stderr_path = log_dir / f"serve-{self.port}.log"
+        self.stderr = open(self.stderr_path, "w")
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=self.stderr, text=True)
+        line = self.process.stdout.readline()
+        if not line.startswith("dflash-serve ready"):
+            self.stop()
+            raise RuntimeError(f"server did not start: {line!r}\n{self.stderr_path.read_text()[-3000:]}")
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    def child_pid(self, role: str) -> int:
+        """The pid of the child whose command line names this role (and this server's ports)."""
+        for entry in Path("/proc").iterdir():
+            if not entry.name.isdigit():
+                continue
+            try:
+                argv = (entry / "cmdline").read_bytes().split(b"\0")
+                if int((entry / "stat").read_text().split()[3]) != self.process.pid:
+                    continue
+            except (OSError, ValueError, IndexError):
+                continue
+            if b"--role" in argv and argv[argv.index(b"--role") + 1].decode() == role:
+                return int(entry.name)
+        raise LookupError(role)
+
+    def metrics(self, role: str) -> str:
+        url = f"{self.url}/metrics" if role == "gateway" else \
+            f"http://127.0.0.1:{self.metrics_base + (0 if role == 'verify' else 1)}/metrics"
+        return httpx.get(url, timeout=10).text
+
+    def wait_ready(self, timeout: float = 30.0) -> dict:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            response = httpx.get(f"{self.url}/ready", timeout=5)
+            if response.status_code == 200:
+                return response.json()
+            time.sleep(0.2)
+        raise TimeoutError(httpx.get(f"{self.url}/ready", timeout=5).json())
+
+    def stop(self) -> int:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.stderr.close()
+        return self.process.returncode
+
+
+def metric_value(text: str, name: str, labels: dict | None = None) -> float:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    total = 0.0
+    for family in text_string_to_metric_families(text):
+        for sample in family.samples:
+            if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
+                total += sample.value
+    return total
+
+
+def process_alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    stat = Path(f"/proc/{pid}/stat")
+    return stat.exists() and stat.read_text().split()[2] != "Z"

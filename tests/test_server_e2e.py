@@ -1,0 +1,201 @@
+"""End to end through real processes on loopback: the OpenAI API, SSE, concurrency, metrics, bad input."""
+
+import asyncio
+import json
+
+import httpx
+import openai
+import pytest
+
+from server_harness import Server, metric_value, write_server_models
+
+PROMPT = "def add(a, b):"
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    root = tmp_path_factory.mktemp("serve")
+    target, draft = write_server_models(root)
+    srv = Server(target, draft, "--max-running", "16", log_dir=root)
+    srv.wait_ready()
+    yield srv
+    assert srv.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
+
+
+def completion(server, **body):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 24, "temperature": 0, "return_token_ids": True, **body}
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def sse_events(server, path, body):
+    """Raw SSE: every event is one 'data: ' line; returns the parsed JSON chunks and whether [DONE] ended it."""
+    chunks, done = [], False
+    with httpx.stream("POST", f"{server.url}{path}", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        assert response.headers["content-type"].startswith("text/event-stream")
+        for line in response.iter_lines():
+            if not line:
+                continue
+            assert line.startswith("data: "), line
+            data = line[len("data: "):]
+            assert not done, "data after [DONE]"
+            if data == "[DONE]":
+                done = True
+            else:
+                chunks.append(json.loads(data))
+    return chunks, done
+
+
+def test_models_health_ready(server, client):
+    assert httpx.get(f"{server.url}/health").json() == {"status": "ok"}
+    assert server.wait_ready()["drafter"] == "available"
+    models = client.models.list()
+    assert [m.id for m in models.data] == ["tiny"]
+    assert models.data[0].model_extra["drafter"] == {"kind": "dflash", "available": True}
+
+
+def test_completion_through_openai_client_with_usage(server, client):
+    result = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=24, temperature=0)
+    usage = result.usage
+    assert usage.prompt_tokens == len(PROMPT.encode()) and 1 <= usage.completion_tokens <= 24
+    spec = usage.model_extra["speculative"]
+    assert spec["draft_tokens"] > 0 and spec["verify_steps"] >= 1
+    details = usage.completion_tokens_details
+    assert details.accepted_prediction_tokens == spec["accepted_tokens"]
+    assert details.rejected_prediction_tokens == spec["draft_tokens"] - spec["accepted_tokens"]
+    assert result.choices[0].finish_reason in ("length", "stop")
+
+
+def test_streaming_equals_non_streaming_both_endpoints(server, client):
+    plain = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0)
+    stream = client.completions.create(model="tiny", prompt=PROMPT, max_tokens=30, temperature=0, stream=True,
+                                       stream_options={"include_usage": True})
+    parts, usage = [], None
+    for chunk in stream:
+        if chunk.choices:
+            parts.append(chunk.choices[0].text)
+        if chunk.usage:
+            usage = chunk.usage
+    assert "".join(parts) == plain.choices[0].text
+    assert usage.completion_tokens == plain.usage.completion_tokens
+    messages = [{"role": "user", "content": "write a loop"}]
+    chat = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0)
+    streamed = client.chat.completions.create(model="tiny", messages=messages, max_tokens=20, temperature=0,
+                                              stream=True)
+    text = "".join(c.choices[0].delta.content or "" for c in streamed if c.choices)
+    assert text == chat.choices[0].message.content and chat.choices[0].message.role == "assistant"
+
+
+def test_raw_sse_format(server):
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 16, "temperature": 0, "stream": True,
+            "stream_options": {"include_usage": True}, "return_token_ids": True}
+    chunks, done = sse_events(server, "/v1/completions", body)
+    assert done
+    assert all(c["object"] == "text_completion" and c["model"] == "tiny" for c in chunks)
+    assert len({c["id"] for c in chunks}) == 1
+    finals = [c for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert len(finals) == 1
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 16
+    tokens = [t for c in chunks if c["choices"] for t in c["choices"][0].get("token_ids", [])]
+    assert tokens == completion(server, max_tokens=16)["choices"][0]["token_ids"]
+    chat_chunks, done = sse_events(server, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "temperature": 0,
+        "stream": True})
+    assert done and chat_chunks[0]["choices"][0]["delta"]["role"] == "assistant"
+    assert all(c["object"] == "chat.completion.chunk" for c in chat_chunks)
+
+
+def test_stop_strings_cut_the_text(server):
+    full = completion(server, max_tokens=40)["choices"][0]["text"]
+    start = next(i for i in range(3, len(full) - 2) if "\ufffd" not in full[i: i + 2])
+    stop = full[start: start + 2]  # random models emit broken UTF-8; take a clean piece of the text
+    cut = completion(server, max_tokens=40, stop=[stop])
+    assert cut["choices"][0]["text"] == full[: full.index(stop)] and cut["choices"][0]["finish_reason"] == "stop"
+
+
+def test_sixteen_concurrent_streams_equal_requests_served_alone(server):
+    prompts = [f"x = {i} * {i + 1}  # " + "ab" * (i % 5) for i in range(16)]
+    alone = [completion(server, prompt=p, max_tokens=40)["choices"][0]["token_ids"] for p in prompts]
+
+    async def one(client, prompt):
+        body = {"model": "tiny", "prompt": prompt, "max_tokens": 40, "temperature": 0, "stream": True,
+                "return_token_ids": True}
+        tokens = []
+        async with client.stream("POST", f"{server.url}/v1/completions", json=body, timeout=120) as response:
+            async for line in response.aiter_lines():
+                if line.startswith("data: ") and line != "data: [DONE]":
+                    chunk = json.loads(line[6:])
+                    tokens += chunk["choices"][0].get("token_ids", []) if chunk["choices"] else []
+        return tokens
+
+    async def run_all():
+        async with httpx.AsyncClient() as client:
+            return await asyncio.gather(*(one(client, p) for p in prompts))
+
+    together = asyncio.run(run_all())
+    for prompt, got, want in zip(prompts, together, alone):
+        assert got == want, prompt  # near-ties aside, batching must not change greedy output
+
+
+def test_metrics_parse_and_speculative_counters_move(server):
+    before = server.metrics("verify")
+    usage = completion(server, max_tokens=20)["usage"]["speculative"]
+    after = server.metrics("verify")
+    drafted = metric_value(after, "dflash_spec_draft_tokens_total") - metric_value(before, "dflash_spec_draft_tokens_total")
+    accepted = metric_value(after, "dflash_spec_accepted_tokens_total") - metric_value(before, "dflash_spec_accepted_tokens_total")
+    assert drafted >= usage["draft_tokens"] > 0 and accepted >= usage["accepted_tokens"]
+    assert metric_value(after, "dflash_step_duration_seconds_count", {"phase": "verify"}) > 0
+    assert metric_value(after, "dflash_drafter_available", {"kind": "dflash"}) == 1
+    gateway = server.metrics("gateway")
+    assert metric_value(gateway, "dflash_requests_total", {"outcome": "success"}) >= 1
+    assert metric_value(gateway, "dflash_time_to_first_token_seconds_count") >= 1
+    assert metric_value(server.metrics("draft"), "dflash_draft_calls_total") >= 1
+
+
+BAD = [
+    ("/v1/completions", b"{not json", 400, None),
+    ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
+    ("/v1/completions", {"model": "gpt-9", "prompt": "x"}, 404, "model"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
+    ("/v1/completions", {"model": "tiny", "prompt": 42}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": [1, 999]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stream": "yes"}, 400, "stream"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [1, 2]}, 400, "stop"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "num_speculative_tokens": -1}, 400, "num_speculative_tokens"),
+    ("/v1/completions", [1, 2], 400, None),
+    ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),
+]
+
+
+@pytest.mark.parametrize("path,body,status,param", BAD)
+def test_bad_input_gets_openai_error_bodies(server, path, body, status, param):
+    content = body if isinstance(body, bytes) else json.dumps(body).encode()
+    response = httpx.post(f"{server.url}{path}", content=content, headers={"content-type": "application/json"},
+                          timeout=30)
+    assert response.status_code == status, response.text
+    error = response.json()["error"]
+    assert set(error) == {"message", "type", "param", "code"} and error["message"]
+    assert error["param"] == param
+
+
+def test_speculation_knob_zero_is_plain_decoding(server):
+    spec = completion(server, max_tokens=20)
+    plain = completion(server, max_tokens=20, num_speculative_tokens=0)
+    assert plain["choices"][0]["token_ids"] == spec["choices"][0]["token_ids"]
+    assert plain["usage"]["speculative"]["draft_tokens"] == 0
+    assert plain["usage"]["speculative"]["acceptance_length"] == 1.0

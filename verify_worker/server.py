@@ -1,0 +1,234 @@
+"""The verify worker process: owns every request, runs the engine step by step, streams token events.
+
+Gateway channel: PULL (submits, aborts) and PUSH (token events, failures, heartbeats), both bound here.
+Continuous batching: between engine steps it takes in every message that arrived, so requests join and leave
+at step boundaries.
+"""
+
+import argparse
+import logging
+import os
+import sys
+import time
+import traceback
+
+import zmq
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+
+from draft_worker.draft_config import DraftConfig
+from shared import metric_names as names
+from shared.channel_gateway import TO_VERIFY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent
+from shared.checkpoint_io import read_config
+from shared.errors import DFlashError, RequestError
+from shared.role import announce_ready, configure_process
+from shared.sampling import SamplingParams
+from shared.wire import WireError, decode, encode
+from verify_worker.engine import SpeculativeEngine
+from verify_worker.remote_proposer import RemoteProposer
+from verify_worker.request import GenerationRequest, StepReport
+from verify_worker.target_loader import load_target
+
+STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
+
+
+class VerifyMetrics:
+    def __init__(self, drafter_kind: str):
+        r = self.registry = CollectorRegistry()
+        self.drafts = Counter(names.SPEC_DRAFTS, "Request verify steps that carried drafts", registry=r)
+        self.draft_tokens = Counter(names.SPEC_DRAFT_TOKENS, "Drafted tokens verified", registry=r)
+        self.accepted = Counter(names.SPEC_ACCEPTED_TOKENS, "Drafted tokens accepted", registry=r)
+        self.accepted_at = Counter(names.SPEC_ACCEPTED_PER_POSITION, "Accepted drafts by block position",
+                                   ["position"], registry=r)
+        self.drafted_at = Counter(names.SPEC_DRAFTED_PER_POSITION, "Drafts by block position", ["position"],
+                                  registry=r)
+        self.step = Histogram(names.STEP_SECONDS, "Time per engine step by phase", ["phase"], registry=r,
+                              buckets=STEP_BUCKETS)
+        self.running = Gauge(names.RUNNING, "Requests holding a cache slot", registry=r)
+        self.waiting = Gauge(names.WAITING, "Requests queued for a cache slot", registry=r)
+        self.drafter = Gauge(names.DRAFTER_AVAILABLE, "1 when the drafter answers", ["kind"], registry=r)
+        self.fallback = Counter(names.FALLBACK_STEPS, "Steps decoded without drafts for want of a drafter",
+                                registry=r)
+        self.bad = Counter(names.BAD_MESSAGES, "Rejected wire messages", ["role"], registry=r)
+        self.kind = drafter_kind
+
+    def record(self, report: StepReport) -> None:
+        for phase, seconds in report.seconds.items():
+            self.step.labels(phase).observe(seconds)
+        rows_with_drafts = report.drafted_at[0] if report.drafted_at else 0
+        self.drafts.inc(rows_with_drafts)
+        self.draft_tokens.inc(report.draft_tokens)
+        self.accepted.inc(report.accepted_tokens)
+        for position, (drafted, accepted) in enumerate(zip(report.drafted_at, report.accepted_at), start=1):
+            if drafted:
+                self.drafted_at.labels(str(position)).inc(drafted)
+                self.accepted_at.labels(str(position)).inc(accepted)
+        if report.fallback:
+            self.fallback.inc()
+
+
+class VerifyServer:
+    def __init__(self, engine: SpeculativeEngine, requests_addr: str, events_addr: str, metrics: VerifyMetrics,
+                 max_waiting: int, log: logging.Logger, heartbeat_s: float = 0.25):
+        self.engine, self.metrics, self.max_waiting, self.log = engine, metrics, max_waiting, log
+        self.heartbeat_s = heartbeat_s
+        context = zmq.Context.instance()
+        self.inbox = context.socket(zmq.PULL)
+        self.inbox.bind(requests_addr)
+        self.outbox = context.socket(zmq.PUSH)
+        self.outbox.setsockopt(zmq.LINGER, 0)
+        self.outbox.bind(events_addr)
+        self.next_heartbeat = 0.0
+
+    def serve_forever(self) -> None:
+        while True:
+            self._take_messages(block=not self.engine.has_work())
+            if self.engine.has_work():
+                self._step()
+            self._heartbeat()
+
+    def _take_messages(self, block: bool) -> None:
+        timeout = int(self.heartbeat_s * 1000) if block else 0
+        while self.inbox.poll(timeout):
+            timeout = 0
+            frames = self.inbox.recv_multipart(copy=False)
+            try:
+                message = decode(frames, TO_VERIFY)
+            except WireError as exc:
+                self.metrics.bad.labels("verify").inc()
+                self.log.warning("rejected message: %s", exc)
+                continue
+            if isinstance(message, AbortRequest):
+                if self.engine.abort(message.request_id):
+                    self.log.info("aborted %s", message.request_id)
+            elif isinstance(message, SubmitRequest):
+                self._submit(message)
+
+    def _submit(self, message: SubmitRequest) -> None:
+        try:
+            if len(self.engine.waiting) >= self.max_waiting:
+                raise _Rejected("queue_full", f"the queue is full ({self.max_waiting} requests waiting)")
+            sampling = SamplingParams(message.temperature, message.top_p, message.top_k, message.seed)
+            request = GenerationRequest(
+                tuple(message.prompt_ids), message.max_tokens, sampling, tuple(message.stop_token_ids),
+                message.num_speculative_tokens, request_id=message.request_id,
+            )
+            self.engine.add(request)
+        except RequestError as exc:
+            self._send(RequestFailed(message.request_id, "invalid_request", str(exc)))
+        except _Rejected as exc:
+            self._send(RequestFailed(message.request_id, exc.code, exc.message))
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception:  # a bug must not take the other requests' streams down silently
+            self.log.error("engine step failed:\n%s", traceback.format_exc())
+            for request_id in list(self.engine.running) + [s.request_id for s in self.engine.prefilling]:
+                self.engine.abort(request_id)
+                self._send(RequestFailed(request_id, "internal", "the verify worker failed on this step"))
+            return
+        for event in events:
+            stats = event.stats
+            self._send(TokenEvent(
+                request_id=event.request_id, token_ids=event.new_token_ids, finish_reason=event.finish_reason,
+                verify_steps=stats.verify_steps if stats else 0, draft_tokens=stats.draft_tokens if stats else 0,
+                accepted_tokens=stats.accepted_tokens if stats else 0,
+            ))
+        self.metrics.record(self.engine.last_report)
+
+    def _heartbeat(self) -> None:
+        now = time.monotonic()
+        if now < self.next_heartbeat:
+            return
+        self.next_heartbeat = now + self.heartbeat_s
+        proposer = self.engine.proposer
+        if proposer is not None and not proposer.available and now >= proposer.next_probe:
+            proposer.probe()  # notice a (re)started drafter even while idle
+        available = proposer is not None and proposer.available
+        kind = proposer.kind if proposer is not None else "none"
+        self.metrics.drafter.labels(kind).set(1 if available else 0)
+        self.metrics.running.set(self.engine.num_running)
+        self.metrics.waiting.set(len(self.engine.waiting))
+        self._send(Heartbeat(running=self.engine.num_running, waiting=len(self.engine.waiting),
+                             drafter_kind=kind, drafter_available=available))
+
+    def _send(self, message) -> None:
+        try:
+            self.outbox.send_multipart(encode(message), flags=zmq.NOBLOCK)
+        except zmq.Again:  # no gateway connected yet (heartbeats before it starts)
+            if not isinstance(message, Heartbeat):
+                self.log.warning("gateway not connected: dropped %s", message.TYPE)
+
+
+class _Rejected(Exception):
+    def __init__(self, code: str, message: str):
+        super().__init__(message)
+        self.code, self.message = code, message
+
+
+def parse_args(argv):
+    env = os.environ.get
+    parser = argparse.ArgumentParser(prog="dflash-verify-worker", description="The DFlash verify worker role.")
+    parser.add_argument("--role", default="verify", choices=["verify"], help=argparse.SUPPRESS)
+    parser.add_argument("--target", default=env("DFLASH_TARGET"), help="target checkpoint folder")
+    parser.add_argument("--draft", default=env("DFLASH_DRAFT"),
+                        help="drafter checkpoint folder (its config.json says which target layers to tap)")
+    parser.add_argument("--no-draft", action="store_true", help="serve without speculation")
+    parser.add_argument("--requests-addr", default=env("DFLASH_REQUESTS_ADDR", "tcp://127.0.0.1:5555"))
+    parser.add_argument("--events-addr", default=env("DFLASH_EVENTS_ADDR", "tcp://127.0.0.1:5556"))
+    parser.add_argument("--draft-addr", default=env("DFLASH_DRAFT_ADDR", "tcp://127.0.0.1:5557"))
+    parser.add_argument("--metrics-port", type=int, default=int(env("DFLASH_VERIFY_METRICS_PORT", "9101")),
+                        help="Prometheus port (0 = none)")
+    parser.add_argument("--metrics-host", default=env("DFLASH_METRICS_HOST", "127.0.0.1"))
+    parser.add_argument("--block-size", type=int, default=None)
+    parser.add_argument("--max-running", type=int, default=16, help="requests holding a KV-cache slot at once")
+    parser.add_argument("--max-waiting", type=int, default=64, help="requests queued for a slot")
+    parser.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per request")
+    parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")
+    parser.add_argument("--draft-timeout", type=float, default=5.0, help="seconds to wait for a draft")
+    parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
+    parser.add_argument("--dtype", default="auto")
+    parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")))
+    return parser.parse_args(argv)
+
+
+def build_server(args, log) -> VerifyServer:
+    if not args.target:
+        raise DFlashError("--target is required")
+    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    proposer = None
+    if args.draft and not args.no_draft:
+        draft_cfg = DraftConfig.from_dict(read_config(args.draft))
+        if args.block_size is not None and args.block_size < 2:
+            raise DFlashError(f"--block-size must be >= 2, got {args.block_size}")
+        proposer = RemoteProposer(args.draft_addr, draft_cfg, args.block_size, timeout_s=args.draft_timeout, log=log)
+    engine = SpeculativeEngine(target, proposer, max_requests=args.max_running, max_model_len=args.max_model_len,
+                               max_prefill_tokens=args.max_prefill_tokens)
+    cache_mb = engine.cache.nbytes() / 2**20
+    log.info("target %s: %d layers, KV cache %d slots x %d positions (%.1f MiB)", args.target,
+             target.config.num_layers, args.max_running, engine.cache.capacity, cache_mb)
+    metrics = VerifyMetrics(proposer.kind if proposer else "none")
+    server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    return server
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
+    log = configure_process("verify", args.threads)
+    try:
+        server = build_server(args, log)
+    except (DFlashError, zmq.ZMQError, OSError) as exc:
+        print(f"dflash-verify-worker: error: {exc}", file=sys.stderr)
+        return 2
+    announce_ready("verify", f"max_model_len={server.engine.max_model_len}")
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
