@@ -173,8 +173,9 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     @app.get("/ready")
     async def ready():
         recent = probe.last_ok and time.monotonic() - probe.last_ok < settings.ready_window_s
-        ok = client.alive and recent and (probe.drafted or not settings.drafter_configured)
         heartbeat = client.last_heartbeat
+        drafter_up = bool(probe.drafted and heartbeat and heartbeat.drafter_available)
+        ok = client.alive and recent and (drafter_up or not settings.drafter_configured)
         body = {
             "ready": bool(ok),
             "verify_worker": "up" if client.alive else "down",

@@ -1,0 +1,186 @@
+"""Faults with real processes: a killed drafter, a killed verify worker, a client that goes away, a full
+queue, bad wire messages, and the API key."""
+
+import json
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import msgpack
+import pytest
+import zmq
+
+from server_harness import Server, metric_value, process_alive, write_server_models
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("fault_models")
+    return (*write_server_models(root), root)
+
+
+def stream_tokens(url, prompt, max_tokens, started: threading.Event | None = None, timeout=120):
+    """Greedy stream; returns (token ids, the error body if the stream ended with one, saw [DONE])."""
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
+            "return_token_ids": True}
+    tokens, error, done = [], None, False
+    with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
+        assert response.status_code == 200, response.read()
+        for line in response.iter_lines():
+            if not line.startswith("data: "):
+                continue
+            if line == "data: [DONE]":
+                done = True
+                continue
+            chunk = json.loads(line[6:])
+            if "error" in chunk:
+                error = chunk["error"]
+            elif chunk["choices"]:
+                tokens += chunk["choices"][0].get("token_ids", [])
+                if started is not None and tokens:
+                    started.set()
+    return tokens, error, done
+
+
+def completion_tokens(url, prompt, max_tokens, **extra):
+    body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "return_token_ids": True, **extra}
+    response = httpx.post(f"{url}/v1/completions", json=body, timeout=120)
+    assert response.status_code == 200, response.text
+    return response.json()
+
+
+def test_drafter_killed_mid_stream(models):
+    target, draft, root = models
+    server = Server(target, draft, "--draft-timeout", "1.0", log_dir=root)
+    try:
+        server.wait_ready()
+        prompts = [f"for i in range({i}):" for i in range(6)]
+        events = [threading.Event() for _ in prompts]
+        with ThreadPoolExecutor(len(prompts)) as pool:
+            futures = [pool.submit(stream_tokens, server.url, p, 400, e) for p, e in zip(prompts, events)]
+            assert all(e.wait(60) for e in events), [f.exception() for f in futures if f.done()]
+            os.kill(server.child_pid("draft"), signal.SIGKILL)
+            results = [f.result(timeout=120) for f in futures]
+        for tokens, error, done in results:
+            assert error is None and done and len(tokens) > 0
+        verify = server.metrics("verify")
+        assert metric_value(verify, "dflash_spec_fallback_steps_total") >= 1
+        assert "draft worker exited" in server.stderr_path.read_text()
+        assert server.wait_ready(60)["drafter"] == "available"  # restarted, and speculating again
+        assert completion_tokens(server.url, prompts[0], 30)["usage"]["speculative"]["draft_tokens"] > 0
+        for prompt, (tokens, _, _) in zip(prompts, results):  # identical to the request served alone
+            assert completion_tokens(server.url, prompt, 400)["choices"][0]["token_ids"] == tokens
+    finally:
+        assert server.stop() == 0
+
+
+def test_verify_worker_killed(models):
+    target, draft, root = models
+    server = Server(target, draft, log_dir=root)
+    try:
+        server.wait_ready()
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(stream_tokens, server.url, "while True:", 480, started)
+            assert started.wait(60), future.exception(timeout=0) if future.done() else "no token in 60 s"
+            os.kill(server.child_pid("verify"), signal.SIGKILL)
+            tokens, error, done = future.result(timeout=30)  # nothing hangs
+        assert error is not None and error["code"] == "verify_worker_down" and done
+        began = time.monotonic()
+        response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+        assert response.status_code == 503 and time.monotonic() - began < 2
+        assert response.json()["error"]["code"] == "service_unavailable"
+        assert httpx.get(f"{server.url}/ready", timeout=5).status_code == 503
+        assert server.process.wait(30) != 0  # dflash-serve exits non-zero so a supervisor restarts it
+    finally:
+        server.stop()
+
+
+def test_client_disconnect_aborts_and_frees_the_cache(models):
+    target, draft, root = models
+    server = Server(target, draft, log_dir=root)
+    try:
+        server.wait_ready()
+        body = {"model": "tiny", "prompt": "import os", "max_tokens": 480, "temperature": 0, "stream": True}
+        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+            assert response.status_code == 200
+            lines = response.iter_lines()
+            for _ in range(3):
+                next(lines)
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline:
+            if metric_value(server.metrics("verify"), "dflash_running_requests") == 0:
+                break
+            time.sleep(0.2)
+        assert metric_value(server.metrics("verify"), "dflash_running_requests") == 0
+        assert metric_value(server.metrics("gateway"), "dflash_requests_total", {"outcome": "aborted"}) == 1
+    finally:
+        assert server.stop() == 0
+
+
+def test_full_queue_gets_429_and_api_key_is_enforced(models):
+    target, draft, root = models
+    server = Server(target, draft, "--max-running", "1", "--max-waiting", "1", "--api-key", "sekret", log_dir=root)
+    try:
+        headers = {"Authorization": "Bearer sekret"}
+        unauthorized = httpx.get(f"{server.url}/v1/models", timeout=10)
+        assert unauthorized.status_code == 401 and unauthorized.json()["error"]["code"] == "invalid_api_key"
+        assert httpx.get(f"{server.url}/v1/models", headers=headers, timeout=10).status_code == 200
+
+        def post(_):
+            return httpx.post(f"{server.url}/v1/completions", headers=headers, timeout=120,
+                              json={"model": "tiny", "prompt": "x", "max_tokens": 300, "temperature": 0})
+
+        with ThreadPoolExecutor(6) as pool:
+            responses = list(pool.map(post, range(6)))
+        codes = sorted(r.status_code for r in responses)
+        assert codes.count(200) >= 2 and 429 in codes, codes
+        busy = next(r for r in responses if r.status_code == 429)
+        assert busy.headers["retry-after"] == "1" and busy.json()["error"]["type"] == "rate_limit_error"
+    finally:
+        assert server.stop() == 0
+
+
+def test_bad_wire_messages_are_rejected_and_workers_keep_running(models):
+    target, draft, root = models
+    server = Server(target, draft, log_dir=root)
+    try:
+        server.wait_ready()
+        context = zmq.Context()
+        to_verify = context.socket(zmq.PUSH)
+        to_verify.connect(f"tcp://127.0.0.1:{server.zmq_base}")
+        to_drafter = context.socket(zmq.DEALER)
+        to_drafter.connect(f"tcp://127.0.0.1:{server.zmq_base + 2}")
+        bad = [
+            [msgpack.packb({"v": 99, "type": "submit", "body": {}, "tensors": []})],
+            [msgpack.packb({"v": 1, "type": "submit", "body": {"request_id": "x"}, "tensors": []})],
+            [b"\x00\x01garbage"],
+        ]
+        for frames in bad:
+            to_verify.send_multipart(frames)
+            to_drafter.send_multipart(frames)
+        shapes = {"v": 1, "type": "draft", "body": {"call_id": 1, "request_ids": ["a"], "context_starts": [0],
+                  "feature_rows": [3], "anchor_tokens": [1], "num_drafts": [2], "temperatures": [0.0],
+                  "top_ps": [1.0], "top_ks": [0], "seeds": [1]},
+                  "tensors": [{"field": "features", "dtype": "float32", "shape": [2, 4]}]}
+        to_drafter.send_multipart([msgpack.packb(shapes), b"\x00" * 32])
+        time.sleep(1.0)
+        assert metric_value(server.metrics("verify"), "dflash_bad_messages_total") == 3
+        assert metric_value(server.metrics("draft"), "dflash_bad_messages_total") == 4
+        assert completion_tokens(server.url, "ok", 10)["usage"]["speculative"]["draft_tokens"] > 0
+        context.destroy(linger=0)
+    finally:
+        assert server.stop() == 0
+
+
+def test_sigterm_leaves_no_orphans(models):
+    target, draft, root = models
+    server = Server(target, draft, log_dir=root)
+    pids = [server.child_pid(role) for role in ("gateway", "verify", "draft")]
+    assert server.stop() == 0
+    time.sleep(0.5)
+    assert not any(process_alive(pid) for pid in pids)

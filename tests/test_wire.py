@@ -1,0 +1,99 @@
+"""The wire format: round trips, and rejection of wrong versions, types, fields and shapes."""
+
+import msgpack
+import pytest
+import torch
+
+from shared.channel_draft import TO_DRAFTER, TO_VERIFIER, DraftReply, DraftRequest
+from shared.channel_gateway import TO_GATEWAY, TO_VERIFY, SubmitRequest, TokenEvent
+from shared.draft_codec import items_from_message, reply_message, request_message, results_from_message
+from shared.proposals import DraftItem, DraftResult
+from shared.sampling import SamplingParams
+from shared.tensor_frames import from_raw, to_raw
+from shared.wire import WireError, decode, encode
+
+
+def submit():
+    return SubmitRequest("r1", [1, 2, 3], 10, 0.7, 0.9, 0, 42, [256], None)
+
+
+def test_round_trip_without_tensors():
+    assert decode(encode(submit()), TO_VERIFY) == submit()
+
+
+def test_draft_round_trip_with_tensors_and_mixed_proposals():
+    features = torch.randn(5, 8)
+    items = [
+        DraftItem("a", 0, features[:3], 7, 3, SamplingParams(0.0), 1),
+        DraftItem("b", 4, features[3:], 9, 2, SamplingParams(1.0, 0.9), 2),
+        DraftItem("c", 2, features[:0], 1, 1, SamplingParams(1.0), 3),
+    ]
+    message = decode(encode(request_message(11, items, 8)), TO_DRAFTER)
+    back = items_from_message(message)
+    assert [i.request_id for i in back] == ["a", "b", "c"]
+    assert torch.equal(back[0].context_features, features[:3]) and torch.equal(back[1].context_features, features[3:])
+    assert back[1].sampling == SamplingParams(1.0, 0.9) and back[2].context_features.shape == (0, 8)
+    results = [DraftResult(torch.tensor([1, 2, 3])), DraftResult(None),
+               DraftResult(torch.tensor([4]), q_probs=torch.tensor([[0.25, 0.75]]), q_ids=torch.tensor([[4, 5]]))]
+    reply = decode(encode(reply_message(11, results, 0.01)), TO_VERIFIER)
+    got = results_from_message(reply)
+    assert got[0].tokens.tolist() == [1, 2, 3] and got[0].q_probs is None
+    assert got[1].tokens is None
+    assert got[2].q_ids.tolist() == [[4, 5]] and got[2].q_probs.tolist() == [[0.25, 0.75]]
+
+
+def test_bfloat16_tensors_travel():
+    t = torch.randn(3, 4).to(torch.bfloat16)
+    assert torch.equal(from_raw(to_raw(t)), t)
+
+
+def tamper(frames, **changes):
+    header = msgpack.unpackb(bytes(frames[0]))
+    header.update(changes)
+    return [msgpack.packb(header), *frames[1:]]
+
+
+def test_wrong_version_type_and_channel_are_rejected():
+    frames = encode(submit())
+    with pytest.raises(WireError, match="schema version"):
+        decode(tamper(frames, v=99), TO_VERIFY)
+    with pytest.raises(WireError, match="unknown message type"):
+        decode(tamper(frames, type="launch_missiles"), TO_VERIFY)
+    with pytest.raises(WireError, match="unknown message type 'submit'"):
+        decode(frames, TO_GATEWAY)
+    with pytest.raises(WireError, match="undecodable"):
+        decode([b"\xc1garbage"], TO_VERIFY)
+
+
+def test_wrong_fields_and_types_are_rejected():
+    frames = encode(submit())
+    body = msgpack.unpackb(bytes(frames[0]))["body"]
+    with pytest.raises(WireError, match="missing fields \\['top_k'\\]"):
+        decode(tamper(frames, body={k: v for k, v in body.items() if k != "top_k"}), TO_VERIFY)
+    with pytest.raises(WireError, match="max_tokens"):
+        decode(tamper(frames, body={**body, "max_tokens": "ten"}), TO_VERIFY)
+    with pytest.raises(WireError, match="prompt_ids"):
+        decode(tamper(frames, body={**body, "prompt_ids": [1, "x"]}), TO_VERIFY)
+    event = TokenEvent("r", [1], None, 0, 0, 0)
+    with pytest.raises(WireError, match="unexpected fields \\['extra'\\]"):
+        decode(tamper(encode(event), body={**msgpack.unpackb(bytes(encode(event)[0]))["body"], "extra": 1}), TO_GATEWAY)
+
+
+def test_wrong_tensor_shapes_are_rejected():
+    item = DraftItem("a", 0, torch.randn(3, 8), 7, 3, SamplingParams(), 1)
+    frames = encode(request_message(1, [item], 8))
+    header = msgpack.unpackb(bytes(frames[0]))
+    header["tensors"][0]["shape"] = [4, 8]  # claims more rows than the bytes hold
+    with pytest.raises(WireError, match="does not match its"):
+        decode([msgpack.packb(header), frames[1]], TO_DRAFTER)
+    header["tensors"][0]["shape"] = [2, 12]  # the bytes fit, but feature_rows says 3
+    with pytest.raises(WireError, match="do not hold 3 rows"):
+        decode([msgpack.packb(header), frames[1]], TO_DRAFTER)
+    with pytest.raises(WireError, match="tensor frames"):
+        decode(frames[:1], TO_DRAFTER)
+    reply = reply_message(1, [DraftResult(torch.tensor([1, 2]))], 0.0)
+    reply.counts = [3]
+    with pytest.raises(WireError, match="tokens do not match counts"):
+        decode(encode(reply), TO_VERIFIER)
+    assert isinstance(decode(encode(reply_message(1, [DraftResult(torch.tensor([1]))], 0.0)), TO_VERIFIER), DraftReply)
+    assert DraftRequest.TYPE == "draft"
