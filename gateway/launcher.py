@@ -80,6 +80,8 @@ def parse_args(argv):
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")
+    parser.add_argument("--kv-cache-budget-mb", type=float, help="cap on the verify worker's KV-cache memory")
     parser.add_argument("--zmq-base-port", type=int, default=5555,
                         help="ports N (requests), N+1 (token events), N+2 (draft calls) on 127.0.0.1")
     parser.add_argument("--metrics-base-port", type=int, default=9101,
@@ -113,7 +115,9 @@ def build_children(args) -> dict[str, Child]:
               "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout)]
     gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
                "--max-pending", str(args.max_running + args.max_waiting)]
-    for flag, value in (("--max-model-len", args.max_model_len), ("--block-size", args.block_size)):
+    verify += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+    for flag, value in (("--max-model-len", args.max_model_len), ("--block-size", args.block_size),
+                        ("--kv-cache-budget-mb", args.kv_cache_budget_mb)):
         if value is not None:
             verify += [flag, str(value)]
     if args.max_model_len is not None:

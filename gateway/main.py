@@ -62,10 +62,15 @@ async def serve(args, log) -> int:
         max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
         drafter_configured=not args.no_draft,
     )
-    server = uvicorn.Server(uvicorn.Config(create_app(settings, codec, log), host=args.host, port=args.port,
-                                           log_level="warning", timeout_graceful_shutdown=2))
+    app = create_app(settings, codec, log)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
+                                           timeout_graceful_shutdown=2))
     task = asyncio.create_task(server.serve())
-    while not server.started and not task.done():
+    deadline = asyncio.get_running_loop().time() + 30
+    while not (server.started and app.state.client.alive) and not task.done():
+        if server.started and asyncio.get_running_loop().time() > deadline:
+            log.warning("no heartbeat from the verify worker yet: requests get 503 until it answers")
+            break
         await asyncio.sleep(0.05)
     if task.done():
         return 2

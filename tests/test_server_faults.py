@@ -126,6 +126,7 @@ def test_full_queue_gets_429_and_api_key_is_enforced(models):
     target, draft, root = models
     server = Server(target, draft, "--max-running", "1", "--max-waiting", "1", "--api-key", "sekret", log_dir=root)
     try:
+        server.wait_ready()
         headers = {"Authorization": "Bearer sekret"}
         unauthorized = httpx.get(f"{server.url}/v1/models", timeout=10)
         assert unauthorized.status_code == 401 and unauthorized.json()["error"]["code"] == "invalid_api_key"

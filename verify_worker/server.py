@@ -185,6 +185,8 @@ def parse_args(argv):
     parser.add_argument("--max-waiting", type=int, default=64, help="requests queued for a slot")
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per request")
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")
+    parser.add_argument("--kv-cache-budget-mb", type=float, default=None,
+                        help="cap on KV-cache memory: max-running is lowered to fit (error if one slot does not)")
     parser.add_argument("--draft-timeout", type=float, default=5.0, help="seconds to wait for a draft")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
@@ -202,11 +204,24 @@ def build_server(args, log) -> VerifyServer:
         if args.block_size is not None and args.block_size < 2:
             raise DFlashError(f"--block-size must be >= 2, got {args.block_size}")
         proposer = RemoteProposer(args.draft_addr, draft_cfg, args.block_size, timeout_s=args.draft_timeout, log=log)
-    engine = SpeculativeEngine(target, proposer, max_requests=args.max_running, max_model_len=args.max_model_len,
+    max_running = args.max_running
+    if args.kv_cache_budget_mb is not None:
+        cfg = target.config
+        max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        capacity = max_len + (proposer.block_size if proposer else 1)
+        slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * capacity * cfg.head_dim * target.embed_weight.element_size()
+        fit = int(args.kv_cache_budget_mb * 2**20 // slot_bytes)
+        if fit < 1:
+            raise DFlashError(f"--kv-cache-budget-mb {args.kv_cache_budget_mb} holds no request of {max_len} tokens "
+                              f"({slot_bytes / 2**20:.1f} MiB each): raise it or lower --max-model-len")
+        if fit < max_running:
+            log.warning("KV-cache budget fits %d requests: max running lowered from %d", fit, max_running)
+            max_running = fit
+    engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=args.max_model_len,
                                max_prefill_tokens=args.max_prefill_tokens)
     cache_mb = engine.cache.nbytes() / 2**20
     log.info("target %s: %d layers, KV cache %d slots x %d positions (%.1f MiB)", args.target,
-             target.config.num_layers, args.max_running, engine.cache.capacity, cache_mb)
+             target.config.num_layers, max_running, engine.cache.capacity, cache_mb)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")
     server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log)
     if args.metrics_port:
