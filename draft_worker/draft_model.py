@@ -52,6 +52,18 @@ class DraftAttention(nn.Module):
         return self.o_proj(cached_attention(q, keys, values, mask, self.head_dim**-0.5))
 
 
+    def forward_rows(self, x, cos, sin, context_k, context_v, mask):
+        """Training path without a cache: block rows x [1, R, hidden] attend to precomputed context keys/values
+        [1, S, kv_heads, dim] and to block rows, as mask [1, 1, R, S + R] allows."""
+        b, s, _ = x.shape
+        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim))
+        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [1, heads, R, dim]
+        k, v = self.keys_values(x, cos, sin)  # [1, R, kv_heads, dim]
+        keys = torch.cat([context_k, k], 1).transpose(1, 2)  # [1, kv_heads, S + R, dim]
+        values = torch.cat([context_v, v], 1).transpose(1, 2)
+        return self.o_proj(cached_attention(q, keys, values, mask, self.head_dim**-0.5))
+
+
 class DraftDecoderLayer(nn.Module):
     def __init__(self, cfg: DraftConfig, layer_index: int):
         super().__init__()
@@ -105,6 +117,24 @@ class DFlashDraftModel(nn.Module):
         for layer in self.layers:
             x = layer(x, cos, sin, cache, slots, positions, block_end)
         return self.norm(x)
+
+    def train_hidden(self, features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
+                     mask: torch.Tensor) -> torch.Tensor:
+        """The same maths as ingest_context + block_hidden, for many blocks at once and with autograd.
+
+        features [S, taps * hidden] of context positions 0..S-1; block_embeds [R, hidden] (all blocks' rows);
+        block_positions [R]; mask [R, S + R] (see draft_worker.training.masks). Returns [R, hidden].
+        """
+        context = self.hidden_norm(self.fc(features))[None]  # [1, S, hidden]
+        cos_c, sin_c = rotary_cos_sin(self.inv_freq, torch.arange(features.shape[0])[None], context.dtype)
+        cos, sin = rotary_cos_sin(self.inv_freq, block_positions[None], block_embeds.dtype)
+        x = block_embeds[None]  # [1, R, hidden]
+        for layer in self.layers:
+            context_k, context_v = layer.self_attn.keys_values(context, cos_c, sin_c)
+            h = layer.input_layernorm(x)
+            x = x + layer.self_attn.forward_rows(h, cos, sin, context_k, context_v, mask[None, None])
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+        return self.norm(x)[0]
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab], with the published output multiplier and soft-capping."""

@@ -212,6 +212,7 @@ class Launcher:
                 print(f"dflash-serve: the verify worker exited (code {self.children['verify'].exited()}); "
                       "stopping", file=sys.stderr, flush=True)
                 self._gateway_sees_verify_down()
+                time.sleep(3.0)  # clients keep getting clear 503s (not refused connections) for a moment
                 self.stop_all()
                 return 1
             if self.children["gateway"].exited() is not None and not self.stopping:

@@ -90,11 +90,11 @@ def test_verify_worker_killed(models):
             os.kill(server.child_pid("verify"), signal.SIGKILL)
             tokens, error, done = future.result(timeout=30)  # nothing hangs
         assert error is not None and error["code"] == "verify_worker_down" and done
+        assert httpx.get(f"{server.url}/ready", timeout=5).status_code == 503
         began = time.monotonic()
         response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
         assert response.status_code == 503 and time.monotonic() - began < 2
         assert response.json()["error"]["code"] == "service_unavailable"
-        assert httpx.get(f"{server.url}/ready", timeout=5).status_code == 503
         assert server.process.wait(30) != 0  # dflash-serve exits non-zero so a supervisor restarts it
     finally:
         server.stop()

@@ -40,8 +40,11 @@ class TargetAttention(nn.Module):
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [b, heads, s, dim]
         k = apply_rotary(k.transpose(1, 2), cos, sin)  # [b, kv_heads, s, dim]
-        cache.write(self.layer_index, slots, positions, k.transpose(1, 2), v)
-        keys, values = cache.read(self.layer_index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
+        if cache is None:  # training / scoring: the tokens attend to themselves only
+            keys, values = k, v.transpose(1, 2)
+        else:
+            cache.write(self.layer_index, slots, positions, k.transpose(1, 2), v)
+            keys, values = cache.read(self.layer_index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
         out = cached_attention(q, keys, values, mask, self.head_dim**-0.5)  # [b, s, heads * dim]
         return self.o_proj(out)
 
@@ -100,19 +103,20 @@ class TargetModel(nn.Module):
         self,
         input_ids: torch.Tensor,
         positions: torch.Tensor,
-        cache: PositionalKVCache,
-        slots: torch.Tensor,
+        cache: PositionalKVCache | None,
+        slots: torch.Tensor | None,
         tap_layers: tuple[int, ...] = (),
     ) -> TargetOutput:
         """Run new tokens input_ids [batch, seq] at absolute positions [batch, seq] of cache rows slots [batch].
 
         Writes their keys/values into the cache; attends causally by absolute position over everything the
         slot holds below each query. Rows may be right-padded: padding sits at later positions, so real
-        queries never see it.
+        queries never see it. With cache None (training, scoring) the tokens attend causally among themselves,
+        and positions must then be 0..seq-1.
         """
-        kv_len = int(positions.max()) + 1
+        kv_len = input_ids.shape[1] if cache is None else int(positions.max()) + 1
         mask = visibility_mask(positions, kv_len)  # [b, 1, s, kv_len]
-        read_slots = slot_selector(slots)
+        read_slots = None if cache is None else slot_selector(slots)
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         taps = []
