@@ -182,6 +182,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             "drafter": ("available" if heartbeat and heartbeat.drafter_available else "unavailable")
             if settings.drafter_configured else "none",
             "detail": probe.detail if client.alive else "the verify worker is not responding",
+            "running": heartbeat.running if heartbeat else None,
+            "waiting": heartbeat.waiting if heartbeat else None,
         }
         return JSONResponse(body, status_code=200 if ok else 503)
 

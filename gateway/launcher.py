@@ -96,13 +96,13 @@ def parse_args(argv):
 def build_children(args) -> dict[str, Child]:
     target, draft = args.target, args.draft
     if target is None:
-        from draft_worker.random_pair import ensure_random_pair
+        from shared.demo_models import default_pair
 
-        target_path, demo_draft = ensure_random_pair()
+        target_path, demo_draft, label = default_pair()
         target, draft = str(target_path), draft or str(demo_draft)
-        args.served_model_name = args.served_model_name or "dflash-random-demo"
-        print("dflash-serve: no --target given: serving the RANDOM (untrained) demo pair; its text is gibberish",
-              file=sys.stderr)
+        args.served_model_name = args.served_model_name or ("dflash-demo" if "embedded" in label else
+                                                            "dflash-random-demo")
+        print(f"dflash-serve: no --target given: serving {label}", file=sys.stderr)
     if args.no_draft:
         draft = None
     base = args.zmq_base_port

@@ -10,7 +10,7 @@ import torch
 
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
-from draft_worker.random_pair import ensure_random_pair
+from shared.demo_models import default_pair
 from shared.errors import ConfigError, DFlashError, RequestError
 from shared.sampling import SamplingParams
 from verify_worker.engine import SpeculativeEngine
@@ -78,10 +78,9 @@ def run(args) -> dict:
         raise ConfigError(f"--block-size must be >= 2 (one anchor plus at least one draft), got {args.block_size}")
     target_path, draft_path = (Path(args.target), Path(args.draft) if args.draft else None) if args.target else (None, None)
     if target_path is None:
-        target_path, demo_draft = ensure_random_pair()
+        target_path, demo_draft, label = default_pair()
         draft_path = Path(args.draft) if args.draft else demo_draft
-        print("note: no --target given: using the RANDOM (untrained) demo pair; its output is gibberish",
-              file=sys.stderr)
+        print(f"note: no --target given: using {label}", file=sys.stderr)
     target = load_target(target_path, device=args.device, dtype=args.dtype)
     tokenizer = _load_tokenizer(target_path)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)

@@ -38,7 +38,8 @@ class Example:
 
 class DrafterTrainer:
     def __init__(self, target: TargetModel, drafter: DFlashDraftModel, settings: TrainSettings):
-        self.target, self.drafter, self.settings = target.eval().requires_grad_(False), drafter, settings
+        self.target, self.settings = target.eval().requires_grad_(False), settings
+        self.drafter = drafter.requires_grad_(True)
         cfg = drafter.config
         self.block_size = cfg.block_size
         self.weights = position_weights(cfg.block_size, default_gamma(cfg.block_size))  # [B]
