@@ -149,7 +149,7 @@ class SpeculativeEngine:
         report.prefill_tokens = sum(n for _, n in chunks)
         for row, (state, n) in enumerate(chunks):
             if self.proposer is not None:
-                state.feature_chunks.append(out.taps[row, :n])
+                state.feature_chunks.append(out.taps[row, :n].clone())  # a copy: a view would pin the batch
             state.cache_len += n
         report.seconds["prefill"] += time.perf_counter() - started
         for i, row in enumerate(done):
@@ -179,7 +179,7 @@ class SpeculativeEngine:
             a = accepted[row]
             state.cache_len += a + 1  # rollback is implicit: positions past cache_len are never attended
             if self.proposer is not None:
-                state.feature_chunks.append(out.taps[row, : a + 1])
+                state.feature_chunks.append(out.taps[row, : a + 1].clone())
             tokens = drafts[row, :a].tolist() + [next_tokens[row]]
             committed = self._commit(state, tokens, events)
             state.stats.record(counts[row], min(a, committed), committed)
