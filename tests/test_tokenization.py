@@ -1,0 +1,53 @@
+"""Incremental detokenization never splits UTF-8; stop strings are never partly emitted; chat templates."""
+
+import json
+
+from gateway.tokenization import IncrementalDetokenizer, StopMatcher, TextCodec
+from shared.byte_tokenizer import build_byte_tokenizer, write_byte_tokenizer
+
+
+def test_deltas_never_split_a_character():
+    tokenizer = build_byte_tokenizer()
+    text = "naïve café — 数据 🚀 ok"
+    ids = tokenizer.encode(text).ids
+    detok = IncrementalDetokenizer(tokenizer)
+    deltas = [detok.add([i]) for i in ids]
+    assert all("\ufffd" not in d for d in deltas)
+    assert "".join(deltas) + detok.flush() == text
+    assert deltas[ids.index(0xF0)] == ""  # the first byte of the rocket waits for the other three
+
+
+def test_invalid_bytes_are_flushed_at_the_end():
+    detok = IncrementalDetokenizer(build_byte_tokenizer())
+    assert detok.add([104]) == "h"
+    assert detok.add([0xE2]) == "" and detok.add([0x82]) == ""  # an incomplete character is held back
+    assert detok.flush() == "\ufffd"  # and shown as U+FFFD only when the stream ends without completing it
+
+
+def test_stop_strings_are_held_back_until_decided():
+    matcher = StopMatcher(["</end>", "\n\n"])
+    emitted = []
+    for delta in ["abc<", "/en", "x and \n", "more", "<", "/end> tail"]:
+        text, stopped = matcher.feed(delta)
+        emitted.append(text)
+        if stopped:
+            break
+    assert "".join(emitted) == "abc</enx and \nmore" and stopped
+    assert all("</end>" not in e for e in emitted)
+
+
+def test_chat_template_from_tokenizer_config(tmp_path):
+    write_byte_tokenizer(tmp_path)
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({
+        "eos_token": {"content": "<|endoftext|>"},
+        "chat_template": "{% for m in messages %}[{{ m['role'] }}] {{ m['content'] }}\n{% endfor %}"
+                         "{% if add_generation_prompt %}[assistant] {% endif %}"}))
+    codec = TextCodec.from_folder(tmp_path, config_eos=(5,))
+    assert codec.eos_token_ids == (5, 256)
+    assert codec.render_chat([{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "
+
+
+def test_fallback_chat_template(tmp_path):
+    write_byte_tokenizer(tmp_path)
+    codec = TextCodec.from_folder(tmp_path)
+    assert codec.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
