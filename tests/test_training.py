@@ -63,3 +63,17 @@ def test_a_few_steps_lower_the_loss(qwen3_pair):
     assert after < 0.8 * before, (before, after)
     report = trainer.evaluate(examples)
     assert len(report["per_position_accuracy"]) == 7 and report["acceptance_length_greedy"] >= 1.0
+
+
+def test_short_blocks_train_and_validation_uses_whole_blocks(qwen3_pair):
+    """With blocks cut to 8 rows during training, validation still scores whole blocks of every position."""
+    _, target, _, _ = qwen3_pair
+    drafter = random_drafter(tiny_draft_config(layers=1, block_size=16), seed=2, std=0.05)
+    trainer = DrafterTrainer(target, drafter, TrainSettings(steps=2, short_block_probability=0.5,
+                                                            anchors_per_sequence=12))
+    example = Example(torch.randint(0, 120, (64,), generator=torch.Generator().manual_seed(1)), 4)
+    _, _, _, _, lengths = trainer.layout(example, torch.arange(4, 40, 3))
+    assert set(lengths.tolist()) == {8, 16}
+    trainer.train([example], log=lambda _: None)
+    report = trainer.evaluate([example])
+    assert len(report["per_position_accuracy"]) == 15

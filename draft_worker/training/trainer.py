@@ -62,7 +62,7 @@ class DrafterTrainer:
         pick = torch.randperm(len(candidates), generator=self.generator)[: self.settings.anchors_per_sequence]
         return candidates[pick].sort().values
 
-    def layout(self, example: Example, anchors: torch.Tensor):
+    def layout(self, example: Example, anchors: torch.Tensor, full_blocks: bool = False):
         """Block ids, positions, labels and loss weights of the rows of all anchor blocks ([A * B] each)."""
         b, s, ids = self.block_size, len(example.ids), example.ids
         offsets = torch.arange(b)
@@ -72,18 +72,18 @@ class DrafterTrainer:
         label_positions = positions.clamp(max=s - 1)
         labels = torch.where(positions < s, ids[label_positions], -1)  # [A*B]
         lengths = torch.full((len(anchors),), b)
-        if b > 8 and self.settings.short_block_probability > 0:
+        if b > 8 and self.settings.short_block_probability > 0 and not full_blocks:
             short = torch.rand(len(anchors), generator=self.generator) < self.settings.short_block_probability
             lengths[short] = 8
         live = (offsets[None, :] < lengths[:, None]).reshape(-1)
         weights = self.weights.repeat(len(anchors)) * (labels >= 0) * live
         return block_ids.reshape(-1), positions, labels, weights, lengths
 
-    def sequence_loss(self, example: Example, anchors: torch.Tensor | None = None):
-        """(loss, logits of the weighted rows, their labels, their block row index)."""
+    def sequence_loss(self, example: Example, anchors: torch.Tensor | None = None, full_blocks: bool = False):
+        """(loss, logits of the weighted rows, their labels, their block row index, anchors)."""
         features, target_logp = self.target_view(example.ids)
         anchors = self.sample_anchors(example) if anchors is None else anchors
-        block_ids, positions, labels, weights, lengths = self.layout(example, anchors)
+        block_ids, positions, labels, weights, lengths = self.layout(example, anchors, full_blocks)
         mask = block_visibility(anchors, len(example.ids), self.block_size, lengths)
         embed = self.target.embed_weight
         hidden = self.drafter.train_hidden(features, embed[block_ids], positions, mask)  # [A*B, hidden]
@@ -157,7 +157,7 @@ class DrafterTrainer:
             anchors = anchors[anchors + b <= len(example.ids)]  # whole blocks only
             if not len(anchors):
                 continue
-            _, logits, labels, rows, _ = self.sequence_loss(example, anchors)
+            _, logits, labels, rows, _ = self.sequence_loss(example, anchors, full_blocks=True)
             hits = (logits.argmax(-1) == labels).float()
             correct.index_add_(0, rows, hits)
             total.index_add_(0, rows, torch.ones_like(hits))
