@@ -8,6 +8,7 @@ import torch
 from torch.nn import functional as F
 
 from shared.checkpoint_io import write_checkpoint
+from shared.layers import normal_init
 from shared.rope import RopeSettings
 from verify_worker.target_config import TargetConfig
 from verify_worker.target_model import TargetModel
@@ -20,16 +21,6 @@ def demo_target_config(vocab_size: int, eos_id: int) -> TargetConfig:
         attention_bias=False, mlp_bias=False, max_position_embeddings=1024, checkpoint_dtype="bfloat16",
         eos_token_ids=(eos_id,),
     )
-
-
-def init_weights(model: torch.nn.Module, seed: int, std: float = 0.02) -> None:
-    generator = torch.Generator().manual_seed(seed)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
 
 
 def lm_loss(model: TargetModel, batch: torch.Tensor) -> torch.Tensor:
@@ -49,7 +40,7 @@ def random_windows(ids: torch.Tensor, batch: int, length: int, generator: torch.
 def pretrain(train_ids: torch.Tensor, val_ids: torch.Tensor, cfg: TargetConfig, state_path: Path, minutes: float,
              batch: int = 16, length: int = 256, peak_lr: float = 2e-3, log=print) -> TargetModel:
     model = TargetModel(cfg)
-    init_weights(model, seed=0)
+    normal_init(model, seed=0)
     optimizer = torch.optim.AdamW(model.parameters(), lr=peak_lr, betas=(0.9, 0.95), weight_decay=0.1)
     elapsed, step = 0.0, 0
     generator = torch.Generator().manual_seed(1)

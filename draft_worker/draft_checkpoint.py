@@ -6,6 +6,7 @@ import torch
 
 from draft_worker.draft_config import DraftConfig
 from draft_worker.draft_model import DFlashDraftModel
+from shared.layers import normal_init
 from shared.checkpoint_io import check_tensor_names, load_tensors, read_config, write_checkpoint
 from shared.rope import inverse_frequencies
 
@@ -30,12 +31,6 @@ def save_drafter(model: DFlashDraftModel, folder: str | Path, dtype: torch.dtype
 
 def random_drafter(cfg: DraftConfig, seed: int = 0, std: float = 0.02) -> DFlashDraftModel:
     """A drafter with random weights (tests, the random demo pair); norms start at one."""
-    generator = torch.Generator().manual_seed(seed)
     model = DFlashDraftModel(cfg)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if name.endswith("norm.weight"):
-                param.fill_(1.0)
-            else:
-                param.copy_(torch.randn(param.shape, generator=generator) * std)
+    normal_init(model, seed, std)
     return model.eval().requires_grad_(False)
