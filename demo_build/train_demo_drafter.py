@@ -20,7 +20,10 @@ def train_demo_drafter(target_dir: Path, work: Path, out: Path, minutes: float, 
     examples = examples_from(torch.load(work / "generated.pt"))
     checkpoint = work / "drafter"
     if (checkpoint / "model.safetensors").exists():
-        drafter = load_drafter(checkpoint)
+        drafter = load_drafter(checkpoint)  # resume, optimizer state included (see DrafterTrainer.resume)
+    elif (out / "model.safetensors").exists():
+        drafter = load_drafter(out)  # warm start from the committed drafter (a fresh machine has no runs/)
+        log(f"warm start from {out}")
     else:
         drafter = random_drafter(new_drafter_config(target, 1, 16, [1, 3, 5], mask_id), seed=0)
         init_from_target(drafter, target)
