@@ -266,8 +266,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             client.finish(request_id)
             metrics.requests.labels("rejected" if first.code == "queue_full" else "error").inc()
             status = FAILURE_STATUS.get(first.code, 500)
-            raise ApiError(status, first.message, code=first.code,
-                           kind="invalid_request_error" if status < 500 else "server_error",
+            kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+            raise ApiError(status, first.message, code=first.code, kind=kind,
                            headers={"Retry-After": "1"} if status in (429, 503) else None)
         if first is None:
             return Response(status_code=499)
