@@ -89,6 +89,8 @@ def parse_args(argv):
     parser.add_argument("--verify-threads", type=int, default=0)
     parser.add_argument("--draft-threads", type=int, default=0)
     parser.add_argument("--draft-timeout", type=float, default=5.0)
+    parser.add_argument("--draft-sampling", choices=["dense", "sparse", "greedy"], default="dense",
+                        help="how the drafter proposes for sampled requests (all three are lossless)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     return parser.parse_args(argv)
 
@@ -131,7 +133,7 @@ def build_children(args) -> dict[str, Child]:
         verify += ["--draft", draft]
         draft_argv = ["--target", target, "--draft", draft, "--draft-addr", drafts, "--metrics-port",
                       str(args.metrics_base_port + 1), "--max-requests", str(args.max_running), "--device",
-                      args.device, "--threads", str(args.draft_threads)]
+                      args.device, "--threads", str(args.draft_threads), "--draft-sampling", args.draft_sampling]
         if args.block_size is not None:
             draft_argv += ["--block-size", str(args.block_size)]
         if args.max_model_len is not None:
