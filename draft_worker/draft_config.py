@@ -3,6 +3,7 @@
 from dataclasses import dataclass, field
 
 from shared.errors import ConfigError
+from shared.layers import decoder_layer_shapes
 from shared.rope import RopeSettings
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
@@ -181,25 +182,11 @@ class DraftConfig:
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """Published tensor names (no "model." prefix, no embedding, no lm_head) and their shapes."""
-        h, hd = self.hidden_size, self.head_dim
-        q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
+        h = self.hidden_size
         shapes = {"fc.weight": (h, self.num_taps * h), "hidden_norm.weight": (h,), "norm.weight": (h,)}
         for i in range(self.num_layers):
-            p = f"layers.{i}."
-            shapes.update({
-                p + "self_attn.q_proj.weight": (q_out, h),
-                p + "self_attn.k_proj.weight": (kv_out, h),
-                p + "self_attn.v_proj.weight": (kv_out, h),
-                p + "self_attn.o_proj.weight": (h, q_out),
-                p + "self_attn.q_norm.weight": (hd,),
-                p + "self_attn.k_norm.weight": (hd,),
-                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
-                p + "mlp.up_proj.weight": (self.intermediate_size, h),
-                p + "mlp.down_proj.weight": (h, self.intermediate_size),
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-            })
-            if self.attention_bias:
-                for name, size in (("q", q_out), ("k", kv_out), ("v", kv_out), ("o", h)):
-                    shapes[p + f"self_attn.{name}_proj.bias"] = (size,)
+            shapes.update(decoder_layer_shapes(
+                f"layers.{i}.", h, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.attention_bias, mlp_bias=False, qk_norm=True,
+            ))
         return shapes

@@ -20,7 +20,7 @@ from shared.channel_draft import TO_DRAFTER, DraftRequest, Ping, Pong, Release
 from shared.checkpoint_io import load_tensors, read_config
 from shared.draft_codec import items_from_message, reply_message
 from shared.errors import DFlashError
-from shared.role import announce_ready, configure_process
+from shared.role import configure_process, run_worker
 from shared.wire import WireError, decode, encode
 from verify_worker.target_config import TargetConfig
 from verify_worker.target_loader import resolve_dtype
@@ -118,34 +118,29 @@ def parse_args(argv):
     return parser.parse_args(argv)
 
 
+def build_server(args, log: logging.Logger) -> DraftServer:
+    if not args.target or not args.draft:
+        raise DFlashError("--target and --draft are required")
+    target_cfg = TargetConfig.from_dict(read_config(args.target))
+    dtype = resolve_dtype(args.dtype, target_cfg.checkpoint_dtype, args.device)
+    drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
+    embed, head = load_target_head(args.target, dtype, args.device)
+    proposer = LocalProposer(
+        drafter, embed, head, block_size=args.block_size, max_requests=args.max_requests,
+        max_model_len=args.max_model_len or target_cfg.max_position_embeddings,
+        draft_sampling=DraftSampling(args.draft_sampling),
+    )
+    metrics = DraftMetrics()
+    server = DraftServer(proposer, args.draft_addr, metrics, log)
+    if args.metrics_port:
+        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    return server
+
+
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = configure_process("draft", args.threads)
-    try:
-        if not args.target or not args.draft:
-            raise DFlashError("--target and --draft are required")
-        target_cfg = TargetConfig.from_dict(read_config(args.target))
-        dtype = resolve_dtype(args.dtype, target_cfg.checkpoint_dtype, args.device)
-        drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
-        embed, head = load_target_head(args.target, dtype, args.device)
-        proposer = LocalProposer(
-            drafter, embed, head, block_size=args.block_size, max_requests=args.max_requests,
-            max_model_len=args.max_model_len or target_cfg.max_position_embeddings,
-            draft_sampling=DraftSampling(args.draft_sampling),
-        )
-        metrics = DraftMetrics()
-        server = DraftServer(proposer, args.draft_addr, metrics, log)
-        if args.metrics_port:
-            start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
-    except (DFlashError, zmq.ZMQError, OSError) as exc:
-        print(f"dflash-draft-worker: error: {exc}", file=sys.stderr)
-        return 2
-    announce_ready("draft", args.draft_addr)
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        return 0
-    return 0
+    return run_worker("draft", "dflash-draft-worker", lambda: build_server(args, log), lambda _: args.draft_addr)
 
 
 if __name__ == "__main__":

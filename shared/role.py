@@ -3,6 +3,7 @@
 import logging
 import os
 import sys
+from collections.abc import Callable
 
 READY_PREFIX = "DFLASH_READY"
 
@@ -33,3 +34,22 @@ def configure_process(role: str, threads: int = 0, log_level: str = "INFO") -> l
 def announce_ready(role: str, detail: str = "") -> None:
     """The line dflash-serve waits for on each child's stdout."""
     print(f"{READY_PREFIX} {role} {detail}".rstrip(), flush=True)
+
+
+def run_worker(role: str, command: str, build: Callable, ready_detail: Callable) -> int:
+    """Build a worker server (a user error exits 2 with one line), announce readiness, serve until Ctrl-C."""
+    import zmq
+
+    from shared.errors import DFlashError
+
+    try:
+        server = build()
+    except (DFlashError, zmq.ZMQError, OSError) as exc:
+        print(f"{command}: error: {exc}", file=sys.stderr)
+        return 2
+    announce_ready(role, ready_detail(server))
+    try:
+        server.serve_forever()
+    except KeyboardInterrupt:
+        pass
+    return 0

@@ -20,7 +20,7 @@ from shared import metric_names as names
 from shared.channel_gateway import TO_VERIFY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent
 from shared.checkpoint_io import read_config
 from shared.errors import DFlashError, RequestError
-from shared.role import announce_ready, configure_process
+from shared.role import configure_process, run_worker
 from shared.sampling import SamplingParams
 from shared.wire import WireError, decode, encode
 from verify_worker.engine import SpeculativeEngine
@@ -232,17 +232,8 @@ def build_server(args, log) -> VerifyServer:
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = configure_process("verify", args.threads)
-    try:
-        server = build_server(args, log)
-    except (DFlashError, zmq.ZMQError, OSError) as exc:
-        print(f"dflash-verify-worker: error: {exc}", file=sys.stderr)
-        return 2
-    announce_ready("verify", f"max_model_len={server.engine.max_model_len}")
-    try:
-        server.serve_forever()
-    except KeyboardInterrupt:
-        return 0
-    return 0
+    return run_worker("verify", "dflash-verify-worker", lambda: build_server(args, log),
+                      lambda server: f"max_model_len={server.engine.max_model_len}")
 
 
 if __name__ == "__main__":

@@ -3,6 +3,7 @@
 from dataclasses import dataclass
 
 from shared.errors import ConfigError
+from shared.layers import decoder_layer_shapes
 from shared.rope import RopeSettings
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
@@ -111,36 +112,12 @@ class TargetConfig:
 
     def tensor_shapes(self) -> dict[str, tuple[int, ...]]:
         """The HF checkpoint's tensor names and shapes: the loading table."""
-        h, hd = self.hidden_size, self.head_dim
-        q_out, kv_out = self.num_heads * hd, self.num_kv_heads * hd
-        shapes: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,)}
-        shapes["lm_head.weight"] = (self.vocab_size, h)
+        h = self.hidden_size
+        shapes = {"model.embed_tokens.weight": (self.vocab_size, h), "model.norm.weight": (h,),
+                  "lm_head.weight": (self.vocab_size, h)}
         for i in range(self.num_layers):
-            p = f"model.layers.{i}."
-            shapes.update({
-                p + "input_layernorm.weight": (h,),
-                p + "post_attention_layernorm.weight": (h,),
-                p + "self_attn.q_proj.weight": (q_out, h),
-                p + "self_attn.k_proj.weight": (kv_out, h),
-                p + "self_attn.v_proj.weight": (kv_out, h),
-                p + "self_attn.o_proj.weight": (h, q_out),
-                p + "mlp.gate_proj.weight": (self.intermediate_size, h),
-                p + "mlp.up_proj.weight": (self.intermediate_size, h),
-                p + "mlp.down_proj.weight": (h, self.intermediate_size),
-            })
-            if self.attention_bias:
-                shapes.update({
-                    p + "self_attn.q_proj.bias": (q_out,),
-                    p + "self_attn.k_proj.bias": (kv_out,),
-                    p + "self_attn.v_proj.bias": (kv_out,),
-                    p + "self_attn.o_proj.bias": (h,),
-                })
-            if self.mlp_bias:
-                shapes.update({
-                    p + "mlp.gate_proj.bias": (self.intermediate_size,),
-                    p + "mlp.up_proj.bias": (self.intermediate_size,),
-                    p + "mlp.down_proj.bias": (h,),
-                })
-            if self.qk_norm:
-                shapes.update({p + "self_attn.q_norm.weight": (hd,), p + "self_attn.k_norm.weight": (hd,)})
+            shapes.update(decoder_layer_shapes(
+                f"model.layers.{i}.", h, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
+                self.attention_bias, self.mlp_bias, self.qk_norm,
+            ))
         return shapes

@@ -119,12 +119,12 @@ class TargetModel(nn.Module):
         read_slots = None if cache is None else slot_selector(slots)
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
-        taps = []
+        taps = {}
         for index, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask)
             if index in tap_layers:
-                taps.append(x)
-        tapped = torch.cat([taps[sorted(tap_layers).index(i)] for i in tap_layers], -1) if tap_layers else None
+                taps[index] = x
+        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None  # in the drafter's order
         return TargetOutput(hidden=self.model.norm(x), taps=tapped)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
