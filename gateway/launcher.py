@@ -1,4 +1,5 @@
-"""dflash-serve: the gateway, verify worker and draft worker as three local processes.
+"""dflash-serve: the gateway, verify worker and draft worker as three local processes (the verify worker as
+--tp processes, one per tensor-parallel rank, rank 0 owning its sockets).
 
 Each child's command line names its role. The launcher waits for each child's ready line, prints one line of
 its own, restarts a drafter that dies, and exits non-zero (after the gateway has failed the open streams)
@@ -75,7 +76,11 @@ def parse_args(argv):
     parser.add_argument("--served-model-name")
     parser.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"))
     parser.add_argument("--block-size", type=int)
-    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the verify worker")
+    parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the verify worker (processes)")
+    parser.add_argument("--tp-master-port", type=int,
+                        help="port of the tensor-parallel group's rendezvous (default: --zmq-base-port + 3)")
+    parser.add_argument("--tp-timeout", type=float, default=30.0,
+                        help="seconds a tensor-parallel collective may wait before the verify worker fails")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
@@ -143,6 +148,14 @@ def build_children(args) -> dict[str, Child]:
         verify.append("--no-draft")
         gateway.append("--no-draft")
     children["verify"] = Child("verify", verify, env)
+    if args.tp > 1:
+        master = ["--world-size", str(args.tp), "--master-port", str(args.tp_master_port or base + 3),
+                  "--collective-timeout", str(args.tp_timeout)]
+        for rank in range(1, args.tp):
+            follower = list(verify)
+            follower[follower.index("--metrics-port") + 1] = "0"  # rank 0 reports for the worker
+            children[f"verify.{rank}"] = Child("verify", [*follower, *master, "--rank", str(rank)], env)
+        children["verify"].argv = [*verify, *master, "--rank", "0"]
     children["gateway"] = Child("gateway", gateway, env)
     return children
 
@@ -152,10 +165,13 @@ class Launcher:
         self.args, self.children = args, children
         self.stopping = False
 
+    def verify_ranks(self) -> list[str]:
+        return [key for key in self.children if key.split(".")[0] == "verify"]
+
     def stop_all(self) -> None:
-        for role in ("gateway", "verify", "draft"):
-            if role in self.children:
-                self.children[role].stop()
+        for key in ("gateway", *self.verify_ranks(), "draft"):
+            if key in self.children:
+                self.children[key].stop()
 
     def _wait_ready(self, roles: list[str]) -> str | None:
         """None when every role reported ready; otherwise the role that failed."""
@@ -182,7 +198,7 @@ class Launcher:
             time.sleep(0.2)
 
     def run(self) -> int:
-        workers = [r for r in ("draft", "verify") if r in self.children]
+        workers = [r for r in ("draft", *self.verify_ranks()) if r in self.children]
         for role in workers:
             self.children[role].start()
         failed = self._wait_ready(workers)
@@ -210,9 +226,10 @@ class Launcher:
                       file=sys.stderr, flush=True)
                 time.sleep(min(5.0, 0.5 * draft.restarts))
                 draft.start()
-            if self.children["verify"].exited() is not None and not self.stopping:
-                print(f"dflash-serve: the verify worker exited (code {self.children['verify'].exited()}); "
-                      "stopping", file=sys.stderr, flush=True)
+            dead = [key for key in self.verify_ranks() if self.children[key].exited() is not None]
+            if dead and not self.stopping:
+                print(f"dflash-serve: the verify worker ({dead[0]}) exited (code {self.children[dead[0]].exited()})"
+                      "; stopping", file=sys.stderr, flush=True)
                 self._gateway_sees_verify_down()
                 time.sleep(3.0)  # clients keep getting clear 503s (not refused connections) for a moment
                 self.stop_all()
@@ -227,9 +244,8 @@ class Launcher:
 
 def main(argv=None) -> int:
     args = parse_args(argv)
-    if args.tp != 1:
-        print("dflash-serve: error: --tp > 1 is not available yet (tensor parallelism is a later release)",
-              file=sys.stderr)
+    if args.tp < 1:
+        print(f"dflash-serve: error: --tp must be >= 1, got {args.tp}", file=sys.stderr)
         return 2
     for path in (args.target, args.draft):
         if path is not None and not Path(path).is_dir():

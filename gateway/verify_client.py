@@ -11,7 +11,8 @@ import time
 import zmq
 import zmq.asyncio
 
-from shared.channel_gateway import TO_GATEWAY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent
+from shared.channel_gateway import (TO_GATEWAY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent,
+                                    WorkerStopping)
 from shared.wire import WireError, decode, encode
 
 
@@ -81,6 +82,9 @@ class VerifyClient:
                 self.last_seen = time.monotonic()
                 if isinstance(message, Heartbeat):
                     self.last_heartbeat = message
+                elif isinstance(message, WorkerStopping):
+                    self.log.error("the verify worker is stopping: %s", message.reason)
+                    self.last_seen = 0.0  # down now, not after the heartbeat timeout
                 elif isinstance(message, (TokenEvent, RequestFailed)):
                     queue = self.queues.get(message.request_id)
                     if queue is not None:

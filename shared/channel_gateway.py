@@ -62,5 +62,13 @@ class Heartbeat(Message):
     drafter_available: bool
 
 
+@dataclass
+class WorkerStopping(Message):
+    """The verify worker is going down (e.g. it lost a tensor-parallel rank): stop routing to it now."""
+
+    TYPE = "stopping"
+    reason: str
+
+
 TO_VERIFY = channel(SubmitRequest, AbortRequest)
-TO_GATEWAY = channel(TokenEvent, RequestFailed, Heartbeat)
+TO_GATEWAY = channel(TokenEvent, RequestFailed, Heartbeat, WorkerStopping)

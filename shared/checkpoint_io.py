@@ -89,6 +89,30 @@ def load_tensors(
     return out
 
 
+def load_tensor_slices(
+    folder: str | Path, slices: dict, dtype: torch.dtype | None = None, device="cpu"
+) -> dict[str, torch.Tensor]:
+    """Load every tensor of the folder, reading only slices[name] (an object with dim, start, stop and
+    padded) of the tensors it names: a tensor-parallel rank never holds another rank's part in memory."""
+    out: dict[str, torch.Tensor] = {}
+    for path in safetensors_files(folder):
+        with safe_open(str(path), framework="pt") as handle:
+            for name in handle.keys():
+                cut = slices.get(name)
+                if cut is None:
+                    tensor = handle.get_tensor(name)
+                else:
+                    view = handle.get_slice(name)
+                    index = (slice(None),) * cut.dim + (slice(cut.start, cut.stop),)
+                    tensor = view[index]
+                    if cut.padded is not None and tensor.shape[cut.dim] < cut.padded:
+                        pad = list(tensor.shape)
+                        pad[cut.dim] = cut.padded - tensor.shape[cut.dim]
+                        tensor = torch.cat([tensor, tensor.new_zeros(pad)], cut.dim)
+                out[name] = tensor.to(device=device, dtype=dtype or tensor.dtype)
+    return out
+
+
 def write_checkpoint(folder: str | Path, config: dict, tensors: dict[str, torch.Tensor]) -> None:
     folder = Path(folder)
     folder.mkdir(parents=True, exist_ok=True)

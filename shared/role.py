@@ -52,4 +52,7 @@ def run_worker(role: str, command: str, build: Callable, ready_detail: Callable)
         server.serve_forever()
     except KeyboardInterrupt:
         pass
+    except DFlashError as exc:  # e.g. a tensor-parallel rank died: say so in one line and exit non-zero
+        print(f"{command}: error: {exc}", file=sys.stderr)
+        return 1
     return 0

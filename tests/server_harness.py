@@ -48,11 +48,12 @@ def free_port_block(count: int) -> int:
 
 class Server:
     def __init__(self, target: Path, draft: Path | None, *extra: str, log_dir: Path):
-        base = free_port_block(6)
+        base = free_port_block(7)
         self.port, self.zmq_base, self.metrics_base = base, base + 1, base + 4
         command = [sys.executable, "-m", "gateway.launcher", "--target", str(target), "--port", str(self.port),
                    "--zmq-base-port", str(self.zmq_base), "--metrics-base-port", str(self.metrics_base),
-                   "--served-model-name", "tiny", "--verify-threads", "1", "--draft-threads", "1", *extra]
+                   "--served-model-name", "tiny", "--verify-threads", "1", "--draft-threads", "1",
+                   "--tp-master-port", str(base + 6), *extra]
         command += ["--draft", str(draft)] if draft else ["--no-draft"]
         self.stderr_path = log_dir / f"serve-{self.port}.log"
         self.stderr = open(self.stderr_path, "w")
@@ -63,8 +64,9 @@ class Server:
             raise RuntimeError(f"server did not start: {line!r}\n{self.stderr_path.read_text()[-3000:]}")
         self.url = f"http://127.0.0.1:{self.port}"
 
-    def child_pid(self, role: str) -> int:
-        """The pid of the child whose command line names this role (and this server's ports)."""
+    def child_pid(self, role: str, rank: int = 0) -> int:
+        """The pid of the child whose command line names this role (and rank, for a tensor-parallel verify
+        worker)."""
         for entry in Path("/proc").iterdir():
             if not entry.name.isdigit():
                 continue
@@ -75,7 +77,9 @@ class Server:
             except (OSError, ValueError, IndexError):
                 continue
             if b"--role" in argv and argv[argv.index(b"--role") + 1].decode() == role:
-                return int(entry.name)
+                own_rank = int(argv[argv.index(b"--rank") + 1]) if b"--rank" in argv else 0
+                if own_rank == rank:
+                    return int(entry.name)
         raise LookupError(role)
 
     def metrics(self, role: str) -> str:

@@ -17,13 +17,16 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 
 from draft_worker.draft_config import DraftConfig
 from shared import metric_names as names
-from shared.channel_gateway import TO_VERIFY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent
+from shared.channel_gateway import (TO_VERIFY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent,
+                                    WorkerStopping)
 from shared.checkpoint_io import read_config
 from shared.errors import DFlashError, RequestError
 from shared.role import configure_process, run_worker
 from shared.sampling import SamplingParams
 from shared.wire import WireError, decode, encode
 from verify_worker.engine import SpeculativeEngine
+from verify_worker.parallel.driver import ParallelFailure, TargetLeader, follow
+from verify_worker.parallel.group import GroupSettings, join_group, leave_group
 from verify_worker.remote_proposer import RemoteProposer
 from verify_worker.request import GenerationRequest, StepReport
 from verify_worker.target_loader import load_target
@@ -68,8 +71,9 @@ class VerifyMetrics:
 
 class VerifyServer:
     def __init__(self, engine: SpeculativeEngine, requests_addr: str, events_addr: str, metrics: VerifyMetrics,
-                 max_waiting: int, log: logging.Logger, heartbeat_s: float = 0.25):
+                 max_waiting: int, log: logging.Logger, heartbeat_s: float = 0.25, keep_alive=None):
         self.engine, self.metrics, self.max_waiting, self.log = engine, metrics, max_waiting, log
+        self.keep_alive = keep_alive  # pings the tensor-parallel followers while idle (None at TP 1)
         self.heartbeat_s = heartbeat_s
         context = zmq.Context.instance()
         self.inbox = context.socket(zmq.PULL)
@@ -80,11 +84,26 @@ class VerifyServer:
         self.next_heartbeat = 0.0
 
     def serve_forever(self) -> None:
-        while True:
-            self._take_messages(block=not self.engine.has_work())
-            if self.engine.has_work():
-                self._step()
-            self._heartbeat()
+        try:
+            while True:
+                self._take_messages(block=not self.engine.has_work())
+                if self.engine.has_work():
+                    self._step()
+                self._heartbeat()
+                if self.keep_alive is not None:
+                    self.keep_alive()
+        except ParallelFailure as exc:  # a rank is gone: every request fails now, and the worker stops
+            self.log.error("%s", exc)
+            self._fail_all("internal", "the verify worker lost a tensor-parallel rank")
+            self._send(WorkerStopping(str(exc)))
+            time.sleep(0.2)  # let the PUSH socket flush before the process exits (LINGER is 0)
+            raise
+
+    def _fail_all(self, code: str, message: str) -> None:
+        engine = self.engine
+        for request_id in list(engine.running) + [s.request_id for s in engine.prefilling + engine.waiting]:
+            engine.abort(request_id)
+            self._send(RequestFailed(request_id, code, message))
 
     def _take_messages(self, block: bool) -> None:
         timeout = int(self.heartbeat_s * 1000) if block else 0
@@ -121,6 +140,8 @@ class VerifyServer:
     def _step(self) -> None:
         try:
             events = self.engine.step()
+        except ParallelFailure:
+            raise
         except Exception:  # a bug must not take the other requests' streams down silently
             self.log.error("engine step failed:\n%s", traceback.format_exc())
             for request_id in list(self.engine.running) + [s.request_id for s in self.engine.prefilling]:
@@ -191,13 +212,47 @@ def parse_args(argv):
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")))
+    tp = parser.add_argument_group("tensor parallelism (one process per rank; rank 0 owns the sockets)")
+    tp.add_argument("--world-size", type=int, default=int(env("DFLASH_TP_WORLD_SIZE", "1")),
+                    help="tensor-parallel size (ranks over all hosts)")
+    tp.add_argument("--rank", type=int, default=int(env("DFLASH_TP_RANK", "0")), help="this process's rank")
+    tp.add_argument("--master-addr", default=env("DFLASH_TP_MASTER_ADDR", "127.0.0.1"),
+                    help="address of rank 0, reachable from every rank")
+    tp.add_argument("--master-port", type=int, default=int(env("DFLASH_TP_MASTER_PORT", "29500")))
+    tp.add_argument("--tp-backend", default=env("DFLASH_TP_BACKEND", "auto"), choices=["auto", "gloo", "nccl"],
+                    help="auto = nccl on CUDA, gloo on CPU")
+    tp.add_argument("--collective-timeout", type=float, default=float(env("DFLASH_TP_TIMEOUT", "30")),
+                    help="seconds a collective may wait for a rank before the worker fails")
     return parser.parse_args(argv)
+
+
+class FollowerServer:
+    """A tensor-parallel rank > 0: no sockets, it runs what rank 0 announces until STOP or a failure."""
+
+    def __init__(self, target, log: logging.Logger):
+        self.target, self.log = target, log
+
+    def serve_forever(self) -> None:
+        try:
+            follow(self.target)
+        finally:
+            leave_group(self.target.tp)
 
 
 def build_server(args, log) -> VerifyServer:
     if not args.target:
         raise DFlashError("--target is required")
-    target = load_target(args.target, device=args.device, dtype=args.dtype)
+    settings = GroupSettings(args.rank, args.world_size, args.master_addr, args.master_port, args.tp_backend,
+                             args.collective_timeout)
+    if args.world_size < 1:
+        raise DFlashError(f"--world-size must be >= 1, got {args.world_size}")
+    tp = join_group(settings, args.device)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, tp=tp)
+    if tp.rank > 0:
+        log.info("tensor-parallel rank %d of %d: following rank 0", tp.rank, tp.world_size)
+        return FollowerServer(target, log)
+    if tp.parallel:
+        target = TargetLeader(target)
     proposer = None
     if args.draft and not args.no_draft:
         draft_cfg = DraftConfig.from_dict(read_config(args.draft))
@@ -209,7 +264,7 @@ def build_server(args, log) -> VerifyServer:
         cfg = target.config
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         capacity = max_len + (proposer.block_size if proposer else 1)
-        slot_bytes = 2 * cfg.num_layers * cfg.num_kv_heads * capacity * cfg.head_dim * target.embed_weight.element_size()
+        slot_bytes = 2 * cfg.num_layers * target.local.num_kv_heads * capacity * cfg.head_dim * target.embed_weight.element_size()
         fit = int(args.kv_cache_budget_mb * 2**20 // slot_bytes)
         if fit < 1:
             raise DFlashError(f"--kv-cache-budget-mb {args.kv_cache_budget_mb} holds no request of {max_len} tokens "
@@ -223,7 +278,8 @@ def build_server(args, log) -> VerifyServer:
     log.info("target %s: %d layers, KV cache %d slots x %d positions (%.1f MiB)", args.target,
              target.config.num_layers, max_running, engine.cache.capacity, cache_mb)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")
-    server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log)
+    server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log,
+                          keep_alive=target.keep_alive if tp.parallel else None)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
     return server
@@ -232,8 +288,13 @@ def build_server(args, log) -> VerifyServer:
 def main(argv=None) -> int:
     args = parse_args(argv)
     log = configure_process("verify", args.threads)
-    return run_worker("verify", "dflash-verify-worker", lambda: build_server(args, log),
-                      lambda server: f"max_model_len={server.engine.max_model_len}")
+    return run_worker("verify", "dflash-verify-worker", lambda: build_server(args, log), _ready_detail)
+
+
+def _ready_detail(server) -> str:
+    if isinstance(server, FollowerServer):
+        return f"rank={server.target.tp.rank}"
+    return f"max_model_len={server.engine.max_model_len}"
 
 
 if __name__ == "__main__":

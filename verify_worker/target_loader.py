@@ -4,9 +4,11 @@ from pathlib import Path
 
 import torch
 
-from shared.checkpoint_io import DTYPES, check_tensor_names, load_tensors, read_config
+from shared.checkpoint_io import DTYPES, check_tensor_names, load_tensor_slices, read_config
 from shared.errors import ConfigError
 from shared.rope import inverse_frequencies
+from verify_worker.parallel.group import TensorParallel
+from verify_worker.parallel.shard_plan import shard_slices
 from verify_worker.target_config import TargetConfig
 from verify_worker.target_model import TargetModel
 
@@ -20,16 +22,20 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
     return DTYPES[name]
 
 
-def load_target(folder: str | Path, device: str = "cpu", dtype: str = "auto") -> TargetModel:
-    """Load a Qwen3/Llama HF checkpoint; any missing, unexpected or mis-shaped tensor is a CheckpointError."""
+def load_target(folder: str | Path, device: str = "cpu", dtype: str = "auto",
+                tp: TensorParallel = TensorParallel()) -> TargetModel:
+    """Load a Qwen3/Llama HF checkpoint (at TP N, only this rank's slice of each sharded tensor); any missing,
+    unexpected or mis-shaped tensor is a CheckpointError, a shape TP N cannot split a ConfigError."""
     cfg = TargetConfig.from_dict(read_config(folder))
     optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
     check_tensor_names(folder, cfg.tensor_shapes(), optional)
-    tensors = load_tensors(folder, dtype=resolve_dtype(dtype, cfg.checkpoint_dtype, device), device=device)
+    slices = shard_slices(cfg, tp) if tp.parallel else {}
+    tensors = load_tensor_slices(folder, slices, dtype=resolve_dtype(dtype, cfg.checkpoint_dtype, device),
+                                 device=device)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     with torch.device("meta"):
-        model = TargetModel(cfg)
+        model = TargetModel(cfg, tp)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)  # buffers are not in the checkpoint
     return model.eval().requires_grad_(False)

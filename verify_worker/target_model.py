@@ -12,19 +12,28 @@ from shared.attention import cached_attention, visibility_mask
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from verify_worker.parallel.group import TensorParallel
+from verify_worker.parallel.layers import RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits
+from verify_worker.parallel.shard_plan import LocalShapes, local_shapes
 from verify_worker.target_config import TargetConfig
 
 
+def _row_linear(in_local: int, out: int, tp: TensorParallel, bias: bool) -> nn.Linear:
+    return RowParallelLinear(in_local, out, tp, bias) if tp.parallel else nn.Linear(in_local, out, bias=bias)
+
+
 class TargetAttention(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer_index: int):
+    """This rank's heads (all of them at TP 1); o_proj sums the ranks' partial outputs."""
+
+    def __init__(self, cfg: TargetConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
         super().__init__()
         self.layer_index = layer_index
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_heads, cfg.num_kv_heads, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = local.num_heads, local.num_kv_heads, cfg.head_dim
         h, bias = cfg.hidden_size, cfg.attention_bias
-        self.q_proj = nn.Linear(h, cfg.num_heads * cfg.head_dim, bias=bias)
-        self.k_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.v_proj = nn.Linear(h, cfg.num_kv_heads * cfg.head_dim, bias=bias)
-        self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=bias)
+        self.q_proj = nn.Linear(h, self.num_heads * cfg.head_dim, bias=bias)
+        self.k_proj = nn.Linear(h, self.num_kv_heads * cfg.head_dim, bias=bias)
+        self.v_proj = nn.Linear(h, self.num_kv_heads * cfg.head_dim, bias=bias)
+        self.o_proj = _row_linear(self.num_heads * cfg.head_dim, h, tp, bias)
         if cfg.qk_norm:
             self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
@@ -50,12 +59,13 @@ class TargetAttention(nn.Module):
 
 
 class TargetDecoderLayer(nn.Module):
-    def __init__(self, cfg: TargetConfig, layer_index: int):
+    def __init__(self, cfg: TargetConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = TargetAttention(cfg, layer_index)
+        self.self_attn = TargetAttention(cfg, layer_index, local, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, bias=cfg.mlp_bias)
+        self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, bias=cfg.mlp_bias)  # gate/up: this rank's columns
+        self.mlp.down_proj = _row_linear(local.intermediate_size, cfg.hidden_size, tp, cfg.mlp_bias)
 
     def forward(self, x, cos, sin, cache, slots, read_slots, positions, kv_len, mask):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, read_slots, positions, kv_len, mask)
@@ -63,10 +73,11 @@ class TargetDecoderLayer(nn.Module):
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    def __init__(self, cfg: TargetConfig, local: LocalShapes, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(TargetDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = (VocabParallelEmbedding(local.vocab_shard, cfg.hidden_size, tp) if tp.parallel
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(TargetDecoderLayer(cfg, i, local, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -77,11 +88,15 @@ class TargetOutput:
 
 
 class TargetModel(nn.Module):
-    def __init__(self, cfg: TargetConfig):
+    """The whole target at TP 1; at TP N, this rank's shard (embed_weight and lm_head_weight are then this
+    rank's vocabulary rows, and the hidden states, taps and logits are whole on every rank)."""
+
+    def __init__(self, cfg: TargetConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.config = cfg
-        self.model = DecoderStack(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.config, self.tp = cfg, tp
+        self.local = local_shapes(cfg, tp)
+        self.model = DecoderStack(cfg, self.local, tp)
+        self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.local.vocab_shard, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
 
     @property
@@ -95,7 +110,7 @@ class TargetModel(nn.Module):
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
         cfg = self.config
         return PositionalKVCache(
-            cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim,
+            cfg.num_layers, num_slots, self.local.num_kv_heads, capacity, cfg.head_dim,
             dtype=self.embed_weight.dtype, device=self.embed_weight.device,
         )
 
@@ -128,5 +143,6 @@ class TargetModel(nn.Module):
         return TargetOutput(hidden=self.model.norm(x), taps=tapped)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> float32 [..., vocab]."""
-        return (hidden @ self.lm_head_weight.T).float()
+        """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
+        local = (hidden @ self.lm_head_weight.T).float()  # [..., vocab shard]
+        return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local

@@ -37,6 +37,11 @@ def prompt_windows(ids: torch.Tensor, count: int, min_len: int, max_len: int, se
     return [ids[s: s + n].tolist() for s, n in zip(starts.tolist(), lengths.tolist())]
 
 
+def is_sampled(index: int, sampled_fraction: float = 0.33) -> bool:
+    """Whether regenerate() decoded sequence `index` by sampling (T=0.8) rather than greedily."""
+    return index % 100 < sampled_fraction * 100
+
+
 def regenerate(target: TargetModel, prompts: list[list[int]], new_tokens: int, minutes: float,
                sampled_fraction: float = 0.33, batch: int = 64, seed: int = 0, log=print):
     """Continue prompts with the target until the time budget ends. Returns [(token ids, prompt length)]."""
@@ -48,7 +53,7 @@ def regenerate(target: TargetModel, prompts: list[list[int]], new_tokens: int, m
             break
         requests = []
         for i, prompt in enumerate(prompts[first: first + batch]):
-            sampled = (first + i) % 100 < sampled_fraction * 100
+            sampled = is_sampled(first + i, sampled_fraction)
             params = SamplingParams(temperature=0.8, seed=seed + first + i) if sampled else SamplingParams()
             requests.append(GenerationRequest(tuple(prompt), new_tokens, params))
         for request, result in zip(requests, engine.generate(requests)):

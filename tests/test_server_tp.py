@@ -1,0 +1,85 @@
+"""dflash-serve --tp 2 on CPU (gloo): the whole server gives the same greedy tokens as --tp 1, and a rank that
+dies or hangs fails the open streams, turns /ready and new requests into 503 and stops the service."""
+
+import os
+import signal
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+import httpx
+import pytest
+from tokenizers import Tokenizer
+
+from greedy_check import assert_same_or_near_tie
+from server_harness import Server, metric_value, write_server_models
+from test_server_faults import completion_tokens, stream_tokens
+from verify_worker.target_loader import load_target
+
+PROMPTS = ["def add(a, b):", "while True:", "x = [i for i in", "import os\n"]
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    root = tmp_path_factory.mktemp("tp_models")
+    return (*write_server_models(root), root)
+
+
+def served_tokens(server: Server) -> list[list[int]]:
+    with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: batched verify steps across the ranks
+        streamed = list(pool.map(lambda p: stream_tokens(server.url, p, 40), PROMPTS))
+    tokens = []
+    for prompt, (stream, error, done) in zip(PROMPTS, streamed):
+        assert error is None and done
+        whole = completion_tokens(server.url, prompt, 40)["choices"][0]["token_ids"]
+        assert whole == stream  # streaming and not streaming agree
+        tokens.append(stream)
+    return tokens
+
+
+def test_tp2_server_greedy_equals_tp1(models):
+    target, draft, root = models
+    results = {}
+    for tp in (1, 2):
+        server = Server(target, draft, "--tp", str(tp), log_dir=root)
+        try:
+            server.wait_ready()
+            results[tp] = served_tokens(server)
+            assert metric_value(server.metrics("verify"), "dflash_spec_draft_tokens_total") > 0
+        finally:
+            assert server.stop() == 0
+    whole = load_target(target)
+    tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+    for prompt, got, want in zip(PROMPTS, results[2], results[1]):
+        prompt = tokenizer.encode(prompt, add_special_tokens=False).ids
+        assert_same_or_near_tie(whole, prompt, got, want)
+
+
+@pytest.mark.parametrize("fault", ["killed", "hung"])
+def test_a_lost_rank_fails_fast_and_visibly(models, fault):
+    target, draft, root = models
+    server = Server(target, draft, "--tp", "2", "--tp-timeout", "4", log_dir=root)
+    rank1 = None
+    try:
+        server.wait_ready()
+        started = threading.Event()
+        with ThreadPoolExecutor(1) as pool:
+            future = pool.submit(stream_tokens, server.url, "while True:", 480, started)
+            assert started.wait(60), "no token in 60 s"
+            rank1 = server.child_pid("verify", rank=1)
+            began = time.monotonic()
+            os.kill(rank1, signal.SIGKILL if fault == "killed" else signal.SIGSTOP)
+            tokens, error, done = future.result(timeout=30)
+        assert error is not None and done and time.monotonic() - began < 15
+        assert httpx.get(f"{server.url}/ready", timeout=5).status_code == 503
+        response = httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=10)
+        assert response.status_code == 503
+        assert server.process.wait(30) != 0
+        assert "tensor-parallel" in server.stderr_path.read_text()
+    finally:
+        if rank1 is not None and fault == "hung":
+            try:
+                os.kill(rank1, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+        server.stop()

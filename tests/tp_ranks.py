@@ -1,0 +1,81 @@
+"""Rank entry points for tests/test_tensor_parallel.py: each runs in its own process (torch.multiprocessing
+spawn) inside a gloo group on loopback. Rank 0 writes what it computed to a file the test reads."""
+
+import socket
+
+import torch
+
+from verify_worker.parallel.driver import TargetLeader, follow
+from verify_worker.parallel.group import GroupSettings, join_group, leave_group
+from verify_worker.target_loader import load_target
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def run_ranks(entry, world_size: int, *args) -> None:
+    """Run entry(rank, world_size, port, *args) in world_size processes; raises if any fails."""
+    torch.multiprocessing.spawn(_start, args=(entry, world_size, free_port(), args), nprocs=world_size, join=True)
+
+
+def _start(rank, entry, world_size, port, args):
+    torch.set_num_threads(1)
+    entry(rank, world_size, port, *args)
+
+
+def _joined_target(rank, world_size, port, folder):
+    tp = join_group(GroupSettings(rank, world_size, "127.0.0.1", port, "gloo", timeout_s=60), "cpu")
+    return load_target(folder, dtype="float32", tp=tp)
+
+
+def logits_and_shards(rank, world_size, port, folder, out_path):
+    """A batched prefill of two prompts of different lengths, then one incremental step; rank 0 saves the
+    logits, and every rank the shapes of what it loaded."""
+    target = _joined_target(rank, world_size, port, folder)
+    shapes = {name: tuple(t.shape) for name, t in target.state_dict().items()}
+    if rank > 0:
+        follow(target)
+        torch.save(shapes, f"{out_path}.rank{rank}")
+        leave_group(target.tp)
+        return
+    leader = TargetLeader(target)
+    cache = leader.new_cache(2, 32)
+    ids = torch.tensor([[5, 17, 3, 99, 42, 7], [8, 8, 120, 64, 0, 0]])
+    positions = torch.arange(6)[None].repeat(2, 1)
+    prefill = leader.logits(leader(ids, positions, cache, torch.tensor([0, 1]), (1, 2)).hidden)
+    step_ids, step_positions = torch.tensor([[11], [33]]), torch.tensor([[6], [4]])
+    out = leader(step_ids, step_positions, cache, torch.tensor([0, 1]), (1, 2))
+    step = leader.logits(out.hidden)
+    leader.stop()
+    torch.save({"prefill": prefill, "step": step, "taps": out.taps, "shapes": shapes}, out_path)
+    leave_group(target.tp)
+
+
+def engine_generate(rank, world_size, port, folder, draft_folder, prompts, out_path):
+    """Greedy generation through the engine on a tensor-parallel target, with a DFlash drafter (whose
+    embedding and lm_head come from a whole copy of the target, as the draft worker loads them)."""
+    from draft_worker.draft_checkpoint import load_drafter
+    from draft_worker.local_proposer import LocalProposer
+    from verify_worker.engine import SpeculativeEngine
+    from verify_worker.request import GenerationRequest
+    from shared.sampling import SamplingParams
+
+    target = _joined_target(rank, world_size, port, folder)
+    if rank > 0:
+        follow(target)
+        leave_group(target.tp)
+        return
+    whole = load_target(folder, dtype="float32")
+    proposer = LocalProposer(load_drafter(draft_folder, dtype=torch.float32), whole.embed_weight,
+                             whole.lm_head_weight, max_requests=len(prompts), max_model_len=256)
+    leader = TargetLeader(target)
+    engine = SpeculativeEngine(leader, proposer, max_requests=len(prompts), max_model_len=256)
+    requests = [GenerationRequest(tuple(p), 24, SamplingParams()) for p in prompts]
+    results = engine.generate(requests)
+    leader.stop()
+    torch.save({"tokens": [r.token_ids for r in results],
+                "accepted": sum(r.stats.accepted_tokens for r in results)}, out_path)
+    leave_group(target.tp)

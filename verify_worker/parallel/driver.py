@@ -1,0 +1,133 @@
+"""Leader/follower protocol of a tensor-parallel verify worker.
+
+Rank 0 runs the engine against a TargetLeader, which has TargetModel's interface: before each target call it
+broadcasts a small header (what to run, with which shapes) and the call's input tensors, so every follower
+runs the same call on its shard and meets rank 0 in the same collectives. Everything else (scheduling,
+acceptance, sampling, the sockets) exists on rank 0 only, so the ranks cannot disagree on a decision. Idle
+rank 0 pings, so a dead or hung rank is noticed within the collective timeout instead of at the next request.
+"""
+
+import enum
+import time
+
+import torch
+
+from shared.errors import DFlashError
+from shared.kv_cache import PositionalKVCache
+from verify_worker.target_model import TargetModel, TargetOutput
+
+HEADER_LEN = 16
+
+
+class Op(enum.IntEnum):
+    FORWARD = 1  # [op, batch, seq, num_taps, taps...]
+    LOGITS = 2  # [op, ndim, shape...]
+    NEW_CACHE = 3  # [op, num_slots, capacity]
+    PING = 4
+    STOP = 5
+
+
+class ParallelFailure(DFlashError):
+    """A rank died, hung past the collective timeout, or the group broke: the verify worker must stop."""
+
+
+def _header(*values: int) -> torch.Tensor:
+    if len(values) > HEADER_LEN:
+        raise DFlashError(f"a tensor-parallel command needs {len(values)} header fields (at most {HEADER_LEN})")
+    header = torch.zeros(HEADER_LEN, dtype=torch.long)
+    header[: len(values)] = torch.tensor(values, dtype=torch.long)
+    return header
+
+
+class TargetLeader:
+    """Rank 0's handle on a tensor-parallel target: the calls of TargetModel, each mirrored on every rank."""
+
+    def __init__(self, target: TargetModel, ping_every_s: float = 1.0):
+        self.target, self.tp = target, target.tp
+        self.config, self.local = target.config, target.local
+        self.device = target.embed_weight.device
+        self.ping_every_s, self.last_command = ping_every_s, time.monotonic()
+
+    @property
+    def embed_weight(self) -> torch.Tensor:
+        return self.target.embed_weight
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor:
+        return self.target.lm_head_weight
+
+    def _announce(self, header: torch.Tensor, *tensors: torch.Tensor) -> None:
+        try:
+            self.tp.broadcast(header.to(self.device))
+            for tensor in tensors:
+                self.tp.broadcast(tensor.contiguous())
+        except RuntimeError as exc:
+            raise ParallelFailure(f"tensor-parallel group failed: {exc}") from None
+        self.last_command = time.monotonic()
+
+    def _run(self, call):
+        try:
+            return call()
+        except RuntimeError as exc:
+            raise ParallelFailure(f"tensor-parallel group failed: {exc}") from None
+
+    def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
+        self._announce(_header(Op.NEW_CACHE, num_slots, capacity))
+        return self.target.new_cache(num_slots, capacity)
+
+    def __call__(self, input_ids, positions, cache, slots, tap_layers=()) -> TargetOutput:
+        if cache is None or slots is None:
+            raise DFlashError("a tensor-parallel target runs with its KV cache only")
+        batch, seq = input_ids.shape
+        self._announce(_header(Op.FORWARD, batch, seq, len(tap_layers), *tap_layers),
+                       input_ids.to(self.device, torch.long), positions.to(self.device, torch.long),
+                       slots.to(self.device, torch.long))
+        return self._run(lambda: self.target(input_ids, positions, cache, slots, tap_layers))
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        self._announce(_header(Op.LOGITS, hidden.dim(), *hidden.shape), hidden)
+        return self._run(lambda: self.target.logits(hidden))
+
+    def keep_alive(self) -> None:
+        """Ping the followers when no command went out for a while (call it from the idle loop)."""
+        if time.monotonic() - self.last_command >= self.ping_every_s:
+            self._announce(_header(Op.PING))
+
+    def stop(self) -> None:
+        try:
+            self._announce(_header(Op.STOP))
+        except ParallelFailure:
+            pass
+
+
+def follow(target: TargetModel) -> None:
+    """A follower rank's loop: run each command rank 0 announces, until STOP. Raises ParallelFailure when
+    rank 0 is gone or silent past the collective timeout."""
+    tp, device, dtype = target.tp, target.embed_weight.device, target.embed_weight.dtype
+    cache = None
+    header = torch.zeros(HEADER_LEN, dtype=torch.long, device=device)
+
+    def receive(shape, tensor_dtype):
+        tensor = torch.empty(shape, dtype=tensor_dtype, device=device)
+        return tp.broadcast(tensor)
+
+    try:
+        while True:
+            op, *fields = tp.broadcast(header).tolist()
+            if op == Op.STOP:
+                return
+            if op == Op.NEW_CACHE:
+                cache = target.new_cache(fields[0], fields[1])
+            elif op == Op.FORWARD:
+                batch, seq, num_taps = fields[:3]
+                ids = receive((batch, seq), torch.long)
+                positions = receive((batch, seq), torch.long)
+                slots = receive((batch,), torch.long)
+                target(ids, positions, cache, slots, tuple(fields[3: 3 + num_taps]))
+            elif op == Op.LOGITS:
+                hidden = receive(tuple(fields[1: 1 + fields[0]]), dtype)
+                target.logits(hidden)
+            elif op != Op.PING:
+                raise ParallelFailure(f"unknown tensor-parallel command {op}")
+    except RuntimeError as exc:
+        raise ParallelFailure(f"tensor-parallel group failed (rank {tp.rank}): {exc}") from None
