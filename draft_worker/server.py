@@ -20,6 +20,7 @@ from shared.channel_draft import TO_DRAFTER, DraftRequest, Ping, Pong, Release
 from shared.checkpoint_io import load_tensors, read_config
 from shared.draft_codec import items_from_message, reply_message
 from shared.errors import DFlashError
+from shared.feature_transport import FrameTransport, add_transport_flags, make_transport
 from shared.role import configure_process, run_worker
 from shared.wire import WireError, decode, encode
 from verify_worker.target_config import TargetConfig
@@ -52,8 +53,10 @@ class DraftMetrics:
 
 
 class DraftServer:
-    def __init__(self, proposer: LocalProposer, address: str, metrics: DraftMetrics, log: logging.Logger):
+    def __init__(self, proposer: LocalProposer, address: str, metrics: DraftMetrics, log: logging.Logger,
+                 transport=None):
         self.proposer, self.metrics, self.log = proposer, metrics, log
+        self.transport = transport or FrameTransport()
         self.context = zmq.Context.instance()
         self.socket = self.context.socket(zmq.ROUTER)
         self.socket.setsockopt(zmq.LINGER, 0)
@@ -83,7 +86,9 @@ class DraftServer:
         assert isinstance(message, DraftRequest)
         started = time.perf_counter()
         try:
-            items = items_from_message(message)
+            features = self.transport.pull(message.features, message.pair_session, message.feature_dtype,
+                                           message.feature_shape)
+            items = items_from_message(message, features)
         except DFlashError as exc:
             self.metrics.bad.labels("draft").inc()
             self.log.warning("rejected draft call %d: %s", message.call_id, exc)
@@ -115,6 +120,7 @@ def parse_args(argv):
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=int(env("DFLASH_DRAFT_THREADS", "0")))
+    add_transport_flags(parser, env)
     return parser.parse_args(argv)
 
 
@@ -131,7 +137,9 @@ def build_server(args, log: logging.Logger) -> DraftServer:
         draft_sampling=DraftSampling(args.draft_sampling),
     )
     metrics = DraftMetrics()
-    server = DraftServer(proposer, args.draft_addr, metrics, log)
+    transport = make_transport(args.feature_transport, args.feature_pair_addr, sender=False, device=args.device,
+                               backend=args.feature_pair_backend, timeout_s=args.feature_pair_timeout)
+    server = DraftServer(proposer, args.draft_addr, metrics, log, transport)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
     return server

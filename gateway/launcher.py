@@ -96,6 +96,11 @@ def parse_args(argv):
     parser.add_argument("--draft-timeout", type=float, default=5.0)
     parser.add_argument("--draft-sampling", choices=["dense", "sparse", "greedy"], default="dense",
                         help="how the drafter proposes for sampled requests (all three are lossless)")
+    parser.add_argument("--feature-transport", choices=["frames", "pair"], default="frames",
+                        help="how hidden states reach the drafter: ZeroMQ frames, or a torch.distributed pair "
+                             "(NCCL when both workers run on CUDA)")
+    parser.add_argument("--feature-pair-port", type=int,
+                        help="rendezvous port of the feature pair (default: --zmq-base-port + 4)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
     return parser.parse_args(argv)
 
@@ -133,6 +138,10 @@ def build_children(args) -> dict[str, Child]:
         gateway += ["--served-model-name", args.served_model_name]
     if args.api_key:
         env["DFLASH_API_KEY"] = args.api_key
+    if args.feature_transport == "pair":
+        pair = ["--feature-transport", "pair", "--feature-pair-addr",
+                f"127.0.0.1:{args.feature_pair_port or base + 4}"]
+        verify += pair
     children = {}
     if draft:
         verify += ["--draft", draft]
@@ -141,6 +150,8 @@ def build_children(args) -> dict[str, Child]:
                       args.device, "--threads", str(args.draft_threads), "--draft-sampling", args.draft_sampling]
         if args.block_size is not None:
             draft_argv += ["--block-size", str(args.block_size)]
+        if args.feature_transport == "pair":
+            draft_argv += pair
         if args.max_model_len is not None:
             draft_argv += ["--max-model-len", str(args.max_model_len)]
         children["draft"] = Child("draft", draft_argv, env)

@@ -19,7 +19,10 @@ class DraftRequest(Message):
     top_ps: list[float]
     top_ks: list[int]
     seeds: list[int]
-    features: RawTensor  # [sum(feature_rows), taps * hidden]
+    features: RawTensor | None  # [sum(feature_rows), taps * hidden]; None when they travel over the pair
+    pair_session: str  # "" = features in the frame above; else the feature pair session carrying them
+    feature_dtype: str
+    feature_shape: list[int]
 
     def validate(self):
         n = len(self.request_ids)
@@ -27,9 +30,11 @@ class DraftRequest(Message):
                  self.top_ps, self.top_ks, self.seeds)
         if any(len(values) != n for values in lists):
             raise WireError("draft: per-request lists differ in length")
-        if len(self.features.shape) != 2 or self.features.shape[0] != sum(self.feature_rows):
-            raise WireError(f"draft: features of shape {list(self.features.shape)} do not hold "
-                            f"{sum(self.feature_rows)} rows")
+        if (self.features is None) != bool(self.pair_session):
+            raise WireError("draft: features must come either as a frame or over a pair session")
+        shape = list(self.features.shape) if self.features is not None else self.feature_shape
+        if len(shape) != 2 or shape[0] != sum(self.feature_rows):
+            raise WireError(f"draft: features of shape {shape} do not hold {sum(self.feature_rows)} rows")
         if any(k < 1 for k in self.num_drafts) or any(r < 0 for r in self.feature_rows):
             raise WireError("draft: num_drafts must be >= 1 and feature_rows >= 0")
 

@@ -3,14 +3,19 @@
 import torch
 
 from shared.channel_draft import DraftReply, DraftRequest
+from shared.feature_transport import Outgoing
 from shared.proposals import DraftItem, DraftResult
 from shared.sampling import SamplingParams
 from shared.tensor_frames import from_raw, to_raw
 
 
-def request_message(call_id: int, items: list[DraftItem], feature_width: int) -> DraftRequest:
+def stacked_features(items: list[DraftItem], feature_width: int) -> torch.Tensor:
+    """[sum of rows, taps * hidden]: every item's new context features, in item order."""
     features = [item.context_features for item in items if len(item.context_features)]
-    stacked = torch.cat(features) if features else torch.zeros(0, feature_width)
+    return torch.cat(features) if features else torch.zeros(0, feature_width)
+
+
+def request_message(call_id: int, items: list[DraftItem], outgoing: Outgoing) -> DraftRequest:
     return DraftRequest(
         call_id=call_id,
         request_ids=[i.request_id for i in items],
@@ -22,13 +27,14 @@ def request_message(call_id: int, items: list[DraftItem], feature_width: int) ->
         top_ps=[float(i.sampling.top_p) for i in items],
         top_ks=[i.sampling.top_k for i in items],
         seeds=[i.seed for i in items],
-        features=to_raw(stacked),
+        features=outgoing.frames, pair_session=outgoing.session, feature_dtype=outgoing.dtype,
+        feature_shape=outgoing.shape,
     )
 
 
-def items_from_message(message: DraftRequest) -> list[DraftItem]:
-    """Raises RequestError (a DFlashError) when a sampling setting is invalid."""
-    features = from_raw(message.features)
+def items_from_message(message: DraftRequest, features: torch.Tensor) -> list[DraftItem]:
+    """features: the message's features as the transport delivered them. Raises RequestError (a DFlashError)
+    when a sampling setting is invalid."""
     items, row = [], 0
     for i, request_id in enumerate(message.request_ids):
         rows = message.feature_rows[i]

@@ -48,12 +48,12 @@ def free_port_block(count: int) -> int:
 
 class Server:
     def __init__(self, target: Path, draft: Path | None, *extra: str, log_dir: Path):
-        base = free_port_block(7)
+        base = free_port_block(8)
         self.port, self.zmq_base, self.metrics_base = base, base + 1, base + 4
         command = [sys.executable, "-m", "gateway.launcher", "--target", str(target), "--port", str(self.port),
                    "--zmq-base-port", str(self.zmq_base), "--metrics-base-port", str(self.metrics_base),
                    "--served-model-name", "tiny", "--verify-threads", "1", "--draft-threads", "1",
-                   "--tp-master-port", str(base + 6), *extra]
+                   "--tp-master-port", str(base + 6), "--feature-pair-port", str(base + 7), *extra]
         command += ["--draft", str(draft)] if draft else ["--no-draft"]
         self.stderr_path = log_dir / f"serve-{self.port}.log"
         self.stderr = open(self.stderr_path, "w")

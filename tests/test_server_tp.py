@@ -1,5 +1,6 @@
-"""dflash-serve --tp 2 on CPU (gloo): the whole server gives the same greedy tokens as --tp 1, and a rank that
-dies or hangs fails the open streams, turns /ready and new requests into 503 and stops the service."""
+"""dflash-serve --tp 2 on CPU (gloo): the whole server gives the same greedy tokens as --tp 1 (and so does the
+torch.distributed feature pair in place of ZeroMQ frames), and a rank that dies or hangs fails the open
+streams, turns /ready and new requests into 503 and stops the service."""
 
 import os
 import signal
@@ -37,22 +38,25 @@ def served_tokens(server: Server) -> list[list[int]]:
     return tokens
 
 
-def test_tp2_server_greedy_equals_tp1(models):
+def test_tp2_and_the_feature_pair_serve_the_same_greedy_tokens_as_tp1(models):
     target, draft, root = models
     results = {}
-    for tp in (1, 2):
-        server = Server(target, draft, "--tp", str(tp), log_dir=root)
+    setups = {"tp1": ("--tp", "1"), "tp2": ("--tp", "2"), "tp2+pair": ("--tp", "2", "--feature-transport", "pair")}
+    for name, flags in setups.items():
+        server = Server(target, draft, *flags, log_dir=root)
         try:
             server.wait_ready()
-            results[tp] = served_tokens(server)
-            assert metric_value(server.metrics("verify"), "dflash_spec_draft_tokens_total") > 0
+            results[name] = served_tokens(server)
+            verify = server.metrics("verify")
+            assert metric_value(verify, "dflash_spec_draft_tokens_total") > 0  # drafts came back
+            assert metric_value(verify, "dflash_spec_fallback_steps_total") == 0  # every draft call answered
         finally:
             assert server.stop() == 0
     whole = load_target(target)
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
-    for prompt, got, want in zip(PROMPTS, results[2], results[1]):
-        prompt = tokenizer.encode(prompt, add_special_tokens=False).ids
-        assert_same_or_near_tie(whole, prompt, got, want)
+    for name in ("tp2", "tp2+pair"):
+        for prompt, got, want in zip(PROMPTS, results[name], results["tp1"]):
+            assert_same_or_near_tie(whole, tokenizer.encode(prompt, add_special_tokens=False).ids, got, want)
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])

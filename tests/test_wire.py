@@ -6,7 +6,9 @@ import torch
 
 from shared.channel_draft import TO_DRAFTER, TO_VERIFIER, DraftReply, DraftRequest
 from shared.channel_gateway import TO_GATEWAY, TO_VERIFY, SubmitRequest, TokenEvent
-from shared.draft_codec import items_from_message, reply_message, request_message, results_from_message
+from shared.draft_codec import (items_from_message, reply_message, request_message, results_from_message,
+                                stacked_features)
+from shared.feature_transport import FrameTransport
 from shared.proposals import DraftItem, DraftResult
 from shared.sampling import SamplingParams
 from shared.tensor_frames import from_raw, to_raw
@@ -15,6 +17,10 @@ from shared.wire import WireError, decode, encode
 
 def submit():
     return SubmitRequest("r1", [1, 2, 3], 10, 0.7, 0.9, 0, 42, [256], None)
+
+
+def frame_message(call_id, items):
+    return request_message(call_id, items, FrameTransport().outgoing(stacked_features(items, 8)))
 
 
 def test_round_trip_without_tensors():
@@ -28,8 +34,8 @@ def test_draft_round_trip_with_tensors_and_mixed_proposals():
         DraftItem("b", 4, features[3:], 9, 2, SamplingParams(1.0, 0.9), 2),
         DraftItem("c", 2, features[:0], 1, 1, SamplingParams(1.0), 3),
     ]
-    message = decode(encode(request_message(11, items, 8)), TO_DRAFTER)
-    back = items_from_message(message)
+    message = decode(encode(frame_message(11, items)), TO_DRAFTER)
+    back = items_from_message(message, FrameTransport().pull(message.features, "", "", []))
     assert [i.request_id for i in back] == ["a", "b", "c"]
     assert torch.equal(back[0].context_features, features[:3]) and torch.equal(back[1].context_features, features[3:])
     assert back[1].sampling == SamplingParams(1.0, 0.9) and back[2].context_features.shape == (0, 8)
@@ -81,7 +87,7 @@ def test_wrong_fields_and_types_are_rejected():
 
 def test_wrong_tensor_shapes_are_rejected():
     item = DraftItem("a", 0, torch.randn(3, 8), 7, 3, SamplingParams(), 1)
-    frames = encode(request_message(1, [item], 8))
+    frames = encode(frame_message(1, [item]))
     header = msgpack.unpackb(bytes(frames[0]))
     header["tensors"][0]["shape"] = [4, 8]  # claims more rows than the bytes hold
     with pytest.raises(WireError, match="does not match its"):

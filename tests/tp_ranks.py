@@ -79,3 +79,40 @@ def engine_generate(rank, world_size, port, folder, draft_folder, prompts, out_p
     torch.save({"tokens": [r.token_ids for r in results],
                 "accepted": sum(r.stats.accepted_tokens for r in results)}, out_path)
     leave_group(target.tp)
+
+
+def pair_transfer(rank, world_size, port, device, pipe, out_path):
+    """Verify end (rank 0) and draft end (rank 1) of a feature pair. Draft messages go through a pipe as
+    their real wire frames; the tensors over the pair. Rank 1 saves what it received."""
+    from shared.channel_draft import TO_DRAFTER
+    from shared.draft_codec import items_from_message, request_message, stacked_features
+    from shared.feature_transport import PairTransport
+    from shared.proposals import DraftItem
+    from shared.sampling import SamplingParams
+    from shared.wire import decode, encode
+
+    dev = f"{device}:{rank}" if device == "cuda" else "cpu"
+    transport = PairTransport(f"127.0.0.1:{port}", sender=rank == 0, device=dev, timeout_s=20)
+    calls = [torch.randn(5, 8, generator=torch.Generator().manual_seed(i)) for i in range(3)]
+    calls[1] = calls[1][:0]  # a call with no new context rows
+    if rank == 0:
+        for i, features in enumerate(calls):
+            items = [DraftItem("a", 0, features, 7, 3, SamplingParams(), 1)]
+            if i == 2:
+                transport.reset()  # as after a drafter restart: a new session, a new group
+            outgoing = transport.outgoing(stacked_features(items, 8))
+            pipe.send([bytes(f) for f in encode(request_message(i, items, outgoing))])
+            transport.push(stacked_features(items, 8), outgoing)
+        pipe.send(None)
+        pipe.recv()  # the receiver is done
+        return
+    received, sessions = [], []
+    while (frames := pipe.recv()) is not None:
+        message = decode(frames, TO_DRAFTER)
+        features = transport.pull(message.features, message.pair_session, message.feature_dtype,
+                                  message.feature_shape)
+        assert message.features is None  # nothing but metadata went through the message
+        received.append(items_from_message(message, features)[0].context_features.cpu())
+        sessions.append(message.pair_session)
+    torch.save({"received": received, "sent": calls, "sessions": sessions}, out_path)
+    pipe.send("done")

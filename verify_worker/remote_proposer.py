@@ -14,7 +14,8 @@ import zmq
 
 from draft_worker.draft_config import DraftConfig
 from shared.channel_draft import TO_VERIFIER, DraftReply, Ping, Pong, Release
-from shared.draft_codec import request_message, results_from_message
+from shared.draft_codec import request_message, results_from_message, stacked_features
+from shared.feature_transport import FrameTransport, TransportError
 from shared.proposals import DraftItem, DraftResult, ProposerUnavailable
 from shared.wire import WireError, decode, encode
 
@@ -22,8 +23,9 @@ from shared.wire import WireError, decode, encode
 class RemoteProposer:
     def __init__(self, address: str, draft_config: DraftConfig, block_size: int | None = None,
                  timeout_s: float = 5.0, ping_timeout_s: float = 0.2, retry_interval_s: float = 0.5,
-                 log: logging.Logger | None = None):
+                 log: logging.Logger | None = None, transport=None):
         self.address = address
+        self.transport = transport or FrameTransport()  # how the context features travel (frames or pair)
         self.block_size = block_size or draft_config.block_size
         self.target_layer_ids = draft_config.target_layer_ids
         self.num_target_layers = draft_config.num_target_layers
@@ -48,12 +50,15 @@ class RemoteProposer:
         self.socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
         self.socket.connect(self.address)
 
-    def _exchange(self, message, timeout_s: float):
-        """Send one message and wait for the reply carrying its call id; None on timeout."""
+    def _exchange(self, message, timeout_s: float, after_send=None):
+        """Send one message (then run after_send) and wait for the reply carrying its call id; None on
+        timeout."""
         try:
             self.socket.send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
             return None
+        if after_send is not None:
+            after_send()
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
             if not self.socket.poll(int(left * 1000) + 1):
@@ -74,6 +79,7 @@ class RemoteProposer:
             self.log.warning("drafter unavailable (%s): decoding without speculation", why)
         self.available = False
         self.next_probe = time.monotonic() + self.retry_interval_s
+        self.transport.reset()
         self._connect()
 
     def probe(self) -> bool:
@@ -91,7 +97,14 @@ class RemoteProposer:
         if not self.available and (time.monotonic() < self.next_probe or not self.probe()):
             raise ProposerUnavailable("drafter unavailable")
         started = time.perf_counter()
-        reply = self._exchange(request_message(next(self.call_ids), items, self.feature_width), self.timeout_s)
+        features = stacked_features(items, self.feature_width)
+        outgoing = self.transport.outgoing(features)
+        message = request_message(next(self.call_ids), items, outgoing)
+        try:
+            reply = self._exchange(message, self.timeout_s, lambda: self.transport.push(features, outgoing))
+        except TransportError as exc:
+            self._mark_down(str(exc))
+            raise ProposerUnavailable("feature transport failed") from None
         if not isinstance(reply, DraftReply):
             self._mark_down(f"no answer within {self.timeout_s:.1f} s")
             raise ProposerUnavailable("drafter timed out")

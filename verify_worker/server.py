@@ -21,6 +21,7 @@ from shared.channel_gateway import (TO_VERIFY, AbortRequest, Heartbeat, RequestF
                                     WorkerStopping)
 from shared.checkpoint_io import read_config
 from shared.errors import DFlashError, RequestError
+from shared.feature_transport import add_transport_flags, make_transport
 from shared.role import configure_process, run_worker
 from shared.sampling import SamplingParams
 from shared.wire import WireError, decode, encode
@@ -212,6 +213,7 @@ def parse_args(argv):
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")))
+    add_transport_flags(parser, env)
     tp = parser.add_argument_group("tensor parallelism (one process per rank; rank 0 owns the sockets)")
     tp.add_argument("--world-size", type=int, default=int(env("DFLASH_TP_WORLD_SIZE", "1")),
                     help="tensor-parallel size (ranks over all hosts)")
@@ -258,7 +260,10 @@ def build_server(args, log) -> VerifyServer:
         draft_cfg = DraftConfig.from_dict(read_config(args.draft))
         if args.block_size is not None and args.block_size < 2:
             raise DFlashError(f"--block-size must be >= 2, got {args.block_size}")
-        proposer = RemoteProposer(args.draft_addr, draft_cfg, args.block_size, timeout_s=args.draft_timeout, log=log)
+        transport = make_transport(args.feature_transport, args.feature_pair_addr, sender=True, device=args.device,
+                                   backend=args.feature_pair_backend, timeout_s=args.feature_pair_timeout)
+        proposer = RemoteProposer(args.draft_addr, draft_cfg, args.block_size, timeout_s=args.draft_timeout, log=log,
+                                  transport=transport)
     max_running = args.max_running
     if args.kv_cache_budget_mb is not None:
         cfg = target.config
