@@ -39,6 +39,20 @@ def per_position(before: dict, after: dict, block: int) -> list[float]:
     return rates
 
 
+def step_phases_ms(before: dict, after: dict) -> dict[str, float]:
+    """Mean milliseconds per engine step of each phase (draft, transfer, verify, ...) between two scrapes of
+    the verify worker's step-duration histogram."""
+    phases = {}
+    for key, total in after.items():
+        if key.startswith("dflash_step_duration_seconds_sum|phase="):
+            phase = key.split("=", 1)[1]
+            count_key = f"dflash_step_duration_seconds_count|phase={phase}"
+            steps = after.get(count_key, 0) - before.get(count_key, 0)
+            if steps:
+                phases[phase] = round(1000 * (total - before.get(key, 0)) / steps, 3)
+    return phases
+
+
 async def one_request(client, url, prompt, args, spec_tokens):
     body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
             "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
@@ -170,7 +184,7 @@ def main(argv=None) -> int:
     for block in map(int, args.block_sizes.split(",")):
         entry = report["by_block_size"][str(block)] = {"by_concurrency": {}}
         for concurrency in map(int, args.concurrency.split(",")):
-            spec_runs, plain_runs, positions = [], [], []
+            spec_runs, plain_runs, positions, phases = [], [], [], []
             for round_index in range(args.rounds + 1):  # round 0 is the warm-up
                 wait_idle(args.url)
                 before = parse_metrics(httpx.get(args.metrics_url, timeout=10).text)
@@ -183,6 +197,7 @@ def main(argv=None) -> int:
                 spec_runs.append(summarize(*spec))
                 plain_runs.append(summarize(*plain))
                 positions.append(per_position(before, after, block))
+                phases.append(step_phases_ms(before, after))
                 if args.temperature == 0:
                     mismatches += sum(s["tokens"] != p["tokens"] for s, p in zip(spec[0], plain[0]))
             med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
@@ -191,6 +206,8 @@ def main(argv=None) -> int:
                 "plain": {k: med(plain_runs, k) for k in plain_runs[0]},
                 "per_position_acceptance": [round(statistics.mean(p[i] for p in positions), 4)
                                             for i in range(block - 1)],
+                "speculative_step_ms_by_phase": {k: statistics.median(p.get(k, 0.0) for p in phases)
+                                                 for k in phases[0]},
             }
             result["speedup_aggregate"] = result["speculative"]["tokens_per_second_aggregate"] / \
                 result["plain"]["tokens_per_second_aggregate"]

@@ -1,0 +1,73 @@
+"""Side-by-side serving setups: start dflash-serve with each setup's flags in turn, run dflash-bench against
+it, and print tokens/s, acceptance and the per-step phase times (draft, transfer, verify) of each.
+
+    python benchmarks/bench_serving_setups.py                       # TP 1, TP 2, TP 2 + feature pair
+    python benchmarks/bench_serving_setups.py --setups "tp1=--tp 1" "pair=--feature-transport pair" \\
+        --bench-args "--block-sizes 8 --concurrency 1 --num-prompts 8 --max-tokens 96 --rounds 2"
+
+Each setup runs alone on the machine (a server at a time), and within it dflash-bench alternates speculative
+and plain waves, so the ratios inside one setup are measured side by side; across setups, compare medians.
+"""
+
+import argparse
+import json
+import shlex
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+DEFAULT_SETUPS = ["tp1=--tp 1", "tp2=--tp 2", "tp2+pair=--tp 2 --feature-transport pair"]
+
+
+def serve(flags: list[str], port: int, zmq_base: int, metrics_base: int) -> subprocess.Popen:
+    command = [sys.executable, "-m", "gateway.launcher", "--port", str(port), "--zmq-base-port", str(zmq_base),
+               "--metrics-base-port", str(metrics_base), *flags]
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    line = process.stdout.readline()
+    if not line.startswith("dflash-serve ready"):
+        process.terminate()
+        raise SystemExit(f"dflash-serve {' '.join(flags)} did not start: {line!r}")
+    return process
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--setups", nargs="+", default=DEFAULT_SETUPS, help="NAME=dflash-serve flags")
+    parser.add_argument("--serve-args", default="", help="flags added to every setup (e.g. --target/--draft)")
+    parser.add_argument("--bench-args", default="--block-sizes 8 --concurrency 1 --num-prompts 8 "
+                                                 "--max-tokens 96 --rounds 2")
+    parser.add_argument("--port", type=int, default=8123)
+    parser.add_argument("--out", default="bench_out/setups")
+    args = parser.parse_args(argv)
+    rows = {}
+    for setup in args.setups:
+        name, _, flags = setup.partition("=")
+        zmq_base, metrics_base = args.port + 10, args.port + 20
+        process = serve([*shlex.split(args.serve_args), *shlex.split(flags)], args.port, zmq_base, metrics_base)
+        try:
+            out = Path(args.out) / name
+            subprocess.run([sys.executable, "-m", "gateway.bench", "--url", f"http://127.0.0.1:{args.port}",
+                            "--metrics-url", f"http://127.0.0.1:{metrics_base}/metrics", "--out", str(out),
+                            *shlex.split(args.bench_args)], check=True, stdout=subprocess.DEVNULL)
+            rows[name] = json.loads((out / "bench.json").read_text())
+        finally:
+            process.terminate()
+            process.wait(60)
+            time.sleep(1.0)
+    print(f"{'setup':<12} {'block':>5} {'conc':>4} {'accept':>6} {'spec tok/s':>10} {'plain tok/s':>11} "
+          f"{'speedup':>7}  step ms by phase (speculative)")
+    for name, report in rows.items():
+        for block, entry in report["by_block_size"].items():
+            for concurrency, r in entry["by_concurrency"].items():
+                spec, plain = r["speculative"], r["plain"]
+                phases = " ".join(f"{k} {v:.2f}" for k, v in sorted(r["speculative_step_ms_by_phase"].items()))
+                print(f"{name:<12} {block:>5} {concurrency:>4} {spec['acceptance_length']:>6.2f} "
+                      f"{spec['tokens_per_second_aggregate']:>10.1f} {plain['tokens_per_second_aggregate']:>11.1f} "
+                      f"{r['speedup_aggregate']:>6.2f}x  {phases}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
