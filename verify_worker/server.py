@@ -241,6 +241,15 @@ class FollowerServer:
             leave_group(self.target.tp)
 
 
+def rank_device(device: str, rank: int, world_size: int) -> str:
+    """A bare "cuda" at TP > 1 means one GPU per rank: rank R takes cuda:(R mod the GPUs of this host)."""
+    if device == "cuda" and world_size > 1:
+        import torch
+
+        return f"cuda:{rank % max(1, torch.cuda.device_count())}"
+    return device
+
+
 def build_server(args, log) -> VerifyServer:
     if not args.target:
         raise DFlashError("--target is required")
@@ -248,6 +257,7 @@ def build_server(args, log) -> VerifyServer:
                              args.collective_timeout)
     if args.world_size < 1:
         raise DFlashError(f"--world-size must be >= 1, got {args.world_size}")
+    args.device = rank_device(args.device, args.rank, args.world_size)
     tp = join_group(settings, args.device)
     target = load_target(args.target, device=args.device, dtype=args.dtype, tp=tp)
     if tp.rank > 0:
