@@ -21,7 +21,9 @@ def run(module, *args):
 @pytest.mark.parametrize(
     "module,args,message",
     [
-        ("gateway.launcher", ["--tp", "2"], "--tp > 1 is not available yet"),
+        ("gateway.launcher", ["--tp", "0"], "--tp must be >= 1"),
+        ("verify_worker.server", ["--target", "t", "--world-size", "2", "--rank", "5", "--metrics-port", "0"],
+         "rank 5 is outside a world of size 2"),
         ("gateway.launcher", ["--target", "/no/such/folder"], "does not exist"),
         ("verify_worker.server", ["--metrics-port", "0"], "--target is required"),
         ("draft_worker.server", ["--metrics-port", "0"], "--target and --draft are required"),
