@@ -237,8 +237,10 @@ class FollowerServer:
     def serve_forever(self) -> None:
         try:
             follow(self.target)
-        finally:
-            leave_group(self.target.tp)
+        except ParallelFailure:
+            leave_group(self.target.tp, orderly=False)
+            raise
+        leave_group(self.target.tp)
 
 
 def rank_device(device: str, rank: int, world_size: int) -> str:

@@ -76,6 +76,14 @@ def join_group(settings: GroupSettings, device: str) -> TensorParallel:
     return TensorParallel(settings.rank, settings.world_size)
 
 
-def leave_group(tp: TensorParallel) -> None:
-    if tp.parallel and dist.is_initialized():
-        dist.destroy_process_group()
+def leave_group(tp: TensorParallel, orderly: bool = True) -> None:
+    """Tear the group down. orderly: every rank is leaving now, so meet at a barrier first (a rank that tears
+    its connections down while a peer still uses them can abort the peer's process)."""
+    if not (tp.parallel and dist.is_initialized()):
+        return
+    if orderly:
+        try:
+            dist.barrier()
+        except RuntimeError:
+            pass
+    dist.destroy_process_group()
