@@ -6,7 +6,6 @@ the published layout is written every --checkpoint-minutes, with per-position va
 """
 
 import argparse
-import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -43,25 +42,6 @@ def init_from_target(drafter: DFlashDraftModel, target: TargetModel) -> None:
             for name, tensor in theirs.state_dict().items():
                 mine.state_dict()[name].copy_(tensor)
         drafter.norm.weight.copy_(target.model.norm.weight)
-
-
-def grow_drafter(drafter: DFlashDraftModel, target: TargetModel, layers: int) -> DFlashDraftModel:
-    """A deeper drafter that computes exactly what `drafter` computes: its layers are kept, the new ones are
-    appended with their output projections (o_proj, down_proj) at zero, so each starts as the identity on the
-    residual stream, and their input projections start from the target's top layers."""
-    cfg = drafter.config
-    if layers <= cfg.num_layers:
-        return drafter
-    bigger = DFlashDraftModel(dataclasses.replace(cfg, num_layers=layers, layer_types=()))
-    bigger.to(dtype=next(drafter.parameters()).dtype)
-    top = target.model.layers[-(layers - cfg.num_layers):]
-    with torch.no_grad():
-        bigger.load_state_dict(drafter.state_dict(), strict=False)
-        for mine, theirs in zip(bigger.layers[cfg.num_layers:], top):
-            mine.load_state_dict(theirs.state_dict())
-            mine.self_attn.o_proj.weight.zero_()
-            mine.mlp.down_proj.weight.zero_()
-    return bigger
 
 
 def examples_from(sequences) -> list[Example]:

@@ -4,7 +4,6 @@ import torch
 
 from conftest import tiny_draft_config
 from draft_worker.draft_checkpoint import random_drafter
-from draft_worker.train_cli import grow_drafter
 from draft_worker.training.masks import block_visibility, position_weights
 from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings
 
@@ -79,17 +78,3 @@ def test_short_blocks_train_and_validation_uses_whole_blocks(qwen3_pair):
     report = trainer.evaluate([example])
     assert len(report["per_position_accuracy"]) == 15
 
-
-def test_a_grown_drafter_computes_what_the_smaller_one_did_and_then_trains(qwen3_pair):
-    """grow_drafter appends identity-initialised layers: same logits at first, and the new layer learns."""
-    _, target, _, _ = qwen3_pair
-    small = random_drafter(tiny_draft_config(layers=1, block_size=8), seed=3, std=0.2)
-    grown = grow_drafter(small, target, 2)
-    assert grown.config.num_layers == 2 and len(grown.layers) == 2
-    ids = torch.randint(0, 120, (40,), generator=torch.Generator().manual_seed(5))
-    example, anchors = Example(ids, 4), torch.tensor([5, 17, 30])
-    small_logits = DrafterTrainer(target, small, TrainSettings(steps=1)).sequence_loss(example, anchors)[1]
-    trainer = DrafterTrainer(target, grown, TrainSettings(steps=3, lr=1e-2, anchors_per_sequence=8))
-    assert (trainer.sequence_loss(example, anchors)[1] - small_logits).abs().max() < 1e-5
-    trainer.train([example], log=lambda _: None)
-    assert grown.layers[1].self_attn.o_proj.weight.abs().sum() > 0
