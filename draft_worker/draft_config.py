@@ -1,5 +1,6 @@
 """DFlash drafter settings, read from and written to the published config.json layout."""
 
+import dataclasses
 from dataclasses import dataclass, field
 
 from shared.errors import ConfigError
@@ -7,6 +8,18 @@ from shared.layers import decoder_layer_shapes
 from shared.rope import RopeSettings
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
+DFLASH2_ARCHITECTURE = "DFlash2DraftModel"
+KINDS = {DFLASH_ARCHITECTURE: "dflash", DFLASH2_ARCHITECTURE: "dflash2"}
+
+
+@dataclass(frozen=True)
+class DFlash2Settings:
+    """The DFlash 2 additions' dflash_config keys (published defaults)."""
+
+    conv_kernel_size: int = 2
+    conv_group_size: int = 16
+    selector_rank: int = 256
+    selector_top_k: int = 16
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -47,6 +60,7 @@ class DraftConfig:
     input_embedding_scale: float = 1.0
     output_multiplier: float = 1.0
     final_logit_softcapping: float | None = None
+    dflash2: DFlash2Settings | None = None  # None = DFlash (v1)
     extra: dict = field(default_factory=dict, compare=False)  # other published keys, kept for round trips
 
     def __post_init__(self):
@@ -68,6 +82,10 @@ class DraftConfig:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
 
     @property
+    def kind(self) -> str:
+        return "dflash" if self.dflash2 is None else "dflash2"
+
+    @property
     def num_taps(self) -> int:
         return len(self.target_layer_ids)
 
@@ -85,8 +103,9 @@ class DraftConfig:
     @classmethod
     def from_dict(cls, config: dict) -> "DraftConfig":
         archs = config.get("architectures") or []
-        if DFLASH_ARCHITECTURE not in archs:
-            raise ConfigError(f"unknown drafter architecture {archs!r}: supported is [{DFLASH_ARCHITECTURE!r}]")
+        arch = next((a for a in archs if a in KINDS), None)
+        if arch is None:
+            raise ConfigError(f"unknown drafter architecture {archs!r}: supported are {sorted(KINDS)}")
         dflash = config.get("dflash_config") or {}
         if not isinstance(dflash, dict):
             raise ConfigError("drafter config.json: dflash_config must be a JSON object")
@@ -108,6 +127,15 @@ class DraftConfig:
         hidden = _int(config, "hidden_size")
         heads = _int(config, "num_attention_heads")
         softcap = value("final_logit_softcapping")
+        dflash2 = None
+        if arch == DFLASH2_ARCHITECTURE:
+            defaults = DFlash2Settings()
+            dflash2 = DFlash2Settings(**{
+                key: _int({key: value(key, getattr(defaults, key))}, key)
+                for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
+            if hidden % dflash2.conv_group_size:
+                raise ConfigError(f"drafter config.json: conv_group_size {dflash2.conv_group_size} does not divide "
+                                  f"hidden_size {hidden}")
         known = {
             "architectures", "dflash_config", "hidden_size", "intermediate_size", "num_hidden_layers",
             "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "num_target_layers",
@@ -136,6 +164,7 @@ class DraftConfig:
             input_embedding_scale=float(value("input_embedding_scale", 1.0)),
             output_multiplier=float(value("output_multiplier", 1.0)),
             final_logit_softcapping=None if softcap is None else float(softcap),
+            dflash2=dflash2,
             extra={k: v for k, v in config.items() if k not in known},
         )
 
@@ -153,9 +182,11 @@ class DraftConfig:
             dflash["output_multiplier"] = self.output_multiplier
         if self.final_logit_softcapping is not None:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
+        if self.dflash2 is not None:
+            dflash.update(dataclasses.asdict(self.dflash2))
         out = {
             **self.extra,
-            "architectures": [DFLASH_ARCHITECTURE],
+            "architectures": [DFLASH2_ARCHITECTURE if self.dflash2 else DFLASH_ARCHITECTURE],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -189,4 +220,14 @@ class DraftConfig:
                 f"layers.{i}.", h, self.intermediate_size, self.num_heads, self.num_kv_heads, self.head_dim,
                 self.attention_bias, mlp_bias=False, qk_norm=True,
             ))
+        if self.dflash2 is not None:
+            d2 = self.dflash2
+            groups = h // d2.conv_group_size
+            for i in range(self.num_layers):
+                for conv in ("attention_conv", "mlp_conv"):
+                    shapes[f"layers.{i}.{conv}.base_kernel"] = (2, d2.conv_kernel_size, h)
+                    shapes[f"layers.{i}.{conv}.kernel_projection.weight"] = (2 * d2.conv_kernel_size * groups, h)
+            shapes["candidate_selector.predecessor_codebook"] = (self.vocab_size, d2.selector_rank)
+            shapes["candidate_selector.successor_codebook"] = (self.vocab_size, d2.selector_rank)
+            shapes["candidate_selector.hidden_projection.weight"] = (d2.selector_rank, h)
         return shapes

@@ -76,15 +76,22 @@ class DraftDecoderLayer(nn.Module):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, positions, block_end)
         return x + self.mlp(self.post_attention_layernorm(x))
 
+    def forward_rows(self, x, cos, sin, context_k, context_v, mask, block_size: int):
+        """Training path: x [1, R, hidden] holds R // block_size whole blocks, one after another."""
+        x = x + self.self_attn.forward_rows(self.input_layernorm(x), cos, sin, context_k, context_v, mask)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
 
 class DFlashDraftModel(nn.Module):
+    layer_class = DraftDecoderLayer
+
     def __init__(self, cfg: DraftConfig):
         super().__init__()
         self.config = cfg
         h = cfg.hidden_size
         self.fc = nn.Linear(cfg.num_taps * h, h, bias=False)
         self.hidden_norm = RMSNorm(h, cfg.rms_norm_eps)
-        self.layers = nn.ModuleList(DraftDecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
 
@@ -131,9 +138,7 @@ class DFlashDraftModel(nn.Module):
         x = block_embeds[None]  # [1, R, hidden]
         for layer in self.layers:
             context_k, context_v = layer.self_attn.keys_values(context, cos_c, sin_c)
-            h = layer.input_layernorm(x)
-            x = x + layer.self_attn.forward_rows(h, cos, sin, context_k, context_v, mask[None, None])
-            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            x = layer.forward_rows(x, cos, sin, context_k, context_v, mask[None, None], self.config.block_size)
         return self.norm(x)[0]
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:

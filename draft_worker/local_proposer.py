@@ -6,6 +6,7 @@ from enum import Enum
 
 import torch
 
+from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
 from shared.errors import ConfigError
 from shared.proposals import DraftItem, DraftResult
@@ -115,7 +116,33 @@ class LocalProposer:
         embeds = self.embed_weight[block_ids] * self.drafter.config.input_embedding_scale
         hidden = self.drafter.block_hidden(self.cache, slots, starts, embeds)  # [b, B, hidden]
         logits = self.drafter.logits(hidden[:, 1:], self.lm_head_weight)  # [b, B-1, vocab]
+        if isinstance(self.drafter, DFlash2DraftModel):
+            return self._walk(items, hidden[:, 1:], logits, anchors)
         return self._choose(items, logits)
+
+    def _walk(self, items: list[DraftItem], hidden: torch.Tensor, logits: torch.Tensor,
+              anchors: torch.Tensor) -> list[DraftResult]:
+        """DFlash 2: the selector walks one path through each row's top-K candidates; sampled requests get
+        the sparse q over those K candidates that each token was drawn from."""
+        rows = logits.shape[1]
+        sampled = [self.draft_sampling != DraftSampling.GREEDY and not item.sampling.greedy for item in items]
+        temperatures = torch.tensor([item.sampling.temperature if s else 0.0 for item, s in zip(items, sampled)],
+                                    device=logits.device)
+        uniforms = torch.full((len(items), rows), 0.5, dtype=torch.float64)
+        for row, item in enumerate(items):
+            if sampled[row]:
+                uniforms[row, : item.num_draft] = torch.rand(item.num_draft, generator=self.generators[item.request_id],
+                                                             dtype=torch.float64)
+        tokens, q, candidates = self.drafter.walk(hidden, logits, anchors, temperatures,
+                                                  uniforms.to(logits.device) if any(sampled) else None)
+        results = []
+        for row, item in enumerate(items):
+            n = item.num_draft
+            if sampled[row]:
+                results.append(DraftResult(tokens=tokens[row, :n].clone(), q_probs=q[row, :n], q_ids=candidates[row, :n]))
+            else:
+                results.append(DraftResult(tokens=tokens[row, :n].clone()))
+        return results
 
     def _ingest(self, items: list[DraftItem], slots: torch.Tensor) -> None:
         rows = [item.context_features for item in items if len(item.context_features)]

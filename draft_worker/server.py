@@ -77,7 +77,8 @@ class DraftServer:
 
     def handle(self, message):
         if isinstance(message, Ping):
-            return Pong(call_id=message.call_id, drafter_kind="dflash", block_size=self.proposer.block_size)
+            return Pong(call_id=message.call_id, drafter_kind=self.proposer.drafter.config.kind,
+                        block_size=self.proposer.block_size)
         if isinstance(message, Release):
             for request_id in message.request_ids:
                 self.proposer.release(request_id)

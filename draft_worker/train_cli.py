@@ -13,7 +13,8 @@ from pathlib import Path
 import torch
 
 from draft_worker.draft_checkpoint import load_drafter, random_drafter
-from draft_worker.draft_config import DraftConfig, default_target_layer_ids
+from draft_worker.dflash2_model import upgrade_to_dflash2
+from draft_worker.draft_config import DFlash2Settings, DraftConfig, default_target_layer_ids
 from draft_worker.draft_model import DFlashDraftModel
 from draft_worker.training.regenerate import prompt_windows, read_corpus, regenerate
 from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings, format_accuracy
@@ -42,6 +43,19 @@ def init_from_target(drafter: DFlashDraftModel, target: TargetModel) -> None:
             for name, tensor in theirs.state_dict().items():
                 mine.state_dict()[name].copy_(tensor)
         drafter.norm.weight.copy_(target.model.norm.weight)
+
+
+def as_kind(drafter: DFlashDraftModel, kind: str, settings: DFlash2Settings, seed: int = 0) -> DFlashDraftModel:
+    """The drafter as the kind asked for: a DFlash drafter is upgraded to DFlash 2 (identity convolutions, new
+    selector); a DFlash 2 drafter cannot become a DFlash one."""
+    if kind == drafter.config.kind:
+        return drafter
+    if kind == "dflash2":
+        if drafter.config.hidden_size % settings.conv_group_size:
+            raise ConfigError(f"conv_group_size {settings.conv_group_size} does not divide hidden size "
+                              f"{drafter.config.hidden_size}")
+        return upgrade_to_dflash2(drafter, settings, seed)
+    raise ConfigError("a DFlash 2 drafter cannot be trained as a DFlash one (drop --kind or start afresh)")
 
 
 def examples_from(sequences) -> list[Example]:
@@ -85,6 +99,15 @@ def parse_args(argv):
     parser.add_argument("--mask-token", default="<|mask|>", help="mask token (must be in the target vocabulary)")
     parser.add_argument("--init", choices=["target", "random"], default="target",
                         help="start the drafter layers from the target's top layers, or at random")
+    parser.add_argument("--kind", choices=["dflash", "dflash2"], default="dflash",
+                        help="dflash2 adds the dynamic convolutions and the candidate selector")
+    parser.add_argument("--from-drafter", help="start from this DFlash drafter (for --kind dflash2: its backbone, "
+                                               "identity convolutions and a fresh selector)")
+    parser.add_argument("--train-only-additions", action="store_true",
+                        help="dflash2: train only the convolutions and the selector (the backbone stays frozen)")
+    parser.add_argument("--selector-rank", type=int, default=256)
+    parser.add_argument("--selector-top-k", type=int, default=16)
+    parser.add_argument("--selector-loss-weight", type=float, default=1.0)
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--steps", type=int, help="train this many sequences instead of --minutes")
     parser.add_argument("--anchors", type=int, default=64, help="anchor blocks per sequence")
@@ -131,12 +154,20 @@ def run(args) -> int:
     examples = regenerated_examples(target, stream, out / "regenerated.pt", args, log_line)
     if (out / "model.safetensors").exists():
         drafter = load_drafter(out)
+    elif args.from_drafter:
+        drafter = load_drafter(args.from_drafter)
     else:
         taps = [int(x) for x in args.target_layer_ids.split(",")] if args.target_layer_ids else None
         drafter = random_drafter(new_drafter_config(target, args.layers, args.block_size, taps, mask_id), args.seed)
         if args.init == "target":
             init_from_target(drafter, target)
+    drafter = as_kind(drafter, args.kind, DFlash2Settings(selector_rank=args.selector_rank,
+                                                          selector_top_k=args.selector_top_k), args.seed)
+    if args.train_only_additions and args.kind != "dflash2":
+        raise ConfigError("--train-only-additions needs --kind dflash2")
     settings = TrainSettings(anchors_per_sequence=args.anchors, lr=args.lr, soft_label_weight=args.soft_label_weight,
+                             selector_loss_weight=args.selector_loss_weight,
+                             train_only=("conv", "candidate_selector") if args.train_only_additions else (),
                              short_block_probability=args.short_block_probability,
                              minutes=None if args.steps else args.minutes, steps=args.steps,
                              checkpoint_every_s=args.checkpoint_minutes * 60, seed=args.seed)

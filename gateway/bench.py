@@ -142,13 +142,15 @@ def plot(report: dict, path: Path) -> None:
     import matplotlib.pyplot as plt
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    for block, entry in report["by_block_size"].items():
-        first = entry["by_concurrency"][str(min(map(int, entry["by_concurrency"])))]
-        rates = first["per_position_acceptance"]
-        left.plot(range(1, len(rates) + 1), rates, marker="o", label=f"block {block}")
-        levels = sorted(map(int, entry["by_concurrency"]))
-        right.plot(levels, [entry["by_concurrency"][str(c)]["speedup_aggregate"] for c in levels], marker="o",
-                   label=f"block {block}")
+    for label, entries in (report.get("by_server") or {"": report["by_block_size"]}).items():
+        for block, entry in entries.items():
+            name = f"{label} block {block}".strip()
+            first = entry["by_concurrency"][str(min(map(int, entry["by_concurrency"])))]
+            rates = first["per_position_acceptance"]
+            left.plot(range(1, len(rates) + 1), rates, marker="o", label=name)
+            levels = sorted(map(int, entry["by_concurrency"]))
+            right.plot(levels, [entry["by_concurrency"][str(c)]["speedup_aggregate"] for c in levels], marker="o",
+                       label=name)
     left.set(xlabel="draft position", ylabel="acceptance rate", title="Acceptance by position", ylim=(0, 1))
     right.set(xlabel="concurrency", ylabel="speedup over plain", title="End-to-end speedup")
     right.axhline(1.0, color="grey", linewidth=0.8)
@@ -158,11 +160,57 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
+def measure_setting(servers, prompts, args, block: int, concurrency: int) -> tuple[dict, int]:
+    """All rounds of one (block, concurrency) setting; per round, each server in turn runs a speculative wave
+    and a plain wave, so drafters and modes are measured side by side. Returns ({label: result}, mismatches)."""
+    runs = {label: {"spec": [], "plain": [], "positions": [], "phases": []} for label, _, _ in servers}
+    mismatches = 0
+    for round_index in range(args.rounds + 1):  # round 0 is the warm-up
+        for label, url, metrics_url in servers:
+            wait_idle(url)
+            before = parse_metrics(httpx.get(metrics_url, timeout=10).text)
+            spec = asyncio.run(wave(url, prompts, args, block - 1, concurrency))
+            after = parse_metrics(httpx.get(metrics_url, timeout=10).text)
+            wait_idle(url)
+            plain = asyncio.run(wave(url, prompts, args, 0, concurrency))
+            if round_index == 0:
+                continue
+            run = runs[label]
+            run["spec"].append(summarize(*spec))
+            run["plain"].append(summarize(*plain))
+            run["positions"].append(per_position(before, after, block))
+            run["phases"].append(step_phases_ms(before, after))
+            if args.temperature == 0:
+                mismatches += sum(s["tokens"] != p["tokens"] for s, p in zip(spec[0], plain[0]))
+    results = {}
+    for label, run in runs.items():
+        med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
+        result = {
+            "speculative": {k: med(run["spec"], k) for k in run["spec"][0]},
+            "plain": {k: med(run["plain"], k) for k in run["plain"][0]},
+            "per_position_acceptance": [round(statistics.mean(p[i] for p in run["positions"]), 4)
+                                        for i in range(block - 1)],
+            "speculative_step_ms_by_phase": {k: statistics.median(p.get(k, 0.0) for p in run["phases"])
+                                             for k in run["phases"][0]},
+        }
+        result["speedup_aggregate"] = result["speculative"]["tokens_per_second_aggregate"] / \
+            result["plain"]["tokens_per_second_aggregate"]
+        result["speedup_per_stream"] = result["speculative"]["tokens_per_second_per_stream"] / \
+            result["plain"]["tokens_per_second_per_stream"]
+        results[label] = result
+    return results, mismatches
+
+
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(prog="dflash-bench", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--url", default="http://127.0.0.1:8000")
-    parser.add_argument("--metrics-url", default="http://127.0.0.1:9101/metrics", help="the verify worker's metrics")
+    parser.add_argument("--url", default="http://127.0.0.1:8000",
+                        help="the server; several comma-separated servers (e.g. one per drafter) are measured "
+                             "side by side, wave after wave")
+    parser.add_argument("--metrics-url", default="http://127.0.0.1:9101/metrics",
+                        help="the verify worker's metrics (comma-separated, one per --url)")
+    parser.add_argument("--labels", help="comma-separated names of the servers (default: the drafter kind each "
+                                         "reports, else server1, server2, ...)")
     parser.add_argument("--prompts", default="benchmarks/prompts_heldout.json")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--block-sizes", default="8,16")
@@ -175,59 +223,41 @@ def main(argv=None) -> int:
     parser.add_argument("--hf-target", help="also time transformers' generate on this target checkpoint")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
+    servers = server_list(args)
     records = json.loads(Path(args.prompts).read_text())
     prompts = [r["prompt"] if isinstance(r, dict) else r for r in records][: args.num_prompts]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     report = {"settings": vars(args), "by_block_size": {}}
+    by_server = {label: {} for label, _, _ in servers}
     mismatches = 0
     for block in map(int, args.block_sizes.split(",")):
-        entry = report["by_block_size"][str(block)] = {"by_concurrency": {}}
         for concurrency in map(int, args.concurrency.split(",")):
-            spec_runs, plain_runs, positions, phases = [], [], [], []
-            for round_index in range(args.rounds + 1):  # round 0 is the warm-up
-                wait_idle(args.url)
-                before = parse_metrics(httpx.get(args.metrics_url, timeout=10).text)
-                spec = asyncio.run(wave(args.url, prompts, args, block - 1, concurrency))
-                after = parse_metrics(httpx.get(args.metrics_url, timeout=10).text)
-                wait_idle(args.url)
-                plain = asyncio.run(wave(args.url, prompts, args, 0, concurrency))
-                if round_index == 0:
-                    continue
-                spec_runs.append(summarize(*spec))
-                plain_runs.append(summarize(*plain))
-                positions.append(per_position(before, after, block))
-                phases.append(step_phases_ms(before, after))
-                if args.temperature == 0:
-                    mismatches += sum(s["tokens"] != p["tokens"] for s, p in zip(spec[0], plain[0]))
-            med = lambda runs, key: statistics.median(r[key] for r in runs)  # noqa: E731
-            result = {
-                "speculative": {k: med(spec_runs, k) for k in spec_runs[0]},
-                "plain": {k: med(plain_runs, k) for k in plain_runs[0]},
-                "per_position_acceptance": [round(statistics.mean(p[i] for p in positions), 4)
-                                            for i in range(block - 1)],
-                "speculative_step_ms_by_phase": {k: statistics.median(p.get(k, 0.0) for p in phases)
-                                                 for k in phases[0]},
-            }
-            result["speedup_aggregate"] = result["speculative"]["tokens_per_second_aggregate"] / \
-                result["plain"]["tokens_per_second_aggregate"]
-            result["speedup_per_stream"] = result["speculative"]["tokens_per_second_per_stream"] / \
-                result["plain"]["tokens_per_second_per_stream"]
-            entry["by_concurrency"][str(concurrency)] = result
-            print(f"block {block} concurrency {concurrency}: acceptance length "
-                  f"{result['speculative']['acceptance_length']:.2f}, speedup {result['speedup_aggregate']:.2f}x "
-                  f"({result['speculative']['tokens_per_second_aggregate']:.1f} vs "
-                  f"{result['plain']['tokens_per_second_aggregate']:.1f} tok/s)", flush=True)
+            results, wrong = measure_setting(servers, prompts, args, block, concurrency)
+            mismatches += wrong
+            for label, result in results.items():
+                entry = by_server[label].setdefault(str(block), {"by_concurrency": {}})
+                entry["by_concurrency"][str(concurrency)] = result
+                phases = result["speculative_step_ms_by_phase"]
+                print(f"{label}: block {block} concurrency {concurrency}: acceptance length "
+                      f"{result['speculative']['acceptance_length']:.2f}, speedup {result['speedup_aggregate']:.2f}x "
+                      f"({result['speculative']['tokens_per_second_aggregate']:.1f} vs "
+                      f"{result['plain']['tokens_per_second_aggregate']:.1f} tok/s), draft "
+                      f"{phases.get('draft', 0):.2f} ms/step", flush=True)
+    report["by_block_size"] = by_server[servers[0][0]]
+    if len(servers) > 1:
+        report["by_server"] = by_server
     report["greedy_mismatches"] = mismatches if args.temperature == 0 else None
     if args.hf_target:
-        wait_idle(args.url)
+        wait_idle(servers[0][1])
         hf = run_hf(args.hf_target, prompts, args.max_tokens)
         report["transformers_tokens_per_second_per_stream"] = hf
-        for block, entry in report["by_block_size"].items():
-            c1 = entry["by_concurrency"].get("1")
-            if c1:
-                c1["speedup_over_transformers"] = c1["speculative"]["tokens_per_second_per_stream"] / hf
-                c1["plain_over_transformers"] = c1["plain"]["tokens_per_second_per_stream"] / hf
+        for entries in by_server.values():
+            for entry in entries.values():
+                c1 = entry["by_concurrency"].get("1")
+                if c1:
+                    c1["speedup_over_transformers"] = c1["speculative"]["tokens_per_second_per_stream"] / hf
+                    c1["plain_over_transformers"] = c1["plain"]["tokens_per_second_per_stream"] / hf
         print(f"transformers generate: {hf:.1f} tok/s per stream", flush=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     try:
@@ -236,6 +266,24 @@ def main(argv=None) -> int:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
     print(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1))
     return 0
+
+
+def server_list(args) -> list[tuple[str, str, str]]:
+    """[(label, url, metrics url)] from the comma-separated flags."""
+    urls, metrics = args.url.split(","), args.metrics_url.split(",")
+    if len(urls) != len(metrics):
+        raise SystemExit("dflash-bench: error: give one --metrics-url per --url")
+    labels = args.labels.split(",") if args.labels else []
+    if labels and len(labels) != len(urls):
+        raise SystemExit("dflash-bench: error: give one label per --url")
+    if not labels:
+        for i, url in enumerate(urls):
+            try:
+                kind = httpx.get(f"{url}/v1/models", timeout=10).json()["data"][0]["drafter"]["kind"]
+            except Exception:
+                kind = None
+            labels.append(kind if kind and kind not in labels else f"server{i + 1}")
+    return list(zip(labels, urls, metrics))
 
 
 if __name__ == "__main__":

@@ -3,6 +3,8 @@ resumes, and reports per-position validation accuracy."""
 
 import json
 
+import torch
+
 from conftest import write_hf_checkpoint
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.train_cli import main
@@ -32,6 +34,16 @@ def test_train_drafter_cli(tmp_path, capsys):
     assert "resumed at step 4" in capsys.readouterr().out
     second = load_drafter(out)
     assert any((a != b).any() for a, b in zip(first.state_dict().values(), second.state_dict().values()))
+    # DFlash 2 from that drafter, training only the convolutions and the selector
+    out2 = tmp_path / "drafter2"
+    extra = ["--kind", "dflash2", "--from-drafter", str(out), "--train-only-additions", "--selector-rank", "8",
+             "--selector-top-k", "4", "--steps", "3"]
+    assert main([*args[:5], str(out2), *args[6:], *extra]) == 0
+    config = json.loads((out2 / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 4
+    third = load_drafter(out2).state_dict()
+    for name, tensor in second.state_dict().items():
+        assert torch.equal(third[name], tensor), name  # the backbone stayed frozen
 
 
 def test_train_drafter_cli_errors(tmp_path, capsys):

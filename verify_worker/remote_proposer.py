@@ -30,7 +30,7 @@ class RemoteProposer:
         self.target_layer_ids = draft_config.target_layer_ids
         self.num_target_layers = draft_config.num_target_layers
         self.feature_width = draft_config.num_taps * draft_config.hidden_size
-        self.kind = "dflash"
+        self.kind = draft_config.kind  # "dflash" or "dflash2"; the drafter's pong confirms it
         self.timeout_s, self.ping_timeout_s, self.retry_interval_s = timeout_s, ping_timeout_s, retry_interval_s
         self.log = log or logging.getLogger("dflash.verify")
         self.context = zmq.Context.instance()

@@ -10,6 +10,7 @@ import torch
 from torch.nn import functional as F
 
 from draft_worker.draft_checkpoint import save_drafter
+from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
 from draft_worker.training.masks import block_visibility, default_gamma, position_weights
 from verify_worker.target_model import TargetModel
@@ -22,6 +23,8 @@ class TrainSettings:
     warmup_fraction: float = 0.04
     soft_label_weight: float = 0.5  # KL to the target's distribution, beside the hard labels
     short_block_probability: float = 0.0  # blocks cut to 8 rows, so the drafter also serves block size 8
+    selector_loss_weight: float = 1.0  # DFlash 2: the K-way candidate loss, beside the DFlash loss
+    train_only: tuple[str, ...] = ()  # train only parameters whose name contains one of these (empty: all)
     minutes: float | None = None
     steps: int | None = None
     checkpoint_every_s: float = 300.0
@@ -40,11 +43,16 @@ class DrafterTrainer:
     def __init__(self, target: TargetModel, drafter: DFlashDraftModel, settings: TrainSettings):
         self.target, self.settings = target.eval().requires_grad_(False), settings
         self.drafter = drafter.requires_grad_(True)
+        if settings.train_only:
+            for name, param in drafter.named_parameters():
+                param.requires_grad_(any(part in name for part in settings.train_only))
+        self.trainable = [p for p in drafter.parameters() if p.requires_grad]
+        if not self.trainable:
+            raise ValueError(f"no drafter parameter matches train_only {settings.train_only}")
         cfg = drafter.config
         self.block_size = cfg.block_size
         self.weights = position_weights(cfg.block_size, default_gamma(cfg.block_size))  # [B]
-        self.optimizer = torch.optim.AdamW(drafter.parameters(), lr=settings.lr, betas=(0.9, 0.95),
-                                           weight_decay=0.01)
+        self.optimizer = torch.optim.AdamW(self.trainable, lr=settings.lr, betas=(0.9, 0.95), weight_decay=0.01)
         self.generator = torch.Generator().manual_seed(settings.seed)
         self.step, self.elapsed, self.tokens = 0, 0.0, 0
 
@@ -80,7 +88,7 @@ class DrafterTrainer:
         return block_ids.reshape(-1), positions, labels, weights, lengths
 
     def sequence_loss(self, example: Example, anchors: torch.Tensor | None = None, full_blocks: bool = False):
-        """(loss, logits of the weighted rows, their labels, their block row index, anchors)."""
+        """(loss, logits of the weighted rows, their labels, their block row index, anchors, their hidden)."""
         features, target_logp = self.target_view(example.ids)
         anchors = self.sample_anchors(example) if anchors is None else anchors
         block_ids, positions, labels, weights, lengths = self.layout(example, anchors, full_blocks)
@@ -93,9 +101,14 @@ class DrafterTrainer:
         hard = F.cross_entropy(logits, labels[rows], reduction="none")
         soft_target = target_logp[positions[rows] - 1]  # the target's distribution for each labelled token
         soft = (soft_target.exp() * (soft_target - torch.log_softmax(logits, -1))).sum(-1)
-        loss = ((hard + self.settings.soft_label_weight * soft) * w).sum() / w.sum()
+        per_row = hard + self.settings.soft_label_weight * soft
+        if isinstance(self.drafter, DFlash2DraftModel):  # the selector learns to pick the gold candidate
+            previous = example.ids[positions[rows] - 1]  # teacher forcing: the true token before each row
+            selector = self.drafter.selector_loss(hidden[rows], logits, previous, labels[rows])
+            per_row = per_row + self.settings.selector_loss_weight * selector
+        loss = (per_row * w).sum() / w.sum()
         row_in_block = torch.arange(self.block_size).repeat(len(anchors))[rows]
-        return loss, logits.detach(), labels[rows], row_in_block, anchors
+        return loss, logits.detach(), labels[rows], row_in_block, anchors, hidden[rows].detach()
 
     # ---------------------------------------------------------------- the loop
     def learning_rate(self, progress: float) -> float:
@@ -121,7 +134,7 @@ class DrafterTrainer:
             loss = self.sequence_loss(example)[0]
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
-            torch.nn.utils.clip_grad_norm_(drafter.parameters(), 1.0)
+            torch.nn.utils.clip_grad_norm_(self.trainable, 1.0)
             self.optimizer.step()
             self.step += 1
             self.tokens += len(example.ids)
@@ -157,8 +170,8 @@ class DrafterTrainer:
             anchors = anchors[anchors + b <= len(example.ids)]  # whole blocks only
             if not len(anchors):
                 continue
-            _, logits, labels, rows, _ = self.sequence_loss(example, anchors, full_blocks=True)
-            hits = (logits.argmax(-1) == labels).float()
+            _, logits, labels, rows, _, hidden = self.sequence_loss(example, anchors, full_blocks=True)
+            hits = (self.greedy_drafts(example, anchors, logits, hidden) == labels).float()
             correct.index_add_(0, rows, hits)
             total.index_add_(0, rows, torch.ones_like(hits))
             per_block = hits.view(len(anchors), b - 1)
@@ -167,6 +180,17 @@ class DrafterTrainer:
         accuracy = (correct / total.clamp(min=1))[1:]
         return {"per_position_accuracy": [round(float(a), 4) for a in accuracy],
                 "acceptance_length_greedy": round(float(torch.cat(accept).mean()), 4) if accept else 0.0}
+
+    def greedy_drafts(self, example: Example, anchors: torch.Tensor, logits: torch.Tensor,
+                      hidden: torch.Tensor) -> torch.Tensor:
+        """What the drafter proposes greedily for whole blocks (rows [A * (B-1)]): the argmax, or for DFlash 2
+        the selector's walk from each anchor token."""
+        if not isinstance(self.drafter, DFlash2DraftModel):
+            return logits.argmax(-1)
+        a, n = len(anchors), self.block_size - 1
+        tokens, _, _ = self.drafter.walk(hidden.view(a, n, -1), logits.view(a, n, -1), example.ids[anchors],
+                                         torch.zeros(a), None)
+        return tokens.reshape(-1)
 
     # ---------------------------------------------------------------- checkpoints
     def save(self, out_dir: Path) -> None:

@@ -1,0 +1,177 @@
+"""The DFlash 2 drafter: the DFlash backbone with a dual-tap dynamic convolution around every attention and MLP
+sublayer, and a candidate path selector over the top-K tokens of each drafted position.
+
+Module names are the published tensor names (layers.{i}.attention_conv / mlp_conv .base_kernel and
+.kernel_projection.weight; candidate_selector.predecessor_codebook / successor_codebook / hidden_projection).
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from draft_worker.draft_config import DraftConfig
+from draft_worker.draft_model import DFlashDraftModel, DraftDecoderLayer
+
+
+class DynamicConv(nn.Module):
+    """Per-channel causal convolution over a block's rows whose kernel is a learnt base plus a per-row,
+    per-channel-group offset predicted from the sublayer input. prepare() filters the sublayer's input with
+    tap set 0; finish() filters its output with tap set 1, using the offsets prepare() computed. Taps never
+    reach across the block start (rows before it count as zero)."""
+
+    def __init__(self, hidden: int, kernel: int, group: int):
+        super().__init__()
+        self.kernel, self.group = kernel, group
+        self.base_kernel = nn.Parameter(torch.zeros(2, kernel, hidden))  # [tap set, offset, channel]
+        self.kernel_projection = nn.Linear(hidden, 2 * kernel * (hidden // group), bias=False)
+        self.reset_identity()
+
+    @torch.no_grad()
+    def reset_identity(self) -> None:
+        """Offset 0 weighs 1, the others 0, no dynamic part: prepare and finish return their input."""
+        self.base_kernel.zero_()
+        self.base_kernel[:, 0] = 1.0
+        self.kernel_projection.weight.zero_()
+
+    def _filter(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [n, B, H]; weights [n, B, kernel, H]: y_t = sum_o weights[t, o] * x_{t-o}."""
+        block = x.shape[1]
+        out = x * weights[:, :, 0]
+        for offset in range(1, self.kernel):
+            shifted = F.pad(x, (0, 0, offset, 0))[:, :block]  # [n, B, H]: x_{t-offset}, zero before the start
+            out = out + shifted * weights[:, :, offset]
+        return out
+
+    def prepare(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [n, B, H] -> (filtered x, the offsets kept for finish [n, B, kernel, H])."""
+        n, block, hidden = x.shape
+        dynamic = self.kernel_projection(x).view(n, block, 2, self.kernel, hidden // self.group)
+        dynamic = dynamic.repeat_interleave(self.group, -1)  # [n, B, 2, kernel, H]
+        return self._filter(x, self.base_kernel[0] + dynamic[:, :, 0]), dynamic[:, :, 1]
+
+    def finish(self, z: torch.Tensor, kept: torch.Tensor) -> torch.Tensor:
+        return self._filter(z, self.base_kernel[1] + kept)
+
+
+class DFlash2DecoderLayer(DraftDecoderLayer):
+    def __init__(self, cfg: DraftConfig, layer_index: int):
+        super().__init__(cfg, layer_index)
+        d2 = cfg.dflash2
+        self.attention_conv = DynamicConv(cfg.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
+        self.mlp_conv = DynamicConv(cfg.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
+
+    def _sublayers(self, x: torch.Tensor, attend) -> torch.Tensor:
+        """x [n, B, H] whole blocks; attend(h [n, B, H]) -> attention output [n, B, H]."""
+        h, kept = self.attention_conv.prepare(self.input_layernorm(x))
+        x = x + self.attention_conv.finish(attend(h), kept)
+        h, kept = self.mlp_conv.prepare(self.post_attention_layernorm(x))
+        return x + self.mlp_conv.finish(self.mlp(h), kept)
+
+    def forward(self, x, cos, sin, cache, slots, positions, block_end):
+        return self._sublayers(x, lambda h: self.self_attn(h, cos, sin, cache, slots, positions, block_end))
+
+    def forward_rows(self, x, cos, sin, context_k, context_v, mask, block_size: int):
+        rows, hidden = x.shape[1], x.shape[2]
+        blocks = x.view(rows // block_size, block_size, hidden)  # [A, B, H]
+
+        def attend(h):
+            out = self.self_attn.forward_rows(h.reshape(1, rows, hidden), cos, sin, context_k, context_v, mask)
+            return out.view(rows // block_size, block_size, hidden)
+
+        return self._sublayers(blocks, attend).reshape(1, rows, hidden)
+
+
+class CandidateSelector(nn.Module):
+    """Scores candidate k at a drafted row t, after the token prev chosen for row t-1:
+    score = unary_k + < predecessor[prev] * hidden_projection(h_t), successor[cand_k] >."""
+
+    def __init__(self, vocab: int, hidden: int, rank: int):
+        super().__init__()
+        self.predecessor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.successor_codebook = nn.Parameter(torch.zeros(vocab, rank))
+        self.hidden_projection = nn.Linear(hidden, rank, bias=False)
+
+    def scores(self, unary: torch.Tensor, candidates: torch.Tensor, previous: torch.Tensor,
+               projected: torch.Tensor) -> torch.Tensor:
+        """unary, candidates [..., K]; previous [...]; projected [..., r] -> float32 scores [..., K]."""
+        query = self.predecessor_codebook[previous] * projected  # [..., r]
+        pair = (self.successor_codebook[candidates] * query[..., None, :]).sum(-1)  # [..., K]
+        return unary.float() + pair.float()
+
+
+class DFlash2DraftModel(DFlashDraftModel):
+    layer_class = DFlash2DecoderLayer
+
+    def __init__(self, cfg: DraftConfig):
+        super().__init__(cfg)
+        self.candidate_selector = CandidateSelector(cfg.vocab_size, cfg.hidden_size, cfg.dflash2.selector_rank)
+
+    @property
+    def top_k(self) -> int:
+        return self.config.dflash2.selector_top_k
+
+    def candidates(self, logits: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """logits [..., V] -> (unary [..., K], candidate ids [..., K]), best first."""
+        return logits.topk(min(k or self.top_k, logits.shape[-1]), dim=-1)
+
+    def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, temperatures: torch.Tensor,
+             uniforms: torch.Tensor | None, k: int | None = None):
+        """Choose one path through the candidates of rows 1..n of each block.
+
+        hidden [b, n, H] and logits [b, n, V] of the drafted rows; anchors [b] (the token before row 1);
+        temperatures [b] (0 = greedy: the best score); uniforms [b, n] float64 for the sampled rows.
+        Returns (tokens [b, n], q [b, n, K] (the distribution each token was drawn from; one-hot where greedy),
+        candidate ids [b, n, K]).
+        """
+        from shared.sampling import sample_from
+
+        unary, candidates = self.candidates(logits, k)
+        projected = self.candidate_selector.hidden_projection(hidden)  # [b, n, r]
+        previous = anchors
+        tokens, qs = [], []
+        greedy = temperatures <= 0
+        for t in range(hidden.shape[1]):
+            score = self.candidate_selector.scores(unary[:, t], candidates[:, t], previous, projected[:, t])  # [b, K]
+            q = torch.softmax(score / temperatures.clamp(min=1e-6)[:, None], -1)
+            choice = score.argmax(-1)
+            if uniforms is not None and not bool(greedy.all()):
+                drawn = sample_from(q.double(), uniforms[:, t])
+                choice = torch.where(greedy, choice, drawn)
+            q = torch.where(greedy[:, None], F.one_hot(choice, q.shape[-1]).to(q.dtype), q)
+            previous = candidates[:, t].gather(1, choice[:, None])[:, 0]
+            tokens.append(previous)
+            qs.append(q)
+        return torch.stack(tokens, 1), torch.stack(qs, 1), candidates
+
+    def selector_loss(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
+                      labels: torch.Tensor) -> torch.Tensor:
+        """K-way cross-entropy per row over the top-K candidates, the gold label put in the last slot where
+        it is missing. hidden [R, H], logits [R, V], previous and labels [R] (teacher forcing). Returns [R]."""
+        unary, candidates = self.candidates(logits.detach())
+        missing = ~(candidates == labels[:, None]).any(-1)
+        candidates = candidates.clone()
+        candidates[missing, -1] = labels[missing]
+        unary = logits.detach().gather(1, candidates)
+        score = self.candidate_selector.scores(unary, candidates, previous,
+                                               self.candidate_selector.hidden_projection(hidden))
+        gold = (candidates == labels[:, None]).float().argmax(-1)
+        return F.cross_entropy(score, gold, reduction="none")
+
+
+def upgrade_to_dflash2(drafter: DFlashDraftModel, settings, seed: int = 0, std: float = 0.1) -> DFlash2DraftModel:
+    """A DFlash 2 drafter that starts from a DFlash one: same backbone weights, identity convolutions, and a
+    selector whose codebooks start small (so it begins as argmax drafting, up to the tiny pair term)."""
+    import dataclasses
+
+    cfg = dataclasses.replace(drafter.config, dflash2=settings)
+    model = DFlash2DraftModel(cfg).to(next(drafter.parameters()).dtype)
+    missing, unexpected = model.load_state_dict(drafter.state_dict(), strict=False)
+    assert not unexpected and all("conv" in m or "candidate_selector" in m for m in missing), missing
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        selector = model.candidate_selector
+        for param in (selector.predecessor_codebook, selector.successor_codebook):
+            param.copy_(torch.randn(param.shape, generator=generator) * std)
+        weight = selector.hidden_projection.weight
+        weight.copy_(torch.randn(weight.shape, generator=generator) * weight.shape[1] ** -0.5)
+    return model

@@ -1,0 +1,147 @@
+"""DFlash 2: the published checkpoint layout, the identity-initialised convolution, the selector walk, greedy
+identity and sampling losslessness with the selector's sparse q, and training."""
+
+import json
+
+import pytest
+import torch
+from safetensors import safe_open
+
+from conftest import tiny_draft_config
+from draft_worker.dflash2_model import DFlash2DraftModel, upgrade_to_dflash2
+from draft_worker.draft_checkpoint import load_drafter, random_drafter, save_drafter
+from draft_worker.draft_config import DFlash2Settings, DraftConfig
+from draft_worker.local_proposer import DraftSampling, LocalProposer
+from draft_worker.training.masks import block_visibility
+from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings
+from greedy_check import assert_same_or_near_tie
+from shared.errors import ConfigError
+from verify_worker.engine import SpeculativeEngine
+from verify_worker.request import GenerationRequest
+
+SMALL = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
+PROMPTS = [[3, 17, 22, 9, 41, 7, 99], [5], [60, 61, 62, 63, 64, 65, 66], [100, 2], [8, 8, 8, 8, 1]]
+
+
+def dflash2_drafter(seed=1, block_size=8, **overrides):
+    return random_drafter(tiny_draft_config(block_size=block_size, dflash2=SMALL, **overrides), seed=seed, std=0.2)
+
+
+def test_checkpoint_round_trips_with_the_published_names(tmp_path):
+    drafter = dflash2_drafter()
+    save_drafter(drafter, tmp_path)
+    config = json.loads((tmp_path / "config.json").read_text())
+    assert config["architectures"] == ["DFlash2DraftModel"]
+    assert {k: config["dflash_config"][k] for k in ("conv_kernel_size", "conv_group_size", "selector_rank",
+                                                     "selector_top_k")} == {"conv_kernel_size": 2,
+                                                                            "conv_group_size": 16,
+                                                                            "selector_rank": 8, "selector_top_k": 4}
+    with safe_open(str(tmp_path / "model.safetensors"), "pt") as f:
+        names = set(f.keys())
+    for name in ("layers.0.attention_conv.base_kernel", "layers.0.attention_conv.kernel_projection.weight",
+                 "layers.0.mlp_conv.base_kernel", "layers.0.mlp_conv.kernel_projection.weight",
+                 "candidate_selector.predecessor_codebook", "candidate_selector.successor_codebook",
+                 "candidate_selector.hidden_projection.weight", "fc.weight", "layers.0.self_attn.q_proj.weight"):
+        assert name in names, name
+    assert not any(n.endswith("codebook.weight") for n in names)
+    loaded = load_drafter(tmp_path)
+    assert isinstance(loaded, DFlash2DraftModel) and loaded.config == drafter.config
+    for name, tensor in drafter.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], tensor), name
+
+
+def test_dflash2_config_errors():
+    cfg = tiny_draft_config(dflash2=SMALL).to_dict()
+    cfg["dflash_config"]["conv_group_size"] = 7
+    with pytest.raises(ConfigError, match="conv_group_size 7 does not divide hidden_size 64"):
+        DraftConfig.from_dict(cfg)
+    cfg["dflash_config"]["conv_group_size"] = 0
+    with pytest.raises(ConfigError, match="conv_group_size"):
+        DraftConfig.from_dict(cfg)
+
+
+def test_identity_convolution_leaves_the_block_unchanged(qwen3_pair):
+    """A DFlash drafter upgraded to DFlash 2 (identity convolutions) gives the same block hidden states, in the
+    serving path and in the training path."""
+    _, target, _, _ = qwen3_pair
+    v1 = random_drafter(tiny_draft_config(layers=2, block_size=6), seed=9, std=0.2)
+    v2 = upgrade_to_dflash2(v1, SMALL)
+    features = torch.randn(13, 2 * 64, generator=torch.Generator().manual_seed(0))
+    block = target.embed_weight[torch.tensor([[5, 127, 127, 127, 127, 127]])]
+    outs = []
+    for drafter in (v1, v2):
+        cache = drafter.new_cache(1, 32)
+        drafter.ingest_context(cache, torch.zeros(13, dtype=torch.long), torch.arange(13), features)
+        outs.append(drafter.block_hidden(cache, torch.tensor([0]), torch.tensor([13]), block))
+    assert (outs[0] - outs[1]).abs().max() < 1e-6
+    mask = block_visibility(torch.tensor([4, 9]), 13, 6, torch.tensor([6, 6]))
+    positions = torch.cat([torch.arange(4, 10), torch.arange(9, 15)])
+    embeds = target.embed_weight[torch.randint(0, 128, (12,), generator=torch.Generator().manual_seed(1))]
+    train = [d.train_hidden(features, embeds, positions, mask) for d in (v1, v2)]
+    assert (train[0] - train[1]).abs().max() < 1e-6
+
+
+def test_training_forward_equals_the_served_forward_with_live_convolutions(qwen3_pair):
+    """Random (non-identity) convolutions: the many-blocks training path equals the cached serving path."""
+    _, target, _, _ = qwen3_pair
+    drafter = dflash2_drafter(seed=4, block_size=6, layers=2)
+    trainer = DrafterTrainer(target, drafter, TrainSettings(steps=1))
+    ids = torch.randint(0, 120, (20,), generator=torch.Generator().manual_seed(4))
+    features, _ = trainer.target_view(ids)
+    anchors = torch.tensor([3, 13])
+    block_ids, positions, _, _, lengths = trainer.layout(Example(ids, 1), anchors)
+    mask = block_visibility(anchors, len(ids), 6, lengths)
+    trained = drafter.train_hidden(features, target.embed_weight[block_ids], positions, mask)[6:]
+    cache = drafter.new_cache(1, 64)
+    drafter.ingest_context(cache, torch.zeros(13, dtype=torch.long), torch.arange(13), features[:13])
+    served = drafter.block_hidden(cache, torch.tensor([0]), torch.tensor([13]),
+                                  target.embed_weight[block_ids[6:]][None])[0]
+    assert (trained - served).abs().max() < 1e-4
+
+
+def test_a_walk_over_one_candidate_is_argmax_drafting():
+    drafter = dflash2_drafter(seed=2)
+    gen = torch.Generator().manual_seed(3)
+    hidden, logits = torch.randn(3, 7, 64, generator=gen), torch.randn(3, 7, 128, generator=gen)
+    tokens, q, candidates = drafter.walk(hidden, logits, torch.tensor([1, 2, 3]), torch.zeros(3), None, k=1)
+    assert torch.equal(tokens, logits.argmax(-1)) and torch.all(q == 1)
+    # with K candidates the walk may leave the argmax, and only ever picks one of the candidates
+    tokens, q, candidates = drafter.walk(hidden, logits, torch.tensor([1, 2, 3]), torch.zeros(3), None)
+    assert torch.all((candidates == tokens[..., None]).any(-1))
+    # sampled rows report a proper distribution over the K candidates
+    tokens, q, candidates = drafter.walk(hidden, logits, torch.tensor([1, 2, 3]), torch.ones(3),
+                                         torch.rand(3, 7, dtype=torch.float64, generator=gen))
+    assert torch.allclose(q.sum(-1), torch.ones(3, 7)) and q.shape == (3, 7, 4)
+
+
+@pytest.mark.parametrize("block_size", [2, 4, 8])
+def test_dflash2_greedy_equals_plain(qwen3_pair, block_size):
+    _, target, _, _ = qwen3_pair
+    plain = SpeculativeEngine(target, None, max_requests=5, max_model_len=256).generate(
+        [GenerationRequest(tuple(p), 48) for p in PROMPTS])
+    proposer = LocalProposer(dflash2_drafter(seed=6), target.embed_weight, target.lm_head_weight,
+                             block_size=block_size, max_requests=5, max_model_len=256)
+    results = SpeculativeEngine(target, proposer, max_requests=5, max_model_len=256).generate(
+        [GenerationRequest(tuple(p), 48) for p in PROMPTS])
+    for prompt, result, want in zip(PROMPTS, results, plain):
+        assert result.stats.draft_tokens > 0
+        assert_same_or_near_tie(target, prompt, result.token_ids, want.token_ids)
+
+
+def test_trainer_learns_the_selector_and_can_train_only_the_dflash2_parts(qwen3_pair):
+    _, target, _, _ = qwen3_pair
+    drafter = upgrade_to_dflash2(random_drafter(tiny_draft_config(block_size=8), seed=2, std=0.05), SMALL)
+    backbone = {n: t.clone() for n, t in drafter.state_dict().items() if "conv" not in n and "selector" not in n}
+    gen = torch.Generator().manual_seed(0)
+    examples = [Example(torch.randint(0, 120, (48,), generator=gen), 8) for _ in range(4)]
+    trainer = DrafterTrainer(target, drafter, TrainSettings(steps=40, lr=3e-3, anchors_per_sequence=16,
+                                                            train_only=("conv", "candidate_selector")))
+    before = sum(trainer.sequence_loss(e, torch.arange(8, 40, 4))[0].item() for e in examples)
+    trainer.train(examples, log=lambda _: None)
+    after = sum(trainer.sequence_loss(e, torch.arange(8, 40, 4))[0].item() for e in examples)
+    assert after < before
+    for name, tensor in backbone.items():
+        assert torch.equal(drafter.state_dict()[name], tensor), name  # the DFlash backbone did not move
+    assert drafter.layers[0].mlp_conv.kernel_projection.weight.abs().sum() > 0  # the convolution did
+    report = trainer.evaluate(examples)
+    assert len(report["per_position_accuracy"]) == 7
