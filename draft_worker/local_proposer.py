@@ -111,8 +111,11 @@ class LocalProposer:
         self._ingest(items, slots)
         starts = torch.tensor([self.lengths[item.request_id] for item in items], device=device)  # [b]
         anchors = torch.tensor([item.anchor_token for item in items], device=device)
-        block_ids = torch.full((len(items), self.block_size), self.drafter.config.mask_token_id, device=device)
-        block_ids[:, 0] = anchors  # [b, B]: anchor then masks
+        # The block only needs as many rows as the longest draft asked for (a request capped by
+        # num_speculative_tokens or near its max_tokens drafts a shorter block, and cheaper).
+        block = min(self.block_size, max(item.num_draft for item in items) + 1)
+        block_ids = torch.full((len(items), block), self.drafter.config.mask_token_id, device=device)
+        block_ids[:, 0] = anchors  # [b, block]: anchor then masks
         embeds = self.embed_weight[block_ids] * self.drafter.config.input_embedding_scale
         hidden = self.drafter.block_hidden(self.cache, slots, starts, embeds)  # [b, B, hidden]
         logits = self.drafter.logits(hidden[:, 1:], self.lm_head_weight)  # [b, B-1, vocab]
