@@ -145,3 +145,26 @@ def test_trainer_learns_the_selector_and_can_train_only_the_dflash2_parts(qwen3_
     assert drafter.layers[0].mlp_conv.kernel_projection.weight.abs().sum() > 0  # the convolution did
     report = trainer.evaluate(examples)
     assert len(report["per_position_accuracy"]) == 7
+
+
+def test_dflash_serve_serves_a_dflash2_drafter_and_says_so(tmp_path):
+    import httpx
+
+    from server_harness import Server, metric_value, write_server_models
+
+    target, _ = write_server_models(tmp_path)
+    draft = tmp_path / "draft2"
+    save_drafter(random_drafter(tiny_draft_config(vocab=258, block_size=4, dflash2=SMALL), seed=3, std=0.2), draft)
+    server = Server(target, draft, log_dir=tmp_path)
+    try:
+        server.wait_ready()
+        models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
+        assert models["data"][0]["drafter"] == {"kind": "dflash2", "available": True}
+        body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 40, "temperature": 0, "return_token_ids": True}
+        spec = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
+        plain = httpx.post(f"{server.url}/v1/completions", json={**body, "num_speculative_tokens": 0}, timeout=60).json()
+        assert spec["usage"]["speculative"]["draft_tokens"] > 0
+        assert spec["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+        assert metric_value(server.metrics("verify"), "dflash_drafter_available", {"kind": "dflash2"}) == 1
+    finally:
+        server.stop()
