@@ -4,9 +4,14 @@ it, and print tokens/s, acceptance and the per-step phase times (draft, transfer
     python benchmarks/bench_serving_setups.py                       # TP 1, TP 2, TP 2 + feature pair
     python benchmarks/bench_serving_setups.py --setups "tp1=--tp 1" "pair=--feature-transport pair" \\
         --bench-args "--block-sizes 8 --concurrency 1 --num-prompts 8 --max-tokens 96 --rounds 2"
+    python benchmarks/bench_serving_setups.py --together \\
+        --setups "dflash=--draft models/demo/draft" "dflash2=--draft models/demo/draft2"
 
-Each setup runs alone on the machine (a server at a time), and within it dflash-bench alternates speculative
-and plain waves, so the ratios inside one setup are measured side by side; across setups, compare medians.
+By default each setup runs alone on the machine (a server at a time), and within it dflash-bench alternates
+speculative and plain waves, so the ratios inside one setup are measured side by side; across setups, compare
+medians. --together starts every setup's server at once (idle servers cost next to nothing) and runs ONE
+dflash-bench over all of them, wave after wave, so the setups are measured side by side too (use it to compare
+drafters; not for TP, whose extra processes would share the cores with the other servers' work).
 """
 
 import argparse
@@ -40,7 +45,38 @@ def main(argv=None) -> int:
                                                  "--max-tokens 96 --rounds 2")
     parser.add_argument("--port", type=int, default=8123)
     parser.add_argument("--out", default="bench_out/setups")
+    parser.add_argument("--together", action="store_true", help="all servers at once, one dflash-bench over all")
     args = parser.parse_args(argv)
+    rows = together(args) if args.together else one_by_one(args)
+    print_table(rows)
+    return 0
+
+
+def together(args) -> dict:
+    names, processes, urls, metrics = [], [], [], []
+    try:
+        for i, setup in enumerate(args.setups):
+            name, _, flags = setup.partition("=")
+            port = args.port + 100 * i
+            processes.append(serve([*shlex.split(args.serve_args), *shlex.split(flags)], port, port + 10, port + 20))
+            names.append(name)
+            urls.append(f"http://127.0.0.1:{port}")
+            metrics.append(f"http://127.0.0.1:{port + 20}/metrics")
+        out = Path(args.out) / "together"
+        subprocess.run([sys.executable, "-m", "gateway.bench", "--url", ",".join(urls), "--metrics-url",
+                        ",".join(metrics), "--labels", ",".join(names), "--out", str(out),
+                        *shlex.split(args.bench_args)], check=True, stdout=subprocess.DEVNULL)
+    finally:
+        for process in processes:
+            process.terminate()
+        for process in processes:
+            process.wait(60)
+    report = json.loads((out / "bench.json").read_text())
+    return {name: {"by_block_size": report["by_server"][name] if "by_server" in report else report["by_block_size"]}
+            for name in names}
+
+
+def one_by_one(args) -> dict:
     rows = {}
     for setup in args.setups:
         name, _, flags = setup.partition("=")
@@ -56,6 +92,10 @@ def main(argv=None) -> int:
             process.terminate()
             process.wait(60)
             time.sleep(1.0)
+    return rows
+
+
+def print_table(rows: dict) -> None:
     print(f"{'setup':<12} {'block':>5} {'conc':>4} {'accept':>6} {'spec tok/s':>10} {'plain tok/s':>11} "
           f"{'speedup':>7}  step ms by phase (speculative)")
     for name, report in rows.items():
@@ -66,7 +106,6 @@ def main(argv=None) -> int:
                 print(f"{name:<12} {block:>5} {concurrency:>4} {spec['acceptance_length']:>6.2f} "
                       f"{spec['tokens_per_second_aggregate']:>10.1f} {plain['tokens_per_second_aggregate']:>11.1f} "
                       f"{r['speedup_aggregate']:>6.2f}x  {phases}")
-    return 0
 
 
 if __name__ == "__main__":
