@@ -150,12 +150,9 @@ class DFlash2DraftModel(DFlashDraftModel):
         return torch.stack(tokens, 1), torch.stack(qs, 1), candidates
 
     def selector_loss(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
-                      labels: torch.Tensor, target_logp: torch.Tensor | None = None,
-                      soft_weight: float = 0.0) -> torch.Tensor:
+                      labels: torch.Tensor) -> torch.Tensor:
         """K-way cross-entropy per row over the top-K candidates, the gold label put in the last slot where
-        it is missing; plus soft_weight x the cross-entropy to the target's distribution renormalised over the
-        candidates (target_logp [R, V]), which keeps the selector's q close to the target's p for sampling.
-        hidden [R, H], logits [R, V], previous and labels [R] (teacher forcing). Returns [R]."""
+        it is missing. hidden [R, H], logits [R, V], previous and labels [R] (teacher forcing). Returns [R]."""
         unary, candidates = self.candidates(logits.detach())
         missing = ~(candidates == labels[:, None]).any(-1)
         candidates = candidates.clone()
@@ -164,11 +161,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         score = self.candidate_selector.scores(unary, candidates, previous,
                                                self.candidate_selector.hidden_projection(hidden))
         gold = (candidates == labels[:, None]).float().argmax(-1)
-        loss = F.cross_entropy(score, gold, reduction="none")
-        if target_logp is not None and soft_weight:
-            soft_target = torch.softmax(target_logp.gather(1, candidates), -1)  # [R, K]: p over the candidates
-            loss = loss - soft_weight * (soft_target * torch.log_softmax(score, -1)).sum(-1)
-        return loss
+        return F.cross_entropy(score, gold, reduction="none")
 
 
 def upgrade_to_dflash2(drafter: DFlashDraftModel, settings, seed: int = 0, std: float = 0.1) -> DFlash2DraftModel:

@@ -104,8 +104,7 @@ class DrafterTrainer:
         per_row = hard + self.settings.soft_label_weight * soft
         if isinstance(self.drafter, DFlash2DraftModel):  # the selector learns to pick the gold candidate
             previous = example.ids[positions[rows] - 1]  # teacher forcing: the true token before each row
-            selector = self.drafter.selector_loss(hidden[rows], logits, previous, labels[rows], soft_target,
-                                                  self.settings.soft_label_weight)
+            selector = self.drafter.selector_loss(hidden[rows], logits, previous, labels[rows])
             per_row = per_row + self.settings.selector_loss_weight * selector
         loss = (per_row * w).sum() / w.sum()
         row_in_block = torch.arange(self.block_size).repeat(len(anchors))[rows]
