@@ -115,21 +115,15 @@ class DFlash2DraftModel(DFlashDraftModel):
         return logits.topk(min(k or self.top_k, logits.shape[-1]), dim=-1)
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, temperatures: torch.Tensor,
-             uniforms: torch.Tensor | None, k: int | None = None, top_ps: torch.Tensor | None = None,
-             top_ks: torch.Tensor | None = None):
+             uniforms: torch.Tensor | None, k: int | None = None):
         """Choose one path through the candidates of rows 1..n of each block.
 
         hidden [b, n, H] and logits [b, n, V] of the drafted rows; anchors [b] (the token before row 1);
-        temperatures [b] (0 = greedy: the best score); uniforms [b, n] float64 for the sampled rows; top_ps,
-        top_ks [b]: the request's own top-p / top-k, applied to the candidates' scores like to the target's
-        logits (so q stays close to the target's processed distribution). Returns (tokens [b, n], q [b, n, K]
-        (the distribution each token was drawn from; one-hot where greedy), candidate ids [b, n, K]).
+        temperatures [b] (0 = greedy: the best score); uniforms [b, n] float64 for the sampled rows.
+        Returns (tokens [b, n], q [b, n, K] (the distribution each token was drawn from; one-hot where greedy),
+        candidate ids [b, n, K]).
         """
-        from shared.sampling import sample_from, sampling_probs
-
-        batch = anchors.shape[0]
-        top_ps = torch.ones(batch, device=logits.device) if top_ps is None else top_ps
-        top_ks = torch.zeros(batch, dtype=torch.long, device=logits.device) if top_ks is None else top_ks
+        from shared.sampling import sample_from
 
         unary, candidates = self.candidates(logits, k)
         projected = self.candidate_selector.hidden_projection(hidden)  # [b, n, r]
@@ -138,7 +132,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         greedy = temperatures <= 0
         for t in range(hidden.shape[1]):
             score = self.candidate_selector.scores(unary[:, t], candidates[:, t], previous, projected[:, t])  # [b, K]
-            q = sampling_probs(score, temperatures.clamp(min=1e-6), top_ps, top_ks)  # [b, K]
+            q = torch.softmax(score / temperatures.clamp(min=1e-6)[:, None], -1)
             choice = score.argmax(-1)
             if uniforms is not None and not bool(greedy.all()):
                 drawn = sample_from(q.double(), uniforms[:, t])

@@ -136,11 +136,8 @@ class LocalProposer:
             if sampled[row]:
                 uniforms[row, : item.num_draft] = torch.rand(item.num_draft, generator=self.generators[item.request_id],
                                                              dtype=torch.float64)
-        top_ps = torch.tensor([item.sampling.top_p for item in items], device=logits.device)
-        top_ks = torch.tensor([item.sampling.top_k for item in items], device=logits.device)
         tokens, q, candidates = self.drafter.walk(hidden, logits, anchors, temperatures,
-                                                  uniforms.to(logits.device) if any(sampled) else None,
-                                                  top_ps=top_ps, top_ks=top_ks)
+                                                  uniforms.to(logits.device) if any(sampled) else None)
         results = []
         for row, item in enumerate(items):
             n = item.num_draft
