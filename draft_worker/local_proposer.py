@@ -136,6 +136,8 @@ class LocalProposer:
             if sampled[row]:
                 uniforms[row, : item.num_draft] = torch.rand(item.num_draft, generator=self.generators[item.request_id],
                                                              dtype=torch.float64)
+        # Only the temperature shapes the selector's q (any q is lossless): also cutting it with the request's
+        # top-p measured lower acceptance on the demo pair (1.37 against 1.51 at temperature 1, top-p 0.95).
         tokens, q, candidates = self.drafter.walk(hidden, logits, anchors, temperatures,
                                                   uniforms.to(logits.device) if any(sampled) else None)
         results = []
