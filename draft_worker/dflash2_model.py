@@ -5,12 +5,15 @@ Module names are the published tensor names (layers.{i}.attention_conv / mlp_con
 .kernel_projection.weight; candidate_selector.predecessor_codebook / successor_codebook / hidden_projection).
 """
 
+import dataclasses
+
 import torch
 from torch import nn
 from torch.nn import functional as F
 
 from draft_worker.draft_config import DraftConfig
 from draft_worker.draft_model import DFlashDraftModel, DraftDecoderLayer
+from shared.sampling import sample_from
 
 
 class DynamicConv(nn.Module):
@@ -123,8 +126,6 @@ class DFlash2DraftModel(DFlashDraftModel):
         Returns (tokens [b, n], q [b, n, K] (the distribution each token was drawn from; one-hot where greedy),
         candidate ids [b, n, K]).
         """
-        from shared.sampling import sample_from
-
         unary, candidates = self.candidates(logits, k)
         projected = self.candidate_selector.hidden_projection(hidden)  # [b, n, r]
         previous = anchors
@@ -147,7 +148,7 @@ class DFlash2DraftModel(DFlashDraftModel):
                       labels: torch.Tensor) -> torch.Tensor:
         """K-way cross-entropy per row over the top-K candidates, the gold label put in the last slot where
         it is missing. hidden [R, H], logits [R, V], previous and labels [R] (teacher forcing). Returns [R]."""
-        unary, candidates = self.candidates(logits.detach())
+        _, candidates = self.candidates(logits.detach())
         missing = ~(candidates == labels[:, None]).any(-1)
         candidates = candidates.clone()
         candidates[missing, -1] = labels[missing]
@@ -161,8 +162,6 @@ class DFlash2DraftModel(DFlashDraftModel):
 def upgrade_to_dflash2(drafter: DFlashDraftModel, settings, seed: int = 0, std: float = 0.1) -> DFlash2DraftModel:
     """A DFlash 2 drafter that starts from a DFlash one: same backbone weights, identity convolutions, and a
     selector whose codebooks start small (so it begins as argmax drafting, up to the tiny pair term)."""
-    import dataclasses
-
     cfg = dataclasses.replace(drafter.config, dflash2=settings)
     model = DFlash2DraftModel(cfg).to(next(drafter.parameters()).dtype)
     missing, unexpected = model.load_state_dict(drafter.state_dict(), strict=False)

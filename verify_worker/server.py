@@ -100,9 +100,11 @@ class VerifyServer:
             time.sleep(0.2)  # let the PUSH socket flush before the process exits (LINGER is 0)
             raise
 
-    def _fail_all(self, code: str, message: str) -> None:
+    def _fail_all(self, code: str, message: str, waiting_too: bool = True) -> None:
+        """Abort and fail every request holding a slot (and, with waiting_too, every queued one)."""
         engine = self.engine
-        for request_id in list(engine.running) + [s.request_id for s in engine.prefilling + engine.waiting]:
+        queued = engine.prefilling + (engine.waiting if waiting_too else [])
+        for request_id in list(engine.running) + [s.request_id for s in queued]:
             engine.abort(request_id)
             self._send(RequestFailed(request_id, code, message))
 
@@ -145,9 +147,7 @@ class VerifyServer:
             raise
         except Exception:  # a bug must not take the other requests' streams down silently
             self.log.error("engine step failed:\n%s", traceback.format_exc())
-            for request_id in list(self.engine.running) + [s.request_id for s in self.engine.prefilling]:
-                self.engine.abort(request_id)
-                self._send(RequestFailed(request_id, "internal", "the verify worker failed on this step"))
+            self._fail_all("internal", "the verify worker failed on this step", waiting_too=False)
             return
         for event in events:
             stats = event.stats
