@@ -5,7 +5,7 @@ import torch
 from conftest import tiny_draft_config
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.training.masks import block_visibility, position_weights
-from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings
+from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings, walk_acceptance
 
 
 def test_mask_never_shows_context_at_or_after_the_anchor():
@@ -23,6 +23,14 @@ def test_mask_never_shows_context_at_or_after_the_anchor():
                 assert not blocks[:, j].any()  # never another block's rows
         live = 2 if i == 2 else 5
         assert blocks[:, i, :live].all() and not blocks[:, i, live:].any()
+
+
+def test_walk_acceptance_follows_decoding_not_the_mean_over_anchors():
+    # anchor 0 accepts 3 drafts (4 tokens), so decoding next drafts from anchor 4, skipping the easy anchors 1-3
+    leads = [3, 7, 7, 7, 0, 0, 1, 5, 0]
+    tokens, steps = walk_acceptance(leads)
+    assert (tokens, steps) == (4 + 1 + 1 + 2 + 1, 5)  # anchors 0, 4, 5, 6, 8
+    assert tokens / steps < 1 + sum(leads) / len(leads)
 
 
 def test_position_weights_decay_and_skip_the_anchor():
