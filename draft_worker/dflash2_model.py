@@ -113,6 +113,10 @@ class DFlash2DraftModel(DFlashDraftModel):
     def top_k(self) -> int:
         return self.config.dflash2.selector_top_k
 
+    @property
+    def sample_top_k(self) -> int:
+        return self.config.dflash2.sample_top_k
+
     def candidates(self, logits: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """logits [..., V] -> (unary [..., K], candidate ids [..., K]), best first."""
         return logits.topk(min(k or self.top_k, logits.shape[-1]), dim=-1)
@@ -145,16 +149,26 @@ class DFlash2DraftModel(DFlashDraftModel):
         return torch.stack(tokens, 1), torch.stack(qs, 1), candidates
 
     def selector_loss(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
-                      labels: torch.Tensor) -> torch.Tensor:
-        """K-way cross-entropy per row over the top-K candidates, the gold label put in the last slot where
-        it is missing. hidden [R, H], logits [R, V], previous and labels [R] (teacher forcing). Returns [R]."""
+                      labels: torch.Tensor, target_logp: torch.Tensor | None = None) -> torch.Tensor:
+        """The selector's loss per row (teacher forcing: previous is the true token before each row).
+
+        hidden [R, H], logits [R, V], previous and labels [R]. Without target_logp: K-way cross-entropy over the
+        top-K candidates, the gold label put in the last slot where it is missing (trains the greedy walk).
+        With target_logp [R, V] (the target's log-distribution of each row's token): cross-entropy from the
+        target's distribution to the selector's scores over the whole vocabulary, so the q it samples from
+        under temperature approaches the target's p (what sampled acceptance rewards). Returns [R]."""
+        selector = self.candidate_selector
+        projected = selector.hidden_projection(hidden)  # [R, r]
+        if target_logp is not None:
+            query = selector.predecessor_codebook[previous] * projected  # [R, r]
+            score = logits.detach().float() + (query @ selector.successor_codebook.T).float()  # [R, V]
+            return -(target_logp.exp() * torch.log_softmax(score, -1)).sum(-1)
         _, candidates = self.candidates(logits.detach())
         missing = ~(candidates == labels[:, None]).any(-1)
         candidates = candidates.clone()
         candidates[missing, -1] = labels[missing]
         unary = logits.detach().gather(1, candidates)
-        score = self.candidate_selector.scores(unary, candidates, previous,
-                                               self.candidate_selector.hidden_projection(hidden))
+        score = selector.scores(unary, candidates, previous, projected)
         gold = (candidates == labels[:, None]).float().argmax(-1)
         return F.cross_entropy(score, gold, reduction="none")
 

@@ -20,6 +20,14 @@ class DFlash2Settings:
     conv_group_size: int = 16
     selector_rank: int = 256
     selector_top_k: int = 16
+    # Not a published key: candidates of a SAMPLED walk (0 = selector_top_k). A selector trained to match the
+    # target's distribution over the whole vocabulary (dflash-train-drafter --selector-soft-weight) proposes
+    # better from more candidates; a hard-trained one from its top-K only.
+    selector_sample_top_k: int = 0
+
+    @property
+    def sample_top_k(self) -> int:
+        return self.selector_sample_top_k or self.selector_top_k
 
 
 def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]:
@@ -132,7 +140,9 @@ class DraftConfig:
             defaults = DFlash2Settings()
             dflash2 = DFlash2Settings(**{
                 key: _int({key: value(key, getattr(defaults, key))}, key)
-                for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")})
+                for key in ("conv_kernel_size", "conv_group_size", "selector_rank", "selector_top_k")},
+                selector_sample_top_k=_int({"selector_sample_top_k": value("selector_sample_top_k", 0)},
+                                           "selector_sample_top_k", minimum=0))
             if hidden % dflash2.conv_group_size:
                 raise ConfigError(f"drafter config.json: conv_group_size {dflash2.conv_group_size} does not divide "
                                   f"hidden_size {hidden}")
@@ -183,7 +193,8 @@ class DraftConfig:
         if self.final_logit_softcapping is not None:
             dflash["final_logit_softcapping"] = self.final_logit_softcapping
         if self.dflash2 is not None:
-            dflash.update(dataclasses.asdict(self.dflash2))
+            dflash.update({k: v for k, v in dataclasses.asdict(self.dflash2).items()
+                           if k != "selector_sample_top_k" or v})  # the extension key only when set
         out = {
             **self.extra,
             "architectures": [DFLASH2_ARCHITECTURE if self.dflash2 else DFLASH_ARCHITECTURE],

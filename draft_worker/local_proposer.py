@@ -125,28 +125,34 @@ class LocalProposer:
 
     def _walk(self, items: list[DraftItem], hidden: torch.Tensor, logits: torch.Tensor,
               anchors: torch.Tensor) -> list[DraftResult]:
-        """DFlash 2: the selector walks one path through each row's top-K candidates; sampled requests get
-        the sparse q over those K candidates that each token was drawn from."""
-        rows = logits.shape[1]
+        """DFlash 2: the selector walks one path through each row's candidates (the top selector_top_k for
+        greedy rows, the top sample_top_k for sampled ones); sampled requests get the sparse q over those
+        candidates that each token was drawn from."""
         sampled = [self.draft_sampling != DraftSampling.GREEDY and not item.sampling.greedy for item in items]
-        temperatures = torch.tensor([item.sampling.temperature if s else 0.0 for item, s in zip(items, sampled)],
-                                    device=logits.device)
-        uniforms = torch.full((len(items), rows), 0.5, dtype=torch.float64)
-        for row, item in enumerate(items):
-            if sampled[row]:
-                uniforms[row, : item.num_draft] = torch.rand(item.num_draft, generator=self.generators[item.request_id],
-                                                             dtype=torch.float64)
-        # Only the temperature shapes the selector's q (any q is lossless): also cutting it with the request's
-        # top-p measured lower acceptance on the demo pair (1.37 against 1.51 at temperature 1, top-p 0.95).
-        tokens, q, candidates = self.drafter.walk(hidden, logits, anchors, temperatures,
-                                                  uniforms.to(logits.device) if any(sampled) else None)
-        results = []
-        for row, item in enumerate(items):
-            n = item.num_draft
-            if sampled[row]:
-                results.append(DraftResult(tokens=tokens[row, :n].clone(), q_probs=q[row, :n], q_ids=candidates[row, :n]))
-            else:
-                results.append(DraftResult(tokens=tokens[row, :n].clone()))
+        results: list[DraftResult | None] = [None] * len(items)
+        greedy_rows = [r for r, s in enumerate(sampled) if not s]
+        if greedy_rows:
+            index = torch.tensor(greedy_rows, device=logits.device)
+            tokens, _, _ = self.drafter.walk(hidden[index], logits[index], anchors[index],
+                                             torch.zeros(len(greedy_rows), device=logits.device), None)
+            for i, row in enumerate(greedy_rows):
+                results[row] = DraftResult(tokens=tokens[i, : items[row].num_draft].clone())
+        sampled_rows = [r for r, s in enumerate(sampled) if s]
+        if sampled_rows:
+            index = torch.tensor(sampled_rows, device=logits.device)
+            uniforms = torch.full((len(sampled_rows), logits.shape[1]), 0.5, dtype=torch.float64)
+            for i, row in enumerate(sampled_rows):
+                item = items[row]
+                uniforms[i, : item.num_draft] = torch.rand(item.num_draft, generator=self.generators[item.request_id],
+                                                           dtype=torch.float64)
+            # Only the temperature shapes the selector's q (any q is lossless): also cutting it with the
+            # request's top-p measured lower acceptance on the demo pair (1.37 against 1.51, temperature 1).
+            temperatures = torch.tensor([items[r].sampling.temperature for r in sampled_rows], device=logits.device)
+            tokens, q, candidates = self.drafter.walk(hidden[index], logits[index], anchors[index], temperatures,
+                                                      uniforms.to(logits.device), k=self.drafter.sample_top_k)
+            for i, row in enumerate(sampled_rows):
+                n = items[row].num_draft
+                results[row] = DraftResult(tokens=tokens[i, :n].clone(), q_probs=q[i, :n], q_ids=candidates[i, :n])
         return results
 
     def _ingest(self, items: list[DraftItem], slots: torch.Tensor) -> None:

@@ -6,6 +6,7 @@ the published layout is written every --checkpoint-minutes, with per-position va
 """
 
 import argparse
+import dataclasses
 import sys
 import time
 from pathlib import Path
@@ -58,6 +59,15 @@ def as_kind(drafter: DFlashDraftModel, kind: str, settings: DFlash2Settings, see
     raise ConfigError("a DFlash 2 drafter cannot be trained as a DFlash one (drop --kind or start afresh)")
 
 
+def with_sample_top_k(config: DraftConfig, k: int) -> DraftConfig:
+    if config.dflash2 is None:
+        raise ConfigError("--selector-sample-top-k needs a DFlash 2 drafter (--kind dflash2)")
+    if not 1 <= k <= config.vocab_size:
+        raise ConfigError(f"--selector-sample-top-k must be between 1 and the vocabulary size {config.vocab_size}, "
+                          f"got {k}")
+    return dataclasses.replace(config, dflash2=dataclasses.replace(config.dflash2, selector_sample_top_k=k))
+
+
 def examples_from(sequences) -> list[Example]:
     return [Example(torch.tensor(ids, dtype=torch.long), prompt_len) for ids, prompt_len in sequences]
 
@@ -108,6 +118,13 @@ def parse_args(argv):
     parser.add_argument("--selector-rank", type=int, default=256)
     parser.add_argument("--selector-top-k", type=int, default=16)
     parser.add_argument("--selector-loss-weight", type=float, default=1.0)
+    parser.add_argument("--selector-sample-top-k", type=int,
+                        help="dflash2: candidates of a sampled walk, written to the checkpoint's config "
+                             "(default: selector_top_k; the vocabulary size for a selector trained with "
+                             "--selector-soft-weight)")
+    parser.add_argument("--selector-soft-weight", type=float, default=0.0,
+                        help="dflash2: share of the selector loss that matches the target's distribution over the "
+                             "whole vocabulary (for sampled acceptance); the rest picks the gold candidate")
     parser.add_argument("--minutes", type=float, default=30.0)
     parser.add_argument("--steps", type=int, help="train this many sequences instead of --minutes")
     parser.add_argument("--anchors", type=int, default=64, help="anchor blocks per sequence")
@@ -130,6 +147,8 @@ def log_line(message: str) -> None:
 
 
 def run(args) -> int:
+    if not 0.0 <= args.selector_soft_weight <= 1.0:
+        raise ConfigError(f"--selector-soft-weight must be between 0 and 1, got {args.selector_soft_weight}")
     if args.threads:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
@@ -163,10 +182,13 @@ def run(args) -> int:
             init_from_target(drafter, target)
     drafter = as_kind(drafter, args.kind, DFlash2Settings(selector_rank=args.selector_rank,
                                                           selector_top_k=args.selector_top_k), args.seed)
+    if args.selector_sample_top_k is not None:
+        drafter.config = with_sample_top_k(drafter.config, args.selector_sample_top_k)
     if args.train_only_additions and args.kind != "dflash2":
         raise ConfigError("--train-only-additions needs --kind dflash2")
     settings = TrainSettings(anchors_per_sequence=args.anchors, lr=args.lr, soft_label_weight=args.soft_label_weight,
                              selector_loss_weight=args.selector_loss_weight,
+                             selector_soft_weight=args.selector_soft_weight,
                              train_only=("conv", "candidate_selector") if args.train_only_additions else (),
                              short_block_probability=args.short_block_probability,
                              minutes=None if args.steps else args.minutes, steps=args.steps,

@@ -15,6 +15,8 @@ from draft_worker.local_proposer import DraftSampling, LocalProposer
 from draft_worker.training.masks import block_visibility
 from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings
 from greedy_check import assert_same_or_near_tie
+from shared.proposals import DraftItem
+from shared.sampling import SamplingParams
 from shared.errors import ConfigError
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
@@ -57,6 +59,12 @@ def test_dflash2_config_errors():
         DraftConfig.from_dict(cfg)
     cfg["dflash_config"]["conv_group_size"] = 0
     with pytest.raises(ConfigError, match="conv_group_size"):
+        DraftConfig.from_dict(cfg)
+    cfg = tiny_draft_config(dflash2=SMALL).to_dict()
+    assert "selector_sample_top_k" not in cfg["dflash_config"]  # the extension key is written only when set
+    assert DraftConfig.from_dict(cfg).dflash2.sample_top_k == SMALL.selector_top_k
+    cfg["dflash_config"]["selector_sample_top_k"] = -1
+    with pytest.raises(ConfigError, match="selector_sample_top_k"):
         DraftConfig.from_dict(cfg)
 
 
@@ -114,6 +122,29 @@ def test_a_walk_over_one_candidate_is_argmax_drafting():
     assert torch.allclose(q.sum(-1), torch.ones(3, 7)) and q.shape == (3, 7, 4)
 
 
+def test_proposer_walks_greedy_rows_over_top_k_and_sampled_rows_over_sample_top_k(qwen3_pair):
+    _, target, _, _ = qwen3_pair
+    settings = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=2,
+                               selector_sample_top_k=6)
+    drafter = random_drafter(tiny_draft_config(block_size=8, dflash2=settings), seed=3, std=0.2)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=4, max_model_len=64)
+    out = target(torch.tensor([PROMPTS[0]]), torch.arange(7)[None], None, None, drafter.config.target_layer_ids)
+    items = [DraftItem(request_id=f"r{i}", context_start=0, context_features=out.taps[0], anchor_token=5,
+                       num_draft=7, sampling=SamplingParams(temperature=t), seed=i) for i, t in enumerate([0, 1, 0, 1])]
+    results = proposer.propose(items)
+    for item, result in zip(items, results):
+        if item.sampling.greedy:
+            assert result.q_probs is None
+        else:
+            assert result.q_probs.shape == result.q_ids.shape == (7, 6)
+            assert torch.allclose(result.q_probs.sum(-1), torch.ones(7))
+            assert torch.all((result.q_ids == result.tokens[:, None]).any(-1))
+    # the two greedy rows saw the same context and anchor: the same walk over the top 2
+    assert torch.equal(results[0].tokens, results[2].tokens)
+    alone = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=1, max_model_len=64)
+    assert torch.equal(alone.propose([items[0]])[0].tokens, results[0].tokens)
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 8])
 def test_dflash2_greedy_equals_plain(qwen3_pair, block_size):
     _, target, _, _ = qwen3_pair
@@ -145,6 +176,43 @@ def test_trainer_learns_the_selector_and_can_train_only_the_dflash2_parts(qwen3_
     assert drafter.layers[0].mlp_conv.kernel_projection.weight.abs().sum() > 0  # the convolution did
     report = trainer.evaluate(examples)
     assert len(report["per_position_accuracy"]) == 7
+
+
+def test_soft_selector_loss_is_cross_entropy_to_the_target_through_the_pair_term():
+    drafter = dflash2_drafter(seed=4)
+    gen = torch.Generator().manual_seed(5)
+    hidden, logits = torch.randn(6, 64, generator=gen), torch.randn(6, 128, generator=gen)
+    previous, labels = torch.randint(0, 128, (6,), generator=gen), torch.randint(0, 128, (6,), generator=gen)
+    target_logp = torch.log_softmax(torch.randn(6, 128, generator=gen), -1)
+    with torch.no_grad():
+        drafter.candidate_selector.predecessor_codebook.zero_()  # no pair term: q is the drafter's own softmax
+    zero_pair = drafter.selector_loss(hidden, logits, previous, labels, target_logp)
+    want = -(target_logp.exp() * torch.log_softmax(logits, -1)).sum(-1)
+    assert torch.allclose(zero_pair, want, atol=1e-5)
+
+
+def test_soft_selector_training_moves_q_toward_the_target(qwen3_pair):
+    _, target, _, _ = qwen3_pair
+    drafter = upgrade_to_dflash2(random_drafter(tiny_draft_config(block_size=8), seed=2, std=0.05), SMALL)
+    gen = torch.Generator().manual_seed(1)
+    examples = [Example(torch.randint(0, 120, (48,), generator=gen), 8) for _ in range(4)]
+    trainer = DrafterTrainer(target, drafter, TrainSettings(steps=40, lr=3e-3, anchors_per_sequence=16,
+                                                            selector_soft_weight=1.0,
+                                                            train_only=("candidate_selector",)))
+
+    def soft_selector_loss():
+        total = 0.0
+        for example in examples:
+            _, logits, labels, rows, anchors, hidden = trainer.sequence_loss(example, torch.arange(8, 40, 4))
+            positions = (anchors[:, None] + torch.arange(8)).reshape(-1)[(torch.arange(8) > 0).repeat(len(anchors))]
+            target_logp = trainer.target_view(example.ids)[1][positions - 1]
+            with torch.no_grad():
+                total += drafter.selector_loss(hidden, logits, example.ids[positions - 1], labels, target_logp).mean()
+        return float(total)
+
+    before = soft_selector_loss()
+    trainer.train(examples, log=lambda _: None)
+    assert soft_selector_loss() < before - 0.05
 
 
 def test_dflash_serve_serves_a_dflash2_drafter_and_says_so(tmp_path):

@@ -120,14 +120,16 @@ def test_power_a_wrong_residual_is_detected(tiny_vocab_pair, monkeypatch):
 
 @pytest.mark.parametrize("setting", list(SETTINGS))
 def test_dflash2_selector_sparse_q_is_lossless(tiny_vocab_pair, setting):
-    """DFlash 2: tokens drawn by the selector walk over 3 of the 5 tokens, q reported sparse."""
+    """DFlash 2: tokens drawn by the sampled selector walk over 3 of the 5 tokens (selector_sample_top_k; a
+    greedy walk would use 2), q reported sparse."""
     from draft_worker.draft_config import DFlash2Settings
 
     target, _ = tiny_vocab_pair
     drafter = random_drafter(
         tiny_draft_config(target_layers=2, vocab=VOCAB, hidden=32, head_dim=8, intermediate_size=64,
                           target_layer_ids=(0, 1), block_size=4,
-                          dflash2=DFlash2Settings(conv_group_size=8, selector_rank=4, selector_top_k=3)),
+                          dflash2=DFlash2Settings(conv_group_size=8, selector_rank=4, selector_top_k=2,
+                                                  selector_sample_top_k=3)),
         seed=5, std=0.3)
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16)
     params = SETTINGS[setting]

@@ -37,10 +37,11 @@ def test_train_drafter_cli(tmp_path, capsys):
     # DFlash 2 from that drafter, training only the convolutions and the selector
     out2 = tmp_path / "drafter2"
     extra = ["--kind", "dflash2", "--from-drafter", str(out), "--train-only-additions", "--selector-rank", "8",
-             "--selector-top-k", "4", "--steps", "3"]
+             "--selector-top-k", "4", "--selector-soft-weight", "0.7", "--selector-sample-top-k", "64", "--steps", "3"]
     assert main([*args[:5], str(out2), *args[6:], *extra]) == 0
     config = json.loads((out2 / "config.json").read_text())
     assert config["architectures"] == ["DFlash2DraftModel"] and config["dflash_config"]["selector_top_k"] == 4
+    assert config["dflash_config"]["selector_sample_top_k"] == 64 and load_drafter(out2).sample_top_k == 64
     third = load_drafter(out2).state_dict()
     for name, tensor in second.state_dict().items():
         assert torch.equal(third[name], tensor), name  # the backbone stayed frozen
@@ -57,3 +58,6 @@ def test_train_drafter_cli_errors(tmp_path, capsys):
     code = main(["--target", str(target), "--corpus", str(tmp_path), "--out", str(tmp_path / "o"),
                  "--mask-token", "<nope>"])
     assert code == 2 and "not in the target's vocabulary" in capsys.readouterr().err
+    code = main(["--target", str(target), "--corpus", str(tmp_path), "--out", str(tmp_path / "o"),
+                 "--selector-soft-weight", "1.5"])
+    assert code == 2 and "--selector-soft-weight must be between 0 and 1" in capsys.readouterr().err
