@@ -4,7 +4,8 @@
   target     pretrain the target (--target-minutes) and export models/demo/target
   data       generate target continuations with our engine (--data-minutes)
   drafter    train the DFlash drafter (--drafter-minutes) and export models/demo/draft
-  drafter2   train the DFlash 2 additions on top of it (--drafter2-minutes), export models/demo/draft2
+  drafter2   train the DFlash 2 additions on top of it (--drafter2-minutes, then --selector-soft-minutes of the
+             selector alone against the target's distribution), export models/demo/draft2
   prompts    write the held-out benchmark prompts (benchmarks/prompts_heldout.json)
 """
 
@@ -43,6 +44,7 @@ def main(argv=None) -> int:
     parser.add_argument("--data-minutes", type=float, default=15)
     parser.add_argument("--drafter-minutes", type=float, default=45)
     parser.add_argument("--drafter2-minutes", type=float, default=25)
+    parser.add_argument("--selector-soft-minutes", type=float, default=15)
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -89,7 +91,8 @@ def main(argv=None) -> int:
     if "drafter2" in args.stages:
         from demo_build.train_demo_drafter2 import train_demo_drafter2
 
-        train_demo_drafter2(out / "target", work, out / "draft", out / "draft2", args.drafter2_minutes, log=log)
+        train_demo_drafter2(out / "target", work, out / "draft", out / "draft2", args.drafter2_minutes,
+                            args.selector_soft_minutes, log=log)
 
     if "prompts" in args.stages:
         from demo_build.prompts import heldout_prompts
