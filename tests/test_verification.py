@@ -96,6 +96,34 @@ def test_sampling_probs_top_k_and_top_p():
     assert torch.allclose(hot, torch.softmax(logits / 2, -1))
 
 
+def test_sampling_probs_mixed_rows_match_a_plain_sort_reference():
+    """Rows with and without cuts in one batch, large vocabularies: the same kept tokens and probabilities as
+    the textbook definition (sort, top-k, renormalise, keep the prefix whose mass before it is < top_p)."""
+
+    def reference(logits, temperature, top_p, top_k):
+        probs = torch.softmax(logits / temperature, -1)
+        ranked, order = probs.sort(descending=True)
+        if top_k:
+            ranked = ranked * (torch.arange(len(ranked)) < top_k)
+        ranked = ranked / ranked.sum()
+        if top_p < 1:  # top_p 1 cuts nothing (the running sum can reach 1.0 early by rounding)
+            ranked = ranked * ((ranked.cumsum(0) - ranked) < top_p)
+        return torch.zeros_like(probs).scatter_(0, order, ranked / ranked.sum())
+
+    gen = torch.Generator().manual_seed(4)
+    for vocab in (3, 257, 4096):
+        logits = torch.randn(6, 2, vocab, generator=gen) * 4
+        temperature = torch.tensor([1.0, 0.7, 1.3, 1.0, 2.0, 0.5])[:, None]
+        top_p = torch.tensor([1.0, 0.95, 0.5, 1.0, 0.9, 0.01])[:, None]
+        top_k = torch.tensor([0, 0, 0, 2, 50, 0])[:, None]
+        got = sampling_probs(logits, temperature, top_p, top_k)
+        for r in range(6):
+            for c in range(2):
+                want = reference(logits[r, c], temperature[r, 0], top_p[r, 0], int(top_k[r, 0]))
+                assert torch.equal(got[r, c] > 0, want > 0), (vocab, r, c)
+                assert torch.allclose(got[r, c], want, atol=1e-6), (vocab, r, c)
+
+
 def test_inverse_cdf_never_picks_zero_probability_tokens():
     probs = torch.tensor([[0.0, 0.5, 0.0, 0.5, 0.0]]).expand(1000, -1)
     ids = sample_from(probs, torch.linspace(0, 1 - 1e-12, 1000, dtype=torch.float64))
