@@ -98,7 +98,10 @@ class CandidateSelector(nn.Module):
                projected: torch.Tensor) -> torch.Tensor:
         """unary, candidates [..., K]; previous [...]; projected [..., r] -> float32 scores [..., K]."""
         query = self.predecessor_codebook[previous] * projected  # [..., r]
-        pair = (self.successor_codebook[candidates] * query[..., None, :]).sum(-1)  # [..., K]
+        if candidates.shape[-1] * 16 >= self.successor_codebook.shape[0]:  # many candidates: one matmul
+            pair = (query @ self.successor_codebook.T).gather(-1, candidates)  # [..., V] -> [..., K]
+        else:
+            pair = (self.successor_codebook[candidates] * query[..., None, :]).sum(-1)  # [..., K]
         return unary.float() + pair.float()
 
 

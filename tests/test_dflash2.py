@@ -178,6 +178,21 @@ def test_trainer_learns_the_selector_and_can_train_only_the_dflash2_parts(qwen3_
     assert len(report["per_position_accuracy"]) == 7
 
 
+def test_selector_scores_are_the_same_for_few_and_many_candidates():
+    selector = dflash2_drafter(seed=7).candidate_selector
+    gen = torch.Generator().manual_seed(8)
+    projected, previous = torch.randn(3, 8, generator=gen), torch.randint(0, 128, (3,), generator=gen)
+    everything = torch.arange(128).expand(3, 128)  # 128 candidates: the one-matmul path
+    few = torch.randint(0, 128, (3, 4), generator=gen)  # 4 candidates: the gather path
+    with torch.no_grad():
+        all_scores = selector.scores(torch.zeros(3, 128), everything, previous, projected)
+        few_scores = selector.scores(torch.zeros(3, 4), few, previous, projected)
+        by_hand = ((selector.predecessor_codebook[previous] * projected)[:, None, :]
+                   * selector.successor_codebook[everything]).sum(-1)
+    assert torch.allclose(all_scores, by_hand, atol=1e-5)
+    assert torch.allclose(few_scores, all_scores.gather(1, few), atol=1e-5)
+
+
 def test_soft_selector_loss_is_cross_entropy_to_the_target_through_the_pair_term():
     drafter = dflash2_drafter(seed=4)
     gen = torch.Generator().manual_seed(5)
