@@ -163,8 +163,8 @@ class DFlash2DraftModel(DFlashDraftModel):
         selector = self.candidate_selector
         projected = selector.hidden_projection(hidden)  # [R, r]
         if target_logp is not None:
-            query = selector.predecessor_codebook[previous] * projected  # [R, r]
-            score = logits.detach().float() + (query @ selector.successor_codebook.T).float()  # [R, V]
+            everything = torch.arange(logits.shape[-1], device=logits.device).expand(logits.shape)  # [R, V]
+            score = selector.scores(logits.detach(), everything, previous, projected)  # [R, V]
             return -(target_logp.exp() * torch.log_softmax(score, -1)).sum(-1)
         _, candidates = self.candidates(logits.detach())
         missing = ~(candidates == labels[:, None]).any(-1)

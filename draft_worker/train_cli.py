@@ -120,8 +120,8 @@ def parse_args(argv):
     parser.add_argument("--selector-loss-weight", type=float, default=1.0)
     parser.add_argument("--selector-sample-top-k", type=int,
                         help="dflash2: candidates of a sampled walk, written to the checkpoint's config "
-                             "(default: selector_top_k; the vocabulary size for a selector trained with "
-                             "--selector-soft-weight)")
+                             "(unset: the same as selector_top_k; a selector trained with --selector-soft-weight "
+                             "does better with many, up to the vocabulary size)")
     parser.add_argument("--selector-soft-weight", type=float, default=0.0,
                         help="dflash2: share of the selector loss that matches the target's distribution over the "
                              "whole vocabulary (for sampled acceptance); the rest picks the gold candidate")
@@ -184,6 +184,8 @@ def run(args) -> int:
                                                           selector_top_k=args.selector_top_k), args.seed)
     if args.selector_sample_top_k is not None:
         drafter.config = with_sample_top_k(drafter.config, args.selector_sample_top_k)
+    if args.selector_soft_weight and drafter.config.kind != "dflash2":
+        raise ConfigError("--selector-soft-weight needs a DFlash 2 drafter (--kind dflash2)")
     if args.train_only_additions and args.kind != "dflash2":
         raise ConfigError("--train-only-additions needs --kind dflash2")
     settings = TrainSettings(anchors_per_sequence=args.anchors, lr=args.lr, soft_label_weight=args.soft_label_weight,

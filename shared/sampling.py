@@ -65,7 +65,7 @@ def _cut_rows(probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torc
     sorted_probs = sorted_probs * (torch.arange(probs.shape[-1], device=probs.device) < k[:, None])
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs * (mass_before < top_p[:, None])
+    sorted_probs = sorted_probs * ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))  # top_p 1: no cut
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 

@@ -1,6 +1,7 @@
 """DFlash 2: the published checkpoint layout, the identity-initialised convolution, the selector walk, greedy
 identity and sampling losslessness with the selector's sparse q, and training."""
 
+import dataclasses
 import json
 
 import pytest
@@ -127,6 +128,8 @@ def test_proposer_walks_greedy_rows_over_top_k_and_sampled_rows_over_sample_top_
     settings = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=2,
                                selector_sample_top_k=6)
     drafter = random_drafter(tiny_draft_config(block_size=8, dflash2=settings), seed=3, std=0.2)
+    with torch.no_grad():  # a pair term strong enough that the candidate count changes the walk
+        drafter.candidate_selector.predecessor_codebook.mul_(20)
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=4, max_model_len=64)
     out = target(torch.tensor([PROMPTS[0]]), torch.arange(7)[None], None, None, drafter.config.target_layer_ids)
     items = [DraftItem(request_id=f"r{i}", context_start=0, context_features=out.taps[0], anchor_token=5,
@@ -143,6 +146,17 @@ def test_proposer_walks_greedy_rows_over_top_k_and_sampled_rows_over_sample_top_
     assert torch.equal(results[0].tokens, results[2].tokens)
     alone = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=1, max_model_len=64)
     assert torch.equal(alone.propose([items[0]])[0].tokens, results[0].tokens)
+
+    def greedy_walk(top_k, sample_top_k):  # the same weights under other candidate counts
+        cfg = drafter.config
+        twin = random_drafter(dataclasses.replace(cfg, dflash2=dataclasses.replace(
+            cfg.dflash2, selector_top_k=top_k, selector_sample_top_k=sample_top_k)), seed=3, std=0.2)
+        twin.load_state_dict(drafter.state_dict())
+        return LocalProposer(twin, target.embed_weight, target.lm_head_weight, max_requests=1,
+                             max_model_len=64).propose([items[0]])[0].tokens
+
+    assert torch.equal(greedy_walk(2, 2), results[0].tokens)  # the sampled candidate count plays no part
+    assert not torch.equal(greedy_walk(6, 6), results[0].tokens)  # and the greedy one does (this seed)
 
 
 @pytest.mark.parametrize("block_size", [2, 4, 8])
@@ -204,6 +218,23 @@ def test_soft_selector_loss_is_cross_entropy_to_the_target_through_the_pair_term
     zero_pair = drafter.selector_loss(hidden, logits, previous, labels, target_logp)
     want = -(target_logp.exp() * torch.log_softmax(logits, -1)).sum(-1)
     assert torch.allclose(zero_pair, want, atol=1e-5)
+
+
+def test_soft_selector_loss_uses_the_pair_term_and_leaves_the_drafter_logits_alone():
+    drafter = dflash2_drafter(seed=9).requires_grad_(True)
+    selector = drafter.candidate_selector
+    gen = torch.Generator().manual_seed(10)
+    hidden = torch.randn(5, 64, generator=gen)
+    logits = torch.randn(5, 128, generator=gen, requires_grad=True)
+    previous, labels = torch.randint(0, 128, (5,), generator=gen), torch.randint(0, 128, (5,), generator=gen)
+    target_logp = torch.log_softmax(torch.randn(5, 128, generator=gen), -1)
+    loss = drafter.selector_loss(hidden, logits, previous, labels, target_logp)
+    pair = ((selector.predecessor_codebook[previous] * selector.hidden_projection(hidden)) @ selector.successor_codebook.T)
+    want = -(target_logp.exp() * torch.log_softmax(logits.detach() + pair, -1)).sum(-1)
+    assert torch.allclose(loss, want, atol=1e-5)
+    loss.sum().backward()
+    assert logits.grad is None  # the drafter's logits learn from the DFlash loss only
+    assert selector.predecessor_codebook.grad.abs().sum() > 0 and selector.successor_codebook.grad.abs().sum() > 0
 
 
 def test_soft_selector_training_moves_q_toward_the_target(qwen3_pair):

@@ -90,6 +90,12 @@ def test_sampling_probs_top_k_and_top_p():
     assert torch.allclose(top_p, torch.tensor([[0.5 / 0.9, 0.25 / 0.9, 0.15 / 0.9, 0]]))
     top_p = sampling_probs(logits, one, torch.tensor([0.7]), torch.tensor([0]))  # 0.5 + 0.25 reaches 0.7
     assert torch.allclose(top_p, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    boundary = sampling_probs(logits, one, torch.tensor([0.75]), torch.tensor([0]))  # mass before 0.15 is 0.75
+    assert torch.allclose(boundary, torch.tensor([[2 / 3, 1 / 3, 0, 0]]))
+    # top_p 1 never cuts, with or without top-k, even where the running sum rounds up to 1.0 early
+    tail = torch.tensor([[0.0, -18.0, -18.0, -30.0, -40.0]])
+    assert (sampling_probs(tail, one, one, torch.tensor([3])) > 0).sum() == 3
+    assert (sampling_probs(tail, one, one, torch.tensor([0])) > 0).sum() == 5
     tiny_p = sampling_probs(logits, one, torch.tensor([0.01]), torch.tensor([0]))
     assert tiny_p.tolist() == [[1.0, 0.0, 0.0, 0.0]]  # always at least the most likely token
     hot = sampling_probs(logits, torch.tensor([2.0]), one, torch.tensor([0]))
