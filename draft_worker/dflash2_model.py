@@ -136,20 +136,22 @@ class DFlash2DraftModel(DFlashDraftModel):
         unary, candidates = self.candidates(logits, k)
         projected = self.candidate_selector.hidden_projection(hidden)  # [b, n, r]
         previous = anchors
-        tokens, qs = [], []
+        tokens, choices, qs = [], [], []
         greedy = temperatures <= 0
+        sampling = uniforms is not None and not bool(greedy.all())  # else no q is needed but the one-hot
         for t in range(hidden.shape[1]):
             score = self.candidate_selector.scores(unary[:, t], candidates[:, t], previous, projected[:, t])  # [b, K]
-            q = torch.softmax(score / temperatures.clamp(min=1e-6)[:, None], -1)
             choice = score.argmax(-1)
-            if uniforms is not None and not bool(greedy.all()):
-                drawn = sample_from(q.double(), uniforms[:, t])
-                choice = torch.where(greedy, choice, drawn)
-            q = torch.where(greedy[:, None], F.one_hot(choice, q.shape[-1]).to(q.dtype), q)
+            if sampling:
+                q = torch.softmax(score / temperatures.clamp(min=1e-6)[:, None], -1)
+                choice = torch.where(greedy, choice, sample_from(q.double(), uniforms[:, t]))
+                qs.append(q)
             previous = candidates[:, t].gather(1, choice[:, None])[:, 0]
             tokens.append(previous)
-            qs.append(q)
-        return torch.stack(tokens, 1), torch.stack(qs, 1), candidates
+            choices.append(choice)
+        one_hot = F.one_hot(torch.stack(choices, 1), candidates.shape[-1]).float()  # [b, n, K]
+        q = torch.where(greedy[:, None, None], one_hot, torch.stack(qs, 1)) if sampling else one_hot
+        return torch.stack(tokens, 1), q, candidates
 
     def selector_loss(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
                       labels: torch.Tensor, target_logp: torch.Tensor | None = None) -> torch.Tensor:

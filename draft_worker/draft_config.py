@@ -90,8 +90,12 @@ class DraftConfig:
             raise ConfigError(f"layer_types has {len(self.layer_types)} entries for {self.num_layers} layers")
 
     @property
+    def architecture(self) -> str:
+        return DFLASH_ARCHITECTURE if self.dflash2 is None else DFLASH2_ARCHITECTURE
+
+    @property
     def kind(self) -> str:
-        return "dflash" if self.dflash2 is None else "dflash2"
+        return KINDS[self.architecture]
 
     @property
     def num_taps(self) -> int:
@@ -197,7 +201,7 @@ class DraftConfig:
                            if k != "selector_sample_top_k" or v})  # the extension key only when set
         out = {
             **self.extra,
-            "architectures": [DFLASH2_ARCHITECTURE if self.dflash2 else DFLASH_ARCHITECTURE],
+            "architectures": [self.architecture],
             "model_type": "qwen3",
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,

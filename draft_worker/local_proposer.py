@@ -123,12 +123,16 @@ class LocalProposer:
             return self._walk(items, hidden[:, 1:], logits, anchors)
         return self._choose(items, logits)
 
+    def _samples(self, item: DraftItem) -> bool:
+        """Whether this request's drafts are drawn from q (else they are greedy point masses)."""
+        return self.draft_sampling != DraftSampling.GREEDY and not item.sampling.greedy
+
     def _walk(self, items: list[DraftItem], hidden: torch.Tensor, logits: torch.Tensor,
               anchors: torch.Tensor) -> list[DraftResult]:
         """DFlash 2: the selector walks one path through each row's candidates (the top selector_top_k for
         greedy rows, the top sample_top_k for sampled ones); sampled requests get the sparse q over those
         candidates that each token was drawn from."""
-        sampled = [self.draft_sampling != DraftSampling.GREEDY and not item.sampling.greedy for item in items]
+        sampled = [self._samples(item) for item in items]
         results: list[DraftResult | None] = [None] * len(items)
         greedy_rows = [r for r, s in enumerate(sampled) if not s]
         if greedy_rows:
@@ -171,9 +175,7 @@ class LocalProposer:
         """Greedy rows take the argmax; sampled rows draw each position from the processed q."""
         results = []
         greedy_tokens = logits.argmax(-1)  # [b, B-1]
-        sampled = [] if self.draft_sampling == DraftSampling.GREEDY else [
-            i for i, item in enumerate(items) if not item.sampling.greedy
-        ]
+        sampled = [i for i, item in enumerate(items) if self._samples(item)]
         sampled_row = {row: i for i, row in enumerate(sampled)}  # batch row -> row of probs
         probs = None
         if sampled:

@@ -88,9 +88,11 @@ class DrafterTrainer:
         weights = self.weights.repeat(len(anchors)) * (labels >= 0) * live
         return block_ids.reshape(-1), positions, labels, weights, lengths
 
-    def sequence_loss(self, example: Example, anchors: torch.Tensor | None = None, full_blocks: bool = False):
-        """(loss, logits of the weighted rows, their labels, their block row index, anchors, their hidden)."""
-        features, target_logp = self.target_view(example.ids)
+    def sequence_loss(self, example: Example, anchors: torch.Tensor | None = None, full_blocks: bool = False,
+                      view: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """(loss, logits of the weighted rows, their labels, their block row index, anchors, their hidden).
+        view: the sequence's target_view, when the caller already has it."""
+        features, target_logp = view if view is not None else self.target_view(example.ids)
         anchors = self.sample_anchors(example) if anchors is None else anchors
         block_ids, positions, labels, weights, lengths = self.layout(example, anchors, full_blocks)
         mask = block_visibility(anchors, len(example.ids), self.block_size, lengths)
@@ -106,10 +108,12 @@ class DrafterTrainer:
         if isinstance(self.drafter, DFlash2DraftModel):  # the selector learns to pick the gold candidate
             previous = example.ids[positions[rows] - 1]  # teacher forcing: the true token before each row
             settings = self.settings
-            pick_gold = self.drafter.selector_loss(hidden[rows], logits, previous, labels[rows])
+            soft_share = settings.selector_soft_weight
+            pick_gold = self.drafter.selector_loss(hidden[rows], logits, previous, labels[rows]) \
+                if soft_share < 1 else 0.0
             match_target = self.drafter.selector_loss(hidden[rows], logits, previous, labels[rows], soft_target) \
-                if settings.selector_soft_weight else 0.0
-            mixed = (1 - settings.selector_soft_weight) * pick_gold + settings.selector_soft_weight * match_target
+                if soft_share > 0 else 0.0
+            mixed = (1 - soft_share) * pick_gold + soft_share * match_target
             per_row = per_row + settings.selector_loss_weight * mixed
         loss = (per_row * w).sum() / w.sum()
         row_in_block = torch.arange(self.block_size).repeat(len(anchors))[rows]
@@ -179,9 +183,9 @@ class DrafterTrainer:
             anchors = torch.arange(example.prompt_len, len(example.ids) - b + 1)  # [A]
             if not len(anchors):
                 continue
-            leads = []
+            leads, view = [], self.target_view(example.ids)  # one target forward for all chunks
             for part in anchors.split(chunk):
-                _, logits, labels, rows, _, hidden = self.sequence_loss(example, part, full_blocks=True)
+                _, logits, labels, rows, _, hidden = self.sequence_loss(example, part, full_blocks=True, view=view)
                 hits = (self.greedy_drafts(example, part, logits, hidden) == labels).float()
                 correct.index_add_(0, rows, hits)
                 total.index_add_(0, rows, torch.ones_like(hits))
