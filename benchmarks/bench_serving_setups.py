@@ -47,6 +47,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out/setups")
     parser.add_argument("--together", action="store_true", help="all servers at once, one dflash-bench over all")
     args = parser.parse_args(argv)
+    if "--out" in shlex.split(args.bench_args):
+        parser.error("--bench-args must not set --out: this script's own --out names the output folder")
     rows = together(args) if args.together else one_by_one(args)
     print_table(rows)
     return 0
