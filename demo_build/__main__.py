@@ -5,7 +5,8 @@
   data       generate target continuations with our engine (--data-minutes)
   drafter    train the DFlash drafter (--drafter-minutes) and export models/demo/draft
   drafter2   train the DFlash 2 additions on top of it (--drafter2-minutes, then --selector-soft-minutes of the
-             selector alone against the target's distribution), export models/demo/draft2
+             selector alone against the target's distribution, then two cycles of --drafter2-joint-minutes of the
+             whole drafter at block size 8), export models/demo/draft2
   prompts    write the held-out benchmark prompts (benchmarks/prompts_heldout.json)
 """
 
@@ -45,6 +46,8 @@ def main(argv=None) -> int:
     parser.add_argument("--drafter-minutes", type=float, default=45)
     parser.add_argument("--drafter2-minutes", type=float, default=25)
     parser.add_argument("--selector-soft-minutes", type=float, default=15)
+    parser.add_argument("--drafter2-joint-minutes", type=float, default=35,
+                        help="each of the two cycles of DFlash 2 phase 3 (the whole drafter at block 8; 0 skips it)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -92,7 +95,7 @@ def main(argv=None) -> int:
         from demo_build.train_demo_drafter2 import train_demo_drafter2
 
         train_demo_drafter2(out / "target", work, out / "draft", out / "draft2", args.drafter2_minutes,
-                            args.selector_soft_minutes, log=log)
+                            args.selector_soft_minutes, args.drafter2_joint_minutes, log=log)
 
     if "prompts" in args.stages:
         from demo_build.prompts import heldout_prompts
