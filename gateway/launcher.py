@@ -110,8 +110,8 @@ def build_children(args) -> dict[str, Child]:
     if target is None:
         from shared.demo_models import default_pair
 
-        target_path, demo_draft, label = default_pair()
-        target, draft = str(target_path), draft or str(demo_draft)
+        target_path, draft_path, label = default_pair(draft)
+        target, draft = str(target_path), str(draft_path)
         args.served_model_name = args.served_model_name or ("dflash-demo" if "embedded" in label else
                                                             "dflash-random-demo")
         print(f"dflash-serve: no --target given: serving {label}", file=sys.stderr)

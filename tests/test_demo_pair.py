@@ -3,6 +3,7 @@
 import json
 from pathlib import Path
 
+import pytest
 from tokenizers import Tokenizer
 
 from draft_worker.draft_checkpoint import load_drafter
@@ -16,9 +17,22 @@ from verify_worker.target_loader import load_target
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts_heldout.json"
 
 
-def test_demo_pair_is_the_default_and_greedy_speculation_is_lossless():
+def test_the_default_pair_is_the_demo_target_with_its_dflash2_drafter():
     target_dir, draft_dir, label = default_pair()
-    assert target_dir == DEMO_DIR / "target" and "embedded" in label
+    assert target_dir == DEMO_DIR / "target" and draft_dir == DEMO_DIR / "draft2" and "embedded" in label
+    drafter = load_drafter(draft_dir)
+    assert drafter.config.kind == "dflash2" and drafter.config.block_size == 8  # the block size it is served at
+
+
+def test_a_users_drafter_replaces_the_demo_drafter_and_the_label_says_so(tmp_path):
+    target_dir, draft_dir, label = default_pair(tmp_path / "mine")
+    assert target_dir == DEMO_DIR / "target" and draft_dir == tmp_path / "mine"
+    assert "embedded demo target" in label and str(tmp_path / "mine") in label and "DFlash 2" not in label
+
+
+@pytest.mark.parametrize("drafter_name", ["draft", "draft2"])
+def test_demo_drafters_speculate_losslessly_on_held_out_code(drafter_name):
+    target_dir, draft_dir = DEMO_DIR / "target", DEMO_DIR / drafter_name
     target = load_target(target_dir)
     drafter = load_drafter(draft_dir)
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
