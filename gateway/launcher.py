@@ -110,11 +110,10 @@ def build_children(args) -> dict[str, Child]:
     if target is None:
         from shared.demo_models import default_pair
 
-        target_path, draft_path, label = default_pair(draft)
-        target, draft = str(target_path), str(draft_path)
-        args.served_model_name = args.served_model_name or ("dflash-demo" if "embedded" in label else
-                                                            "dflash-random-demo")
-        print(f"dflash-serve: no --target given: serving {label}", file=sys.stderr)
+        pair = default_pair(draft)
+        target, draft = str(pair.target), str(pair.draft)
+        args.served_model_name = args.served_model_name or ("dflash-demo" if pair.embedded else "dflash-random-demo")
+        print(f"dflash-serve: no --target given: serving {pair.label}", file=sys.stderr)
     if args.no_draft:
         draft = None
     base = args.zmq_base_port

@@ -2,24 +2,37 @@
 stand-in built on the fly."""
 
 from pathlib import Path
+from typing import NamedTuple
 
 DEMO_DIR = Path(__file__).resolve().parents[1] / "models" / "demo"
-DEFAULT_DRAFTER = "draft2"  # the DFlash 2 drafter: the faster of the two demo drafters (see docs/architecture.md)
+# The demo drafters, preferred first: DFlash 2 (the faster, served at block 8), then the DFlash one it grew from.
+DEMO_DRAFTERS = (("draft2", "its DFlash 2 drafter"), ("draft", "its DFlash drafter"))
 
 
-def default_pair(draft: str | Path | None = None) -> tuple[Path, Path, str]:
-    """(target folder, drafter folder, a label saying which pair it is). draft: the user's drafter, which
-    replaces the demo drafter (the label then names it)."""
-    target, demo_draft = DEMO_DIR / "target", DEMO_DIR / DEFAULT_DRAFTER
-    if (target / "config.json").is_file() and (demo_draft / "config.json").is_file():
-        pair = "the embedded demo pair (models/demo: a small Python code model and its DFlash 2 drafter)"
-        target_only = "the embedded demo target (models/demo: a small Python code model)"
-    else:
-        from draft_worker.random_pair import ensure_random_pair
+class DefaultPair(NamedTuple):
+    target: Path
+    draft: Path
+    label: str  # which pair this is, for a start-up message
+    embedded: bool  # the trained models/demo target (False: the random stand-in)
 
-        target, demo_draft = ensure_random_pair()
-        pair = "the RANDOM (untrained) demo pair: models/demo is missing, output is gibberish"
-        target_only = "the RANDOM (untrained) demo target: models/demo is missing, output is gibberish"
-    if draft is None:
-        return target, demo_draft, pair
-    return target, Path(draft), f"{target_only}, with the drafter {str(draft)!r}"
+
+def default_pair(draft: str | Path | None = None, demo_dir: Path = DEMO_DIR) -> DefaultPair:
+    """The target and drafter to use when no --target is given. draft: the user's drafter, which replaces the
+    demo drafter (only the demo target is then needed, and the label names the user's drafter)."""
+    target = demo_dir / "target"
+    if (target / "config.json").is_file():
+        if draft is not None:
+            label = f"the embedded demo target (models/demo: a small Python code model), with the drafter {str(draft)!r}"
+            return DefaultPair(target, Path(draft), label, True)
+        for name, which in DEMO_DRAFTERS:
+            if (demo_dir / name / "config.json").is_file():
+                label = f"the embedded demo pair (models/demo: a small Python code model and {which})"
+                return DefaultPair(target, demo_dir / name, label, True)
+    from draft_worker.random_pair import ensure_random_pair
+
+    random_target, random_draft = ensure_random_pair()
+    why = "models/demo is missing, output is gibberish"
+    if draft is not None:
+        label = f"the RANDOM (untrained) demo target ({why}), with the drafter {str(draft)!r}"
+        return DefaultPair(random_target, Path(draft), label, False)
+    return DefaultPair(random_target, random_draft, f"the RANDOM (untrained) demo pair: {why}", False)

@@ -8,6 +8,7 @@ from tokenizers import Tokenizer
 
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import LocalProposer
+from gateway import launcher
 from greedy_check import assert_same_or_near_tie
 from shared.demo_models import DEMO_DIR, default_pair
 from verify_worker.engine import SpeculativeEngine
@@ -18,16 +19,42 @@ PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts_heldout.
 
 
 def test_the_default_pair_is_the_demo_target_with_its_dflash2_drafter():
-    target_dir, draft_dir, label = default_pair()
-    assert target_dir == DEMO_DIR / "target" and draft_dir == DEMO_DIR / "draft2" and "embedded" in label
-    drafter = load_drafter(draft_dir)
+    pair = default_pair()
+    assert pair.target == DEMO_DIR / "target" and pair.draft == DEMO_DIR / "draft2" and pair.embedded
+    assert "DFlash 2 drafter" in pair.label
+    drafter = load_drafter(pair.draft)
     assert drafter.config.kind == "dflash2" and drafter.config.block_size == 8  # the block size it is served at
 
 
-def test_a_users_drafter_replaces_the_demo_drafter_and_the_label_says_so(tmp_path):
-    target_dir, draft_dir, label = default_pair(tmp_path / "mine")
-    assert target_dir == DEMO_DIR / "target" and draft_dir == tmp_path / "mine"
-    assert "embedded demo target" in label and str(tmp_path / "mine") in label and "DFlash 2" not in label
+def _demo_dir(root: Path, *folders: str) -> Path:
+    for folder in folders:
+        (root / folder).mkdir(parents=True)
+        (root / folder / "config.json").write_text("{}")
+    return root
+
+
+def test_without_the_dflash2_drafter_the_default_falls_back_to_the_dflash_one(tmp_path):
+    demo = _demo_dir(tmp_path, "target", "draft")
+    pair = default_pair(demo_dir=demo)
+    assert (pair.target, pair.draft, pair.embedded) == (demo / "target", demo / "draft", True)
+    assert "its DFlash drafter" in pair.label
+
+
+def test_a_users_drafter_needs_only_the_demo_target_and_the_label_names_it(tmp_path):
+    demo = _demo_dir(tmp_path / "demo", "target")  # no demo drafter at all
+    pair = default_pair(tmp_path / "mine", demo_dir=demo)
+    assert (pair.target, pair.draft, pair.embedded) == (demo / "target", tmp_path / "mine", True)
+    assert pair.label.startswith("the embedded demo target") and repr(str(tmp_path / "mine")) in pair.label
+
+
+def test_without_models_demo_the_random_pair_stands_in_and_says_so(tmp_path, monkeypatch):
+    monkeypatch.setenv("DFLASH_CACHE_DIR", str(tmp_path / "cache"))
+    pair = default_pair(demo_dir=tmp_path / "empty")
+    assert not pair.embedded and "RANDOM" in pair.label
+    assert (pair.target / "config.json").is_file() and (pair.draft / "config.json").is_file()
+    assert pair.target.is_relative_to(tmp_path / "cache")
+    mine = default_pair(tmp_path / "mine", demo_dir=tmp_path / "empty")
+    assert mine.target == pair.target and mine.draft == tmp_path / "mine" and not mine.embedded
 
 
 @pytest.mark.parametrize("drafter_name", ["draft", "draft2"])
@@ -50,3 +77,21 @@ def test_demo_drafters_speculate_losslessly_on_held_out_code(drafter_name):
     steps = sum(r.stats.verify_steps for r in spec)
     committed = sum(r.stats.committed_tokens for r in spec)
     assert committed / steps > 1.5  # a trained drafter: drafts are accepted on held-out code
+
+
+def _flag(argv: list[str], name: str) -> str:
+    return argv[argv.index(name) + 1]
+
+
+def test_dflash_serve_without_arguments_wires_the_demo_target_and_its_dflash2_drafter():
+    args = launcher.parse_args([])
+    children = launcher.build_children(args)
+    assert args.served_model_name == "dflash-demo"
+    for role in ("verify", "draft"):
+        argv = children[role].argv
+        assert _flag(argv, "--target") == str(DEMO_DIR / "target")
+        assert _flag(argv, "--draft") == str(DEMO_DIR / "draft2")
+    mine = launcher.build_children(launcher.parse_args(["--draft", str(DEMO_DIR / "draft")]))
+    assert _flag(mine["draft"].argv, "--draft") == str(DEMO_DIR / "draft")
+    plain = launcher.build_children(launcher.parse_args(["--no-draft"]))
+    assert "draft" not in plain and "--no-draft" in plain["verify"].argv

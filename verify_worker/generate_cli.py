@@ -78,7 +78,7 @@ def run(args) -> dict:
         raise ConfigError(f"--block-size must be >= 2 (one anchor plus at least one draft), got {args.block_size}")
     target_path, draft_path = (Path(args.target), Path(args.draft) if args.draft else None) if args.target else (None, None)
     if target_path is None:
-        target_path, draft_path, label = default_pair(args.draft)
+        target_path, draft_path, label, _ = default_pair(args.draft)
         print(f"note: no --target given: using {label}", file=sys.stderr)
     target = load_target(target_path, device=args.device, dtype=args.dtype)
     tokenizer = _load_tokenizer(target_path)
