@@ -34,14 +34,13 @@ def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Pat
     common = dict(anchors_per_sequence=48, lr=1e-3, soft_label_weight=0.5, short_block_probability=0.25,
                   selector_loss_weight=1.0, checkpoint_every_s=300)
     hard_dir, soft_dir = work / "drafter2", work / "drafter2_soft"
-    joint_dirs = [work / name for name, _ in JOINT_CYCLES]
+    joint_dirs = [work / name for name, _ in JOINT_CYCLES] if joint_minutes > 0 else []  # 0: no phase 3
     done = [d for d in (hard_dir, soft_dir, *joint_dirs) if (d / "model.safetensors").exists()]
     if done:
         drafter = load_drafter(done[-1])  # resume the latest phase begun (or start the next from its end)
     else:
         drafter = as_kind(load_drafter(dflash_dir), "dflash2", DFlash2Settings(), seed=0)
         log(f"DFlash 2 from {dflash_dir}: identity convolutions, new selector")
-    report = None
     if not any(d in done for d in (soft_dir, *joint_dirs)):
         phase1 = TrainSettings(**common, train_only=("conv", "candidate_selector"), minutes=minutes)
         train(target, drafter, examples, hard_dir, phase1, val_fraction=0.03, log=log)
@@ -50,7 +49,7 @@ def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Pat
         phase2 = TrainSettings(**common, selector_soft_weight=0.7, train_only=("candidate_selector",),
                                minutes=soft_minutes)
         report = train(target, drafter, examples, soft_dir, phase2, val_fraction=0.03, log=log)
-    if joint_minutes > 0:
+    if joint_dirs:
         drafter.config = dataclasses.replace(drafter.config, block_size=SERVED_BLOCK_SIZE)
         for (name, lr), joint_dir in zip(JOINT_CYCLES, joint_dirs):
             later = joint_dirs[joint_dirs.index(joint_dir) + 1:]
@@ -60,8 +59,8 @@ def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Pat
             phase3 = TrainSettings(anchors_per_sequence=64, lr=lr, soft_label_weight=0.5, selector_loss_weight=1.0,
                                    selector_soft_weight=0.5, minutes=joint_minutes, checkpoint_every_s=300)
             report = train(target, drafter, examples, joint_dir, phase3, val_fraction=0.03, log=log)
-    drafter.config = with_sample_top_k(drafter.config, SAMPLE_TOP_K)
+    # report is set: the last phase always runs (a finished one resumes, trains no step and validates).
+    drafter.config = with_sample_top_k(drafter.config, min(SAMPLE_TOP_K, drafter.config.vocab_size))
     save_drafter(drafter, out, dtype=torch.bfloat16)
-    if report is not None:
-        (out / "validation.txt").write_text(str(report) + "\n")
+    (out / "validation.txt").write_text(str(report) + "\n")
     log(f"exported DFlash 2 drafter to {out}")
