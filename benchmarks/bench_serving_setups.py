@@ -47,11 +47,17 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out/setups")
     parser.add_argument("--together", action="store_true", help="all servers at once, one dflash-bench over all")
     args = parser.parse_args(argv)
-    if "--out" in shlex.split(args.bench_args):
+    if any(_names_out(token) for token in shlex.split(args.bench_args)):
         parser.error("--bench-args must not set --out: this script's own --out names the output folder")
     rows = together(args) if args.together else one_by_one(args)
     print_table(rows)
     return 0
+
+
+def _names_out(token: str) -> bool:
+    """Whether a dflash-bench argument sets --out (argparse also takes --out=X and unique prefixes like --ou)."""
+    flag = token.split("=", 1)[0]
+    return len(flag) > 2 and "--out".startswith(flag)
 
 
 def together(args) -> dict:

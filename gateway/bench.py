@@ -213,7 +213,7 @@ def main(argv=None) -> int:
                                          "reports, else server1, server2, ...)")
     parser.add_argument("--prompts", default="benchmarks/prompts_heldout.json")
     parser.add_argument("--num-prompts", type=int, default=16)
-    parser.add_argument("--block-sizes", default="8,16")
+    parser.add_argument("--block-sizes", default="4,8")
     parser.add_argument("--concurrency", default="1,4")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--temperature", type=float, default=0.0)
