@@ -3,21 +3,42 @@
 All three run on the same checkpoint and prompt, interleaved round by round in one process, so machine
 noise hits them alike; the script prints medians and ratios. Model loading is excluded from every timing.
 
-    python benchmarks/bench_generate.py                      # the embedded demo pair
+    python benchmarks/bench_generate.py                      # the embedded demo pair (first held-out prompt)
     python benchmarks/bench_generate.py --random-hf 1024,8,32000   # a bigger random Qwen3 written by transformers
 """
 
 import argparse
 import json
 import statistics
+import sys
 import tempfile
 import time
 from pathlib import Path
 
 import torch
 
-from draft_worker.random_pair import ensure_random_pair
+from shared.demo_models import default_pair
 from verify_worker.generate_cli import parse_args, run
+
+HELD_OUT = Path(__file__).resolve().parent / "prompts_heldout.json"
+
+
+def prompt_ids(target: Path, count: int) -> list[list[int]]:
+    """The first `count` held-out benchmark prompts in the target's own tokens, or one fixed id sequence for a
+    target without a tokenizer (a random one)."""
+    if (target / "tokenizer.json").is_file():
+        from tokenizers import Tokenizer
+
+        tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
+        return [tokenizer.encode(p["prompt"]).ids for p in json.loads(HELD_OUT.read_text())[:count]]
+    return [[3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 5, 8, 9, 7, 9, 3]]
+
+
+def aggregate(reports: list[dict]) -> tuple[float, float]:
+    """(tokens per second, tokens per verify step) over several dflash-generate reports."""
+    tokens = sum(len(r["token_ids"]) for r in reports)
+    seconds = sum(len(r["token_ids"]) / r["stats"]["tokens_per_second"] for r in reports)
+    return tokens / seconds, tokens / sum(r["stats"]["verify_steps"] for r in reports)
 
 
 def write_random_hf(spec: str, folder: Path) -> Path:
@@ -51,6 +72,7 @@ def main() -> None:
     parser.add_argument("--random-hf", help="hidden,layers,vocab of a random Qwen3 to write and use as target")
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
+    parser.add_argument("--num-prompts", type=int, default=8, help="held-out prompts per round (demo target)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
@@ -61,30 +83,36 @@ def main() -> None:
     if args.random_hf:
         target = str(write_random_hf(args.random_hf, Path(tempfile.mkdtemp())))
     if target is None:
-        target_path, draft_path = ensure_random_pair()
-        target, draft = str(target_path), draft or str(draft_path)
+        pair = default_pair(draft)
+        target, draft = str(pair.target), str(pair.draft)
+        print(f"no --target given: {pair.label}", file=sys.stderr)
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
-    prompt = "3,1,4,1,5,9,2,6,5,3,5,8,9,7,9,3"
-    common = ["--target", target, "--prompt-ids", prompt, "--max-tokens", str(args.max_tokens), "--ignore-eos",
-              "--threads", str(args.threads), "--json"]
-    plain_args = parse_args(common + ["--no-spec"])
-    spec_args = parse_args(common + (["--draft", draft] if draft else []))
+    prompts = prompt_ids(Path(target), args.num_prompts)
+    common = ["--target", target, "--max-tokens", str(args.max_tokens), "--ignore-eos", "--threads",
+              str(args.threads), "--json"]
+
+    def generate(prompt: list[int], *flags: str) -> dict:
+        return run(parse_args(common + ["--prompt-ids", ",".join(map(str, prompt)), *flags]))
+
     figures: dict[str, list[float]] = {"transformers": [], "plain": [], "speculative": []}
     acceptance = []
     hf_tokens_per_second(hf, [3, 1, 4], 8)  # warm-up
-    run(parse_args(common[:-1] + ["--max-tokens", "8", "--no-spec"]))
+    generate(prompts[0], "--no-spec")
     for _ in range(args.rounds):
-        figures["transformers"].append(hf_tokens_per_second(hf, [int(t) for t in prompt.split(",")], args.max_tokens))
-        plain = run(plain_args)
-        figures["plain"].append(plain["stats"]["tokens_per_second"])
+        hf_seconds = sum(args.max_tokens / hf_tokens_per_second(hf, p, args.max_tokens) for p in prompts)
+        figures["transformers"].append(args.max_tokens * len(prompts) / hf_seconds)
+        plain = [generate(p, "--no-spec") for p in prompts]
+        figures["plain"].append(aggregate(plain)[0])
         if draft:
-            spec = run(spec_args)
-            figures["speculative"].append(spec["stats"]["tokens_per_second"])
-            acceptance.append(spec["stats"]["acceptance_length"])
-            assert spec["token_ids"] == plain["token_ids"], "speculative output differs from plain"
+            spec = [generate(p, "--draft", draft) for p in prompts]
+            speed, per_step = aggregate(spec)
+            figures["speculative"].append(speed)
+            acceptance.append(per_step)
+            for a, b in zip(spec, plain):
+                assert a["token_ids"] == b["token_ids"], "speculative output differs from plain"
     medians = {name: statistics.median(v) for name, v in figures.items() if v}
     report = {
-        "target": target, "draft": draft, "max_tokens": args.max_tokens, "rounds": args.rounds,
+        "target": target, "draft": draft, "prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
         "threads": args.threads, "tokens_per_second_median": medians,
         "plain_over_transformers": medians["plain"] / medians["transformers"],
     }
