@@ -1,9 +1,9 @@
 """Offline speed: dflash-generate (plain and speculative) against transformers' greedy generate.
 
-All three run on the same checkpoint and prompt, interleaved round by round in one process, so machine
+All three run on the same checkpoint and prompts, interleaved round by round in one process, so machine
 noise hits them alike; the script prints medians and ratios. Model loading is excluded from every timing.
 
-    python benchmarks/bench_generate.py                      # the embedded demo pair (first held-out prompt)
+    python benchmarks/bench_generate.py                      # the embedded demo pair, 8 held-out prompts
     python benchmarks/bench_generate.py --random-hf 1024,8,32000   # a bigger random Qwen3 written by transformers
 """
 

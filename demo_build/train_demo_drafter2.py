@@ -51,9 +51,8 @@ def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Pat
         report = train(target, drafter, examples, soft_dir, phase2, val_fraction=0.03, log=log)
     if joint_dirs:
         drafter.config = dataclasses.replace(drafter.config, block_size=SERVED_BLOCK_SIZE)
-        for (name, lr), joint_dir in zip(JOINT_CYCLES, joint_dirs):
-            later = joint_dirs[joint_dirs.index(joint_dir) + 1:]
-            if any(d in done for d in later):
+        for cycle, ((name, lr), joint_dir) in enumerate(zip(JOINT_CYCLES, joint_dirs)):
+            if any(d in done for d in joint_dirs[cycle + 1:]):
                 continue  # this cycle is finished: a later one has begun
             log(f"phase 3 ({name}): the whole drafter at block size {SERVED_BLOCK_SIZE}, lr {lr:g}")
             phase3 = TrainSettings(anchors_per_sequence=64, lr=lr, soft_label_weight=0.5, selector_loss_weight=1.0,
