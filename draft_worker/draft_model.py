@@ -6,6 +6,7 @@ borrows the target's, passed in as tensors.
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from draft_worker.draft_config import DraftConfig
 from shared.attention import cached_attention, visibility_mask
@@ -143,7 +144,8 @@ class DFlashDraftModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab], with the published output multiplier and soft-capping."""
-        logits = (hidden @ lm_head_weight.T).float() * self.config.output_multiplier
+        rows = F.linear(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight)  # 2-D: a strided 3-D input would copy
+        logits = rows.view(*hidden.shape[:-1], -1).float() * self.config.output_multiplier  # the head per batch row
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

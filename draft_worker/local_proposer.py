@@ -48,8 +48,9 @@ class LocalProposer:
         self.drafter = drafter
         self.target_layer_ids = cfg.target_layer_ids
         self.num_target_layers = cfg.num_target_layers
-        self.embed_weight = embed_weight
-        self.lm_head_weight = lm_head_weight
+        dtype = next(drafter.parameters()).dtype  # the target's head may be shared in another dtype
+        self.embed_weight = embed_weight.to(dtype)
+        self.lm_head_weight = self.embed_weight if lm_head_weight is embed_weight else lm_head_weight.to(dtype)
         self.draft_sampling = draft_sampling
         self.sparse_top_k = sparse_top_k
         self.cache = drafter.new_cache(max_requests, max_model_len + self.block_size)
@@ -167,7 +168,8 @@ class LocalProposer:
             row_slots = slots.repeat_interleave(counts)
             offsets = torch.arange(int(counts.sum()), device=slots.device) - (counts.cumsum(0) - counts).repeat_interleave(counts)
             positions = starts.repeat_interleave(counts) + offsets  # [rows]
-            self.drafter.ingest_context(self.cache, row_slots, positions, torch.cat(rows))
+            features = torch.cat(rows).to(self.embed_weight.dtype)  # the target may compute in another dtype
+            self.drafter.ingest_context(self.cache, row_slots, positions, features)
         for item in items:
             self.lengths[item.request_id] = item.context_start + len(item.context_features)
 

@@ -82,6 +82,9 @@ def parse_args(argv):
     parser.add_argument("--tp-timeout", type=float, default=30.0,
                         help="seconds a tensor-parallel collective may wait before the verify worker fails")
     parser.add_argument("--device", default="cpu")
+    parser.add_argument("--dtype", default="auto",
+                        help="weights and activations of both workers: float32, bfloat16, float16, or auto "
+                             "(float32 on CPU, the checkpoint's dtype on an accelerator)")
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)
@@ -122,7 +125,7 @@ def build_children(args) -> dict[str, Child]:
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     common = ["--requests-addr", requests, "--events-addr", events]
     verify = ["--target", target, *common, "--draft-addr", drafts, "--metrics-port", str(args.metrics_base_port),
-              "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting), "--device", args.device,
+              "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting), "--device", args.device, "--dtype", args.dtype,
               "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout)]
     gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
                "--max-pending", str(args.max_running + args.max_waiting)]
@@ -146,7 +149,7 @@ def build_children(args) -> dict[str, Child]:
         verify += ["--draft", draft]
         draft_argv = ["--target", target, "--draft", draft, "--draft-addr", drafts, "--metrics-port",
                       str(args.metrics_base_port + 1), "--max-requests", str(args.max_running), "--device",
-                      args.device, "--threads", str(args.draft_threads), "--draft-sampling", args.draft_sampling]
+                      args.device, "--dtype", args.dtype, "--threads", str(args.draft_threads), "--draft-sampling", args.draft_sampling]
         if args.block_size is not None:
             draft_argv += ["--block-size", str(args.block_size)]
         if args.feature_transport == "pair":

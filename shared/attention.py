@@ -1,5 +1,7 @@
 """Attention over a positional cache, with visibility decided by absolute positions."""
 
+KEY_CHUNK = 64  # batch-invariant attention reads keys in whole chunks of this many positions
+
 import torch
 from torch.nn import functional as F
 
@@ -35,3 +37,33 @@ def cached_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: to
     """
     out = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=scale, enable_gqa=k.shape[1] != q.shape[1])
     return out.transpose(1, 2).reshape(q.shape[0], q.shape[2], -1)
+
+
+def batch_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+    """The same result as cached_attention, computed so that each query row's output does not depend on how
+    many other query rows share the call or on masked-out keys beyond its own (the reduced-precision path of
+    HF's eager attention: bf16 scores, a float32 softmax, bf16 probabilities).
+
+    On CPU, torch's fused SDPA kernel blocks its work by the number of queries and keys, so a verify block of 8
+    tokens and 8 one-token decode steps give different roundings; in bfloat16 those differences flip near-tied
+    greedy tokens (7 of 16 demo-pair continuations differed from plain decoding). Its matmuls are bfloat16
+    oneDNN GEMMs, whose rows are computed alike whatever the row count, and the caller passes key lengths
+    rounded up to KEY_CHUNK, so masked extra keys only add exact zeros.
+
+    q [batch, heads, queries, dim]; k, v [batch, kv_heads, keys, dim]; mask [batch, 1, queries, keys].
+    Returns [batch, queries, heads * dim].
+    """
+    batch, heads, queries, dim = q.shape
+    kv_heads, keys = k.shape[1], k.shape[2]
+    group = heads // kv_heads
+    grouped = q.reshape(batch, kv_heads, group * queries, dim)  # query heads of one KV head side by side
+    scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [b, kv_heads, group * queries, keys]
+    visible = mask[:, :, None].expand(batch, 1, group, queries, keys).reshape(batch, 1, group * queries, keys)
+    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).to(v.dtype)
+    out = torch.matmul(probs, v)  # [b, kv_heads, group * queries, dim]
+    return out.view(batch, heads, queries, dim).transpose(1, 2).reshape(batch, queries, heads * dim)
+
+
+def invariant_key_length(key_length: int, capacity: int) -> int:
+    """The key length batch_invariant_attention reads: rounded up to a whole KEY_CHUNK, at most the cache's."""
+    return min(-(-key_length // KEY_CHUNK) * KEY_CHUNK, capacity)

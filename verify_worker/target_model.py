@@ -7,8 +7,9 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
-from shared.attention import cached_attention, visibility_mask
+from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
@@ -20,6 +21,12 @@ from verify_worker.target_config import TargetConfig
 
 def _row_linear(in_local: int, out: int, tp: TensorParallel, bias: bool) -> nn.Linear:
     return RowParallelLinear(in_local, out, tp, bias) if tp.parallel else nn.Linear(in_local, out, bias=bias)
+
+
+def invariant_attention(x: torch.Tensor) -> bool:
+    """Whether the target attends with batch_invariant_attention: reduced precision on CPU, where the fused
+    kernel's roundings depend on the block's shape (float32 and accelerators keep the fused kernel)."""
+    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
 
 
 class TargetAttention(nn.Module):
@@ -42,6 +49,7 @@ class TargetAttention(nn.Module):
 
     def forward(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask):
         batch, seq, _ = x.shape
+        attend = batch_invariant_attention if invariant_attention(x) else cached_attention
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)  # [b, s, heads, dim]
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)  # [b, s, kv_heads, dim]
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -54,7 +62,7 @@ class TargetAttention(nn.Module):
         else:
             cache.write(self.layer_index, slots, positions, k.transpose(1, 2), v)
             keys, values = cache.read(self.layer_index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
-        out = cached_attention(q, keys, values, mask, self.head_dim**-0.5)  # [b, s, heads * dim]
+        out = attend(q, keys, values, mask, self.head_dim**-0.5)  # [b, s, heads * dim]
         return self.o_proj(out)
 
 
@@ -130,9 +138,11 @@ class TargetModel(nn.Module):
         and positions must then be 0..seq-1.
         """
         kv_len = input_ids.shape[1] if cache is None else int(positions.max()) + 1
+        x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
+        if cache is not None and invariant_attention(x):  # whole key chunks: see batch_invariant_attention
+            kv_len = invariant_key_length(kv_len, cache.capacity)
         mask = visibility_mask(positions, kv_len)  # [b, 1, s, kv_len]
         read_slots = None if cache is None else slot_selector(slots)
-        x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         taps = {}
         for index, layer in enumerate(self.model.layers):
@@ -144,5 +154,6 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
-        local = (hidden @ self.lm_head_weight.T).float()  # [..., vocab shard]
+        rows = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight)  # 2-D: a strided 3-D input copies
+        local = rows.view(*hidden.shape[:-1], -1).float()  # [..., vocab shard]  the head per batch row
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local

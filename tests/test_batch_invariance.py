@@ -1,0 +1,103 @@
+"""bfloat16 on CPU: a verify block's rows are bitwise the rows one-token decoding computes, so speculative
+greedy output is exactly plain greedy output (no near-tie allowance), and the attention is still attention."""
+
+import json
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from conftest import write_hf_checkpoint
+from draft_worker.draft_checkpoint import load_drafter
+from draft_worker.local_proposer import LocalProposer
+from shared.attention import batch_invariant_attention, visibility_mask
+from shared.demo_models import DEMO_DIR
+from verify_worker.engine import GenerationRequest, SpeculativeEngine
+from verify_worker.target_loader import load_target, native_cpu_bfloat16, resolve_dtype
+
+PROMPTS = DEMO_DIR.parent.parent / "benchmarks" / "prompts_heldout.json"
+needs_native_bf16 = pytest.mark.skipif(not native_cpu_bfloat16(), reason="this CPU has no native bfloat16 matmul")
+
+
+@pytest.fixture(scope="module")
+def bf16_target(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("bf16")
+    write_hf_checkpoint(folder, "qwen3", seed=3, dtype=torch.bfloat16, max_position_embeddings=1024)
+    return load_target(folder, dtype="bfloat16")
+
+
+def _prefilled(target, ids: torch.Tensor, slots: int = 1):
+    cache = target.new_cache(slots, 1024)
+    for slot in range(slots):
+        target(ids[None], torch.arange(len(ids))[None], cache, torch.tensor([slot]))
+    return cache
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("context", [37, 64, 250])
+def test_a_verify_block_computes_the_rows_of_one_token_steps_bit_for_bit(bf16_target, context):
+    target, taps = bf16_target, (1, 3)
+    ids = torch.randint(0, 128, (context + 8,), generator=torch.Generator().manual_seed(context))
+    cache = _prefilled(target, ids[:context], slots=2)
+    slot0, slot1 = torch.tensor([0]), torch.tensor([1])
+    steps = [target(ids[None, context + i: context + i + 1], torch.tensor([[context + i]]), cache, slot0, taps)
+             for i in range(8)]
+    block = target(ids[None, context:], torch.arange(context, context + 8)[None], cache, slot1, taps)
+    for i, step in enumerate(steps):
+        assert torch.equal(step.taps[0, 0], block.taps[0, i]), f"row {i}: tapped features differ"
+        assert torch.equal(target.logits(step.hidden[0, 0]), target.logits(block.hidden[0, i])), f"row {i}"
+
+
+@needs_native_bf16
+def test_a_requests_rows_do_not_depend_on_its_batch_neighbours(bf16_target):
+    """A block verified next to a longer request (more keys, other positions) equals the block verified alone."""
+    target = bf16_target
+    gen = torch.Generator().manual_seed(9)
+    short, long = torch.randint(0, 128, (30 + 8,), generator=gen), torch.randint(0, 128, (190 + 8,), generator=gen)
+    cache = target.new_cache(3, 1024)
+    for slot, ids in ((0, short), (1, long), (2, short)):
+        target(ids[None, :-8], torch.arange(len(ids) - 8)[None], cache, torch.tensor([slot]))
+    alone = target(short[None, -8:], torch.arange(30, 38)[None], cache, torch.tensor([0]))
+    both = target(torch.stack([short[-8:], long[-8:]]), torch.stack([torch.arange(30, 38), torch.arange(190, 198)]),
+                  cache, torch.tensor([2, 1]))
+    assert torch.equal(target.logits(alone.hidden[0]), target.logits(both.hidden[0]))
+
+
+@needs_native_bf16
+def test_the_demo_pair_in_bfloat16_speculates_exactly_the_plain_tokens():
+    target_dir = DEMO_DIR / "target"
+    from tokenizers import Tokenizer
+
+    target = load_target(target_dir, dtype="bfloat16")
+    drafter = load_drafter(DEMO_DIR / "draft2", dtype=torch.bfloat16)
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    prompts = [p["prompt"] for p in json.loads(PROMPTS.read_text())[3:7]]
+    requests = [GenerationRequest(tuple(tokenizer.encode(p).ids), 64) for p in prompts]
+    plain = SpeculativeEngine(target, None, max_requests=4, max_model_len=1024).generate(requests)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=8, max_requests=4,
+                             max_model_len=1024)
+    spec = SpeculativeEngine(target, proposer, max_requests=4, max_model_len=1024).generate(requests)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec) > 1.5
+
+
+@pytest.mark.parametrize("queries,keys", [(1, 5), (8, 70), (3, 128)])
+def test_batch_invariant_attention_is_grouped_query_attention(queries, keys):
+    """Same as torch's fused kernel in float32 (GQA: query head j reads KV head j // group), causal by position."""
+    gen = torch.Generator().manual_seed(queries * keys)
+    q = torch.randn(2, 4, queries, 16, generator=gen)
+    k, v = torch.randn(2, 2, keys, 16, generator=gen), torch.randn(2, 2, keys, 16, generator=gen)
+    positions = torch.arange(keys - queries, keys)[None].expand(2, -1)
+    mask = visibility_mask(positions, keys)
+    want = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, scale=0.25, enable_gqa=True)
+    got = batch_invariant_attention(q, k, v, mask, 0.25)  # [b, queries, heads * dim]
+    assert (got - want.transpose(1, 2).reshape(2, queries, 64)).abs().max() < 1e-5
+
+
+def test_auto_dtype_is_bfloat16_on_cpu_only_where_it_is_native():
+    native = native_cpu_bfloat16()
+    assert resolve_dtype("auto", "bfloat16", "cpu") == (torch.bfloat16 if native else torch.float32)
+    assert resolve_dtype("auto", "float16", "cpu") == torch.float32
+    assert resolve_dtype("auto", "float32", "cpu") == torch.float32
+    assert resolve_dtype("auto", "bfloat16", "cuda:0") == torch.bfloat16
+    assert resolve_dtype("float32", "bfloat16", "cpu") == torch.float32
