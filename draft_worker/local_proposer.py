@@ -22,6 +22,8 @@ class DraftSampling(Enum):
 
 
 class LocalProposer:
+    available = True  # in the caller's process it always answers (RemoteProposer's flag, for the same reports)
+
     def __init__(
         self,
         drafter: DFlashDraftModel,
@@ -61,6 +63,11 @@ class LocalProposer:
         self.last_timing: dict[str, float] = {}
         self.last_used: dict[str, int] = {}  # request id -> call counter of its last draft
         self.clock = 0
+
+    @property
+    def kind(self) -> str:
+        """"dflash" or "dflash2", as the draft worker's pong reports it."""
+        return self.drafter.config.kind
 
     def release(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)

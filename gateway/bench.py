@@ -116,13 +116,13 @@ def summarize(results, wall):
     }
 
 
-def run_hf(target: str, prompts: list[str], max_tokens: int) -> float:
+def run_hf(target: str, prompts: list[str], max_tokens: int, dtype: str = "float32") -> float:
     """Median tokens/s of transformers' greedy generate, one prompt at a time."""
     import torch
     import transformers
     from tokenizers import Tokenizer
 
-    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
+    model = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=getattr(torch, dtype)).eval()
     tokenizer = Tokenizer.from_file(str(Path(target) / "tokenizer.json"))
     rates = []
     for prompt in prompts:
@@ -221,6 +221,8 @@ def main(argv=None) -> int:
     parser.add_argument("--seed", type=int)
     parser.add_argument("--rounds", type=int, default=2, help="measured spec/plain wave pairs per setting")
     parser.add_argument("--hf-target", help="also time transformers' generate on this target checkpoint")
+    parser.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32",
+                        help="transformers' weights and activations (on 2 CPU cores both ran at the same speed)")
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     servers = server_list(args)
@@ -250,7 +252,7 @@ def main(argv=None) -> int:
     report["greedy_mismatches"] = mismatches if args.temperature == 0 else None
     if args.hf_target:
         wait_idle(servers[0][1])
-        hf = run_hf(args.hf_target, prompts, args.max_tokens)
+        hf = run_hf(args.hf_target, prompts, args.max_tokens, args.hf_dtype)
         report["transformers_tokens_per_second_per_stream"] = hf
         for entries in by_server.values():
             for entry in entries.values():

@@ -97,6 +97,9 @@ def parse_args(argv):
     parser.add_argument("--verify-threads", type=int, default=0)
     parser.add_argument("--draft-threads", type=int, default=0)
     parser.add_argument("--draft-timeout", type=float, default=5.0)
+    parser.add_argument("--draft-placement", choices=["worker", "local"], default="worker",
+                        help="worker: a draft worker process (the default); local: the drafter runs inside the "
+                             "verify worker (no draft call between processes, no separate restart)")
     parser.add_argument("--draft-sampling", choices=["dense", "sparse", "greedy"], default="dense",
                         help="how the drafter proposes for sampled requests (all three are lossless)")
     parser.add_argument("--feature-transport", choices=["frames", "pair"], default="frames",
@@ -145,7 +148,9 @@ def build_children(args) -> dict[str, Child]:
                 f"127.0.0.1:{args.feature_pair_port or base + 4}"]
         verify += pair
     children = {}
-    if draft:
+    if draft and args.draft_placement == "local":
+        verify += ["--draft", draft, "--draft-placement", "local", "--draft-sampling", args.draft_sampling]
+    elif draft:
         verify += ["--draft", draft]
         draft_argv = ["--target", target, "--draft", draft, "--draft-addr", drafts, "--metrics-port",
                       str(args.metrics_base_port + 1), "--max-requests", str(args.max_running), "--device",
@@ -259,6 +264,10 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     if args.tp < 1:
         print(f"dflash-serve: error: --tp must be >= 1, got {args.tp}", file=sys.stderr)
+        return 2
+    if args.tp > 1 and args.draft_placement == "local":
+        print("dflash-serve: error: --draft-placement local needs --tp 1 (the drafter needs the whole lm_head)",
+              file=sys.stderr)
         return 2
     for path in (args.target, args.draft):
         if path is not None and not Path(path).is_dir():

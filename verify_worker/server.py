@@ -15,7 +15,9 @@ import traceback
 import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
+from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.draft_config import DraftConfig
+from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared import metric_names as names
 from shared.channel_gateway import (TO_VERIFY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent,
                                     WorkerStopping)
@@ -199,6 +201,12 @@ def parse_args(argv):
     parser.add_argument("--requests-addr", default=env("DFLASH_REQUESTS_ADDR", "tcp://127.0.0.1:5555"))
     parser.add_argument("--events-addr", default=env("DFLASH_EVENTS_ADDR", "tcp://127.0.0.1:5556"))
     parser.add_argument("--draft-addr", default=env("DFLASH_DRAFT_ADDR", "tcp://127.0.0.1:5557"))
+    parser.add_argument("--draft-placement", choices=["worker", "local"],
+                        default=env("DFLASH_DRAFT_PLACEMENT", "worker"),
+                        help="worker: the draft worker process at --draft-addr; local: the drafter runs in this "
+                             "process (no draft call between processes; a drafter fault then stops this worker)")
+    parser.add_argument("--draft-sampling", choices=[m.value for m in DraftSampling], default="dense",
+                        help="how a local drafter proposes for sampled requests (a draft worker has its own flag)")
     parser.add_argument("--metrics-port", type=int, default=int(env("DFLASH_VERIFY_METRICS_PORT", "9101")),
                         help="Prometheus port (0 = none)")
     parser.add_argument("--metrics-host", default=env("DFLASH_METRICS_HOST", "127.0.0.1"))
@@ -252,6 +260,22 @@ def rank_device(device: str, rank: int, world_size: int) -> str:
     return device
 
 
+def local_block_size(args) -> int:
+    return args.block_size or DraftConfig.from_dict(read_config(args.draft)).block_size
+
+
+def local_proposer(args, target, max_running: int) -> LocalProposer:
+    """The drafter in the verify worker's own process, sharing the target's embedding and lm_head."""
+    if args.block_size is not None and args.block_size < 2:
+        raise DFlashError(f"--block-size must be >= 2, got {args.block_size}")
+    drafter = load_drafter(args.draft, dtype=target.embed_weight.dtype, device=args.device)
+    cfg = target.config
+    max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    return LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=args.block_size,
+                         max_requests=max_running, max_model_len=max_len,
+                         draft_sampling=DraftSampling(args.draft_sampling))
+
+
 def build_server(args, log) -> VerifyServer:
     if not args.target:
         raise DFlashError("--target is required")
@@ -268,7 +292,10 @@ def build_server(args, log) -> VerifyServer:
     if tp.parallel:
         target = TargetLeader(target)
     proposer = None
-    if args.draft and not args.no_draft:
+    local = args.draft_placement == "local" and args.draft and not args.no_draft
+    if local and tp.parallel:
+        raise DFlashError("--draft-placement local needs --world-size 1 (the drafter needs the whole lm_head)")
+    if args.draft and not args.no_draft and not local:
         draft_cfg = DraftConfig.from_dict(read_config(args.draft))
         if args.block_size is not None and args.block_size < 2:
             raise DFlashError(f"--block-size must be >= 2, got {args.block_size}")
@@ -280,7 +307,8 @@ def build_server(args, log) -> VerifyServer:
     if args.kv_cache_budget_mb is not None:
         cfg = target.config
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        capacity = max_len + (proposer.block_size if proposer else 1)
+        block = proposer.block_size if proposer else (local_block_size(args) if local else 1)
+        capacity = max_len + block
         slot_bytes = 2 * cfg.num_layers * target.local.num_kv_heads * capacity * cfg.head_dim * target.embed_weight.element_size()
         fit = int(args.kv_cache_budget_mb * 2**20 // slot_bytes)
         if fit < 1:
@@ -289,6 +317,10 @@ def build_server(args, log) -> VerifyServer:
         if fit < max_running:
             log.warning("KV-cache budget fits %d requests: max running lowered from %d", fit, max_running)
             max_running = fit
+    if local:
+        proposer = local_proposer(args, target, max_running)
+        log.info("drafter %s runs in this process (%s, block size %d)", args.draft, proposer.kind,
+                 proposer.block_size)
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=args.max_model_len,
                                max_prefill_tokens=args.max_prefill_tokens)
     cache_mb = engine.cache.nbytes() / 2**20
