@@ -39,6 +39,13 @@ def per_position(before: dict, after: dict, block: int) -> list[float]:
     return rates
 
 
+def drafted_positions(before: dict, after: dict, block: int) -> int:
+    """The last draft position (1 .. block - 1) the server drafted between two scrapes; 0 when none."""
+    key = "dflash_spec_draft_tokens_per_position_total|position={}"
+    drafted = [p for p in range(1, block) if after.get(key.format(p), 0) - before.get(key.format(p), 0) > 0]
+    return max(drafted, default=0)
+
+
 def step_phases_ms(before: dict, after: dict) -> dict[str, float]:
     """Mean milliseconds per engine step of each phase (draft, transfer, verify, ...) between two scrapes of
     the verify worker's step-duration histogram."""
@@ -171,6 +178,11 @@ def measure_setting(servers, prompts, args, block: int, concurrency: int) -> tup
             before = parse_metrics(httpx.get(metrics_url, timeout=10).text)
             spec = asyncio.run(wave(url, prompts, args, block - 1, concurrency))
             after = parse_metrics(httpx.get(metrics_url, timeout=10).text)
+            last = drafted_positions(before, after, block)
+            if 0 < last < block - 1:
+                raise SystemExit(f"dflash-bench: error: {label} drafted at most {last} tokens per step, so block "
+                                 f"size {block} would be measured as {last + 1}: start that server with "
+                                 f"--block-size {block}")
             wait_idle(url)
             plain = asyncio.run(wave(url, prompts, args, 0, concurrency))
             if round_index == 0:

@@ -3,6 +3,8 @@
 
 import json
 
+import pytest
+
 from gateway.bench import main as bench_main
 from server_harness import Server, write_server_models
 
@@ -26,5 +28,10 @@ def test_bench_reports_speedup_acceptance_and_phases(tmp_path):
         assert result["plain"]["tokens_per_second_aggregate"] > 0 and result["speedup_aggregate"] > 0
         assert result["speculative_step_ms_by_phase"]["draft"] > 0  # the drafter really ran
         assert report["by_block_size"] == report["by_server"]["a"]
+        # The server drafts at most 3 tokens (block 4): block 8 would be mislabelled, so the bench refuses.
+        with pytest.raises(SystemExit, match="drafted at most 3 tokens per step.*--block-size 8"):
+            bench_main(["--url", server.url, "--metrics-url", metrics, "--prompts", str(prompts), "--num-prompts",
+                        "1", "--block-sizes", "8", "--concurrency", "1", "--max-tokens", "24", "--rounds", "1",
+                        "--out", str(tmp_path / "out8")])
     finally:
         server.stop()
