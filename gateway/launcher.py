@@ -97,6 +97,9 @@ def parse_args(argv):
     parser.add_argument("--verify-threads", type=int, default=0)
     parser.add_argument("--draft-threads", type=int, default=0)
     parser.add_argument("--draft-timeout", type=float, default=5.0)
+    parser.add_argument("--spec-policy", choices=["always", "adaptive"], default="always",
+                        help="always: every step drafts; adaptive: the verify worker decodes plainly while that "
+                             "measures faster, probing speculation every 64 steps")
     parser.add_argument("--draft-placement", choices=["worker", "local"], default="worker",
                         help="worker: a draft worker process (the default); local: the drafter runs inside the "
                              "verify worker (no draft call between processes, no separate restart)")
@@ -129,7 +132,8 @@ def build_children(args) -> dict[str, Child]:
     common = ["--requests-addr", requests, "--events-addr", events]
     verify = ["--target", target, *common, "--draft-addr", drafts, "--metrics-port", str(args.metrics_base_port),
               "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting), "--device", args.device, "--dtype", args.dtype,
-              "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout)]
+              "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout),
+              "--spec-policy", args.spec_policy]
     gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
                "--max-pending", str(args.max_running + args.max_waiting)]
     verify += ["--max-prefill-tokens", str(args.max_prefill_tokens)]

@@ -22,6 +22,7 @@ RUNNING = PREFIX + "running_requests"  # gauge
 WAITING = PREFIX + "waiting_requests"  # gauge
 DRAFTER_AVAILABLE = PREFIX + "drafter_available"  # gauge, label kind
 FALLBACK_STEPS = PREFIX + "spec_fallback_steps"  # counter: steps decoded without drafts for want of a drafter
+POLICY_PLAIN_STEPS = PREFIX + "spec_policy_plain_steps"  # counter: steps --spec-policy adaptive decoded plainly
 
 # draft worker
 DRAFT_CALLS = PREFIX + "draft_calls"  # counter

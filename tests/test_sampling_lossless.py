@@ -23,6 +23,7 @@ from shared.sampling import SamplingParams, sample_from, sampling_probs
 from verify_worker import engine as engine_module
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
+from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.target_loader import load_target
 
 VOCAB, TOKENS, N, ALPHA = 5, 4, 12000, 1e-3
@@ -58,8 +59,8 @@ def exact_joint(target, params: SamplingParams) -> torch.Tensor:
     return torch.tensor([joint[t] for t in itertools.product(range(VOCAB), repeat=TOKENS)], dtype=torch.float64)
 
 
-def sample_counts(target, proposer, params: SamplingParams) -> torch.Tensor:
-    engine = SpeculativeEngine(target, proposer, max_requests=N, max_model_len=16)
+def sample_counts(target, proposer, params: SamplingParams, policy=None) -> torch.Tensor:
+    engine = SpeculativeEngine(target, proposer, max_requests=N, max_model_len=16, policy=policy)
     requests = [GenerationRequest(PROMPT, TOKENS, SamplingParams(params.temperature, params.top_p, params.top_k, seed))
                 for seed in range(N)]
     counts = torch.zeros(VOCAB**TOKENS, dtype=torch.float64)
@@ -134,5 +135,28 @@ def test_dflash2_selector_sparse_q_is_lossless(tiny_vocab_pair, setting):
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16)
     params = SETTINGS[setting]
     counts = sample_counts(target, proposer, params)
+    p_value = chi_square_p_value(counts, exact_joint(target, params))
+    assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"
+
+
+def test_switching_between_speculative_and_plain_steps_is_lossless(tiny_vocab_pair):
+    """The adaptive policy, its rates seeded equal and a probe every other step: the batch alternates
+    speculative and plain steps (each mode is lossless given the past, and the choice depends only on it)."""
+    target, drafter = tiny_vocab_pair
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16)
+    policy = AdaptiveSpeculation(period=2, probe=1, rates={(1 << i, mode): 1.0 for i in range(16) for mode in (0, 1)})
+    engine = SpeculativeEngine(target, proposer, max_requests=N, max_model_len=16, policy=policy)
+    params = SETTINGS["t1_top_p0.9"]
+    states = [engine.add(GenerationRequest(PROMPT, TOKENS, SamplingParams(params.temperature, params.top_p,
+                                                                            params.top_k, seed))) for seed in range(N)]
+    modes = []
+    while engine.has_work():
+        engine.step()
+        if engine.last_report.decode_requests:
+            modes.append("plain" if engine.last_report.policy_plain else "speculative")
+    assert {"plain", "speculative"} <= set(modes) and sum(s.stats.draft_tokens for s in states) > 0
+    counts = torch.zeros(VOCAB**TOKENS, dtype=torch.float64)
+    for state in states:
+        counts[sum(t * VOCAB ** (TOKENS - 1 - i) for i, t in enumerate(state.output_ids))] += 1
     p_value = chi_square_p_value(counts, exact_joint(target, params))
     assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"

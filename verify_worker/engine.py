@@ -18,6 +18,7 @@ from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.sampling import batch_sampling_probs, sample_from
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
 from verify_worker.scheduler import num_drafts, plan_prefill
+from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.target_model import TargetModel
 from verify_worker.verification import dense_proposal, verify_greedy, verify_sampled
 
@@ -30,6 +31,7 @@ class SpeculativeEngine:
         max_requests: int = 16,
         max_model_len: int | None = None,
         max_prefill_tokens: int = 2048,
+        policy: AdaptiveSpeculation | None = None,
     ):
         cfg = target.config
         self.target = target
@@ -56,6 +58,7 @@ class SpeculativeEngine:
         self.running: dict[str, RequestState] = {}  # request id -> decoding state, in admission order
         self.device = target.embed_weight.device
         self.last_report = StepReport()
+        self.policy = policy if proposer is not None else None  # None: every step drafts what it may
 
     # ------------------------------------------------------------------ admission
     def add(self, request: GenerationRequest) -> RequestState:
@@ -160,7 +163,9 @@ class SpeculativeEngine:
             self._commit(state, [int(first[i])], events)
 
     def _decode(self, states: list[RequestState], events: dict, report: StepReport) -> None:
-        counts = [num_drafts(s, self.block_size, self.proposer is not None) for s in states]
+        speculate = self.policy is None or self.policy.speculate(len(states))
+        report.policy_plain = not speculate
+        counts = [num_drafts(s, self.block_size, self.proposer is not None and speculate) for s in states]
         drafts, q_rows, counts = self._draft(states, counts, report)  # drafts [b, n]
         started = time.perf_counter()
         n = drafts.shape[1]
@@ -175,6 +180,7 @@ class SpeculativeEngine:
         report.seconds["verify"] += time.perf_counter() - started
         report.decode_requests = len(states)
         report.drafted_at, report.accepted_at = [0] * n, [0] * n
+        committed_in_step = 0
         for row, state in enumerate(states):
             a = accepted[row]
             state.cache_len += a + 1  # rollback is implicit: positions past cache_len are never attended
@@ -182,12 +188,22 @@ class SpeculativeEngine:
                 state.feature_chunks.append(out.taps[row, : a + 1].clone())
             tokens = drafts[row, :a].tolist() + [next_tokens[row]]
             committed = self._commit(state, tokens, events)
+            committed_in_step += committed
             state.stats.record(counts[row], min(a, committed), committed)
             report.draft_tokens += counts[row]
             report.accepted_tokens += min(a, committed)
             for i in range(counts[row]):
                 report.drafted_at[i] += 1
                 report.accepted_at[i] += i < min(a, committed)
+        if self.policy is not None:
+            self._observe(len(states), counts, committed_in_step, report)
+
+    def _observe(self, batch: int, counts: list[int], committed: int, report: StepReport) -> None:
+        """Feed the policy a pure step: every row drafted, or none (mixed steps, steps with prefill in them and
+        fallback steps say nothing about either mode)."""
+        pure = not report.fallback and report.prefill_tokens == 0 and (all(counts) or not any(counts))
+        seconds = sum(report.seconds[p] for p in ("draft", "transfer", "verify"))
+        self.policy.observe(batch, bool(counts[0]) if pure else None, committed, seconds)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int]):
         return self.target(

@@ -136,6 +136,7 @@ class StepReport:
     drafted_at: list[int] = field(default_factory=list)  # per block position, this step
     accepted_at: list[int] = field(default_factory=list)
     fallback: bool = False  # drafts were wanted but the proposer was unavailable
+    policy_plain: bool = False  # the speculation policy chose a plain step
     seconds: dict[str, float] = field(default_factory=dict)  # draft, transfer, verify, prefill, cache, scheduling
 
 

@@ -32,6 +32,7 @@ from verify_worker.parallel.driver import ParallelFailure, TargetLeader, follow
 from verify_worker.parallel.group import GroupSettings, join_group, leave_group
 from verify_worker.remote_proposer import RemoteProposer
 from verify_worker.request import GenerationRequest, StepReport
+from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.target_loader import load_target
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
@@ -54,6 +55,8 @@ class VerifyMetrics:
         self.drafter = Gauge(names.DRAFTER_AVAILABLE, "1 when the drafter answers", ["kind"], registry=r)
         self.fallback = Counter(names.FALLBACK_STEPS, "Steps decoded without drafts for want of a drafter",
                                 registry=r)
+        self.policy_plain = Counter(names.POLICY_PLAIN_STEPS, "Steps the speculation policy decoded plainly",
+                                    registry=r)
         self.bad = Counter(names.BAD_MESSAGES, "Rejected wire messages", ["role"], registry=r)
         self.kind = drafter_kind
 
@@ -70,6 +73,8 @@ class VerifyMetrics:
                 self.accepted_at.labels(str(position)).inc(accepted)
         if report.fallback:
             self.fallback.inc()
+        if report.policy_plain:
+            self.policy_plain.inc()
 
 
 class VerifyServer:
@@ -218,6 +223,9 @@ def parse_args(argv):
     parser.add_argument("--kv-cache-budget-mb", type=float, default=None,
                         help="cap on KV-cache memory: max-running is lowered to fit (error if one slot does not)")
     parser.add_argument("--draft-timeout", type=float, default=5.0, help="seconds to wait for a draft")
+    parser.add_argument("--spec-policy", choices=["always", "adaptive"], default=env("DFLASH_SPEC_POLICY", "always"),
+                        help="always: every step drafts; adaptive: decode plainly while that measures faster "
+                             "(probing the other mode every 64 steps)")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")))
@@ -321,8 +329,9 @@ def build_server(args, log) -> VerifyServer:
         proposer = local_proposer(args, target, max_running)
         log.info("drafter %s runs in this process (%s, block size %d)", args.draft, proposer.kind,
                  proposer.block_size)
+    policy = AdaptiveSpeculation() if args.spec_policy == "adaptive" else None
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=args.max_model_len,
-                               max_prefill_tokens=args.max_prefill_tokens)
+                               max_prefill_tokens=args.max_prefill_tokens, policy=policy)
     cache_mb = engine.cache.nbytes() / 2**20
     log.info("target %s: %d layers, KV cache %d slots x %d positions (%.1f MiB)", args.target,
              target.config.num_layers, max_running, engine.cache.capacity, cache_mb)
