@@ -13,7 +13,7 @@ def generate_corpus(target_dir: Path, train_ids: torch.Tensor, work: Path, minut
     if path.exists():
         log(f"{path} exists: keeping it")
         return
-    target = load_target(target_dir)
+    target = load_target(target_dir, dtype="float32")
     prompts = prompt_windows(train_ids, 6000, 24, 128, seed=0)
     sequences = regenerate(target, prompts, new_tokens=192, minutes=minutes, batch=64, log=log)
     torch.save(sequences, path)

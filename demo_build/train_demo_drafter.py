@@ -15,7 +15,7 @@ from verify_worker.target_loader import load_target
 def train_demo_drafter(target_dir: Path, work: Path, out: Path, minutes: float, log=print) -> None:
     from tokenizers import Tokenizer
 
-    target = load_target(target_dir)
+    target = load_target(target_dir, dtype="float32")
     mask_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK)
     examples = examples_from(torch.load(work / "generated.pt"))
     checkpoint = work / "drafter"

@@ -29,7 +29,7 @@ JOINT_CYCLES = (("drafter2_joint", 3e-4), ("drafter2_joint2", 2e-4))  # phase 3:
 
 def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Path, minutes: float,
                         soft_minutes: float, joint_minutes: float, log=print) -> None:
-    target = load_target(target_dir)
+    target = load_target(target_dir, dtype="float32")
     examples = examples_from(torch.load(work / "generated.pt"))
     common = dict(anchors_per_sequence=48, lr=1e-3, soft_label_weight=0.5, short_block_probability=0.25,
                   selector_loss_weight=1.0, checkpoint_every_s=300)

@@ -83,8 +83,8 @@ def parse_args(argv):
                         help="seconds a tensor-parallel collective may wait before the verify worker fails")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto",
-                        help="weights and activations of both workers: float32, bfloat16, float16, or auto "
-                             "(float32 on CPU, the checkpoint's dtype on an accelerator)")
+                        help="weights and activations of both workers: float32, bfloat16, float16, or auto (the "
+                             "checkpoint's dtype; on CPU bfloat16 only where it is native, else float32)")
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)
@@ -232,10 +232,12 @@ class Launcher:
                 print(f"dflash-serve: error: the {failed} role did not become ready", file=sys.stderr)
             self.stop_all()
             return 0 if failed == "interrupted" else 2
-        drafter = self.args.draft or ("demo drafter" if "draft" in self.children else "none")
-        print(f"dflash-serve ready: http://{self.args.host}:{self.args.port} (drafter: {drafter}; metrics: "
-              f"gateway /metrics, verify :{self.args.metrics_base_port}, draft :{self.args.metrics_base_port + 1})",
-              flush=True)
+        local = "--draft-placement" in self.children["verify"].argv
+        drafter = self.args.draft or ("demo drafter" if "draft" in self.children or local else "none")
+        draft_metrics = "" if local or "draft" not in self.children else f", draft :{self.args.metrics_base_port + 1}"
+        print(f"dflash-serve ready: http://{self.args.host}:{self.args.port} (drafter: {drafter}"
+              f"{' in the verify worker' if local else ''}; metrics: gateway /metrics, verify "
+              f":{self.args.metrics_base_port}{draft_metrics})", flush=True)
         return self._supervise()
 
     def _supervise(self) -> int:

@@ -1,6 +1,7 @@
 """Attention over a positional cache, with visibility decided by absolute positions."""
 
 KEY_CHUNK = 64  # batch-invariant attention reads keys in whole chunks of this many positions
+QUERY_CHUNK = 128  # and scores at most this many queries at once (float32 scores: [.., queries, keys])
 
 import torch
 from torch.nn import functional as F
@@ -53,13 +54,16 @@ def batch_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     q [batch, heads, queries, dim]; k, v [batch, kv_heads, keys, dim]; mask [batch, 1, queries, keys].
     Returns [batch, queries, heads * dim].
     """
+    if q.shape[2] > QUERY_CHUNK:  # a long prefill: bounded memory, and rows are independent anyway
+        return torch.cat([batch_invariant_attention(q[:, :, i: i + QUERY_CHUNK], k, v, mask[:, :, i: i + QUERY_CHUNK],
+                                                    scale) for i in range(0, q.shape[2], QUERY_CHUNK)], dim=1)
     batch, heads, queries, dim = q.shape
     kv_heads, keys = k.shape[1], k.shape[2]
     group = heads // kv_heads
     grouped = q.reshape(batch, kv_heads, group * queries, dim)  # query heads of one KV head side by side
     scores = torch.matmul(grouped, k.transpose(-1, -2)).float() * scale  # [b, kv_heads, group * queries, keys]
     visible = mask[:, :, None].expand(batch, 1, group, queries, keys).reshape(batch, 1, group * queries, keys)
-    probs = torch.softmax(scores.masked_fill(~visible, float("-inf")), -1).to(v.dtype)
+    probs = torch.softmax(scores.masked_fill_(~visible, float("-inf")), -1).to(v.dtype)
     out = torch.matmul(probs, v)  # [b, kv_heads, group * queries, dim]
     return out.view(batch, heads, queries, dim).transpose(1, 2).reshape(batch, queries, heads * dim)
 

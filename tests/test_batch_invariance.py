@@ -81,7 +81,7 @@ def test_the_demo_pair_in_bfloat16_speculates_exactly_the_plain_tokens():
     assert sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec) > 1.5
 
 
-@pytest.mark.parametrize("queries,keys", [(1, 5), (8, 70), (3, 128)])
+@pytest.mark.parametrize("queries,keys", [(1, 5), (8, 70), (3, 128), (300, 320)])
 def test_batch_invariant_attention_is_grouped_query_attention(queries, keys):
     """Same as torch's fused kernel in float32 (GQA: query head j reads KV head j // group), causal by position."""
     gen = torch.Generator().manual_seed(queries * keys)

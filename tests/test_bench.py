@@ -28,6 +28,10 @@ def test_bench_reports_speedup_acceptance_and_phases(tmp_path):
         assert result["plain"]["tokens_per_second_aggregate"] > 0 and result["speedup_aggregate"] > 0
         assert result["speculative_step_ms_by_phase"]["draft"] > 0  # the drafter really ran
         assert report["by_block_size"] == report["by_server"]["a"]
+        # 4 tokens: the first step may draft only 2 of block 4's 3 (one token is the prompt's): not a cap.
+        assert bench_main(["--url", server.url, "--metrics-url", metrics, "--prompts", str(prompts), "--num-prompts",
+                           "1", "--block-sizes", "4", "--concurrency", "1", "--max-tokens", "4", "--rounds", "1",
+                           "--out", str(tmp_path / "out4")]) == 0
         # The server drafts at most 3 tokens (block 4): block 8 would be mislabelled, so the bench refuses.
         with pytest.raises(SystemExit, match="drafted at most 3 tokens per step.*--block-size 8"):
             bench_main(["--url", server.url, "--metrics-url", metrics, "--prompts", str(prompts), "--num-prompts",

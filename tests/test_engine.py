@@ -115,6 +115,22 @@ def test_chunked_prefill_gives_the_same_output_and_keeps_streams_running(qwen3_p
     assert_same_or_near_tie(target, list(long_prompt), long.output_ids, want)
 
 
+def test_a_short_last_chunk_beside_a_wide_one_stays_inside_the_cache(qwen3_pair):
+    """Step 2 prefills 38 tokens of a 294-token prompt beside 200 of another: the shorter row's padding would
+    reach positions past the cache (capacity 304) unless it is kept inside."""
+    _, target, drafter, _ = qwen3_pair
+    long_prompt = tuple((i * 7) % 120 for i in range(294))
+    other = tuple((i * 5) % 120 for i in range(200))
+    requests = [GenerationRequest(long_prompt, 4), GenerationRequest(other, 20)]
+    alone = [SpeculativeEngine(target, None, max_requests=1, max_model_len=300).generate([r])[0].token_ids
+             for r in requests]
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4, max_requests=2,
+                             max_model_len=300)
+    engine = SpeculativeEngine(target, proposer, max_requests=2, max_model_len=300, max_prefill_tokens=256)
+    for request, result, want in zip(requests, engine.generate(requests), alone):
+        assert_same_or_near_tie(target, list(request.prompt_ids), result.token_ids, want)
+
+
 class FlakyProposer:
     """Wraps a real proposer: unavailable on some calls, and 'restarted' (a fresh drafter with an empty
     cache) on another, as a dead and restarted draft worker would be."""

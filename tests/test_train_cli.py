@@ -47,6 +47,21 @@ def test_train_drafter_cli(tmp_path, capsys):
         assert torch.equal(third[name], tensor), name  # the backbone stayed frozen
 
 
+def test_train_drafter_cli_on_a_bfloat16_checkpoint(tmp_path, capsys):
+    """A bf16 target (as published checkpoints are) trains in float32 whatever the serving default."""
+    target = tmp_path / "target"
+    write_hf_checkpoint(target, "qwen3", seed=3, vocab_size=258, max_position_embeddings=256, dtype=torch.bfloat16)
+    write_byte_tokenizer(target)
+    corpus = tmp_path / "corpus"
+    corpus.mkdir()
+    (corpus / "a.py").write_text("".join(f"def g{j}(x):\n    return x + {j}\n\n" for j in range(80)))
+    args = ["--target", str(target), "--corpus", str(corpus), "--out", str(tmp_path / "drafter"), "--steps", "2",
+            "--prompts", "6", "--prompt-len", "8:16", "--new-tokens", "16", "--anchors", "4", "--block-size", "4",
+            "--target-layer-ids", "1,2", "--val-fraction", "0.34"]
+    assert main(args) == 0
+    assert json.loads((tmp_path / "drafter" / "config.json").read_text())["architectures"] == ["DFlashDraftModel"]
+
+
 def test_train_drafter_cli_errors(tmp_path, capsys):
     target = tmp_path / "target"
     write_hf_checkpoint(target, "qwen3", seed=3, vocab_size=258)

@@ -141,7 +141,8 @@ class SpeculativeEngine:
         for row, (state, n) in enumerate(chunks):
             ids[row, :n] = torch.tensor(state.request.prompt_ids[state.prefilled: state.prefilled + n])
         starts = torch.tensor([state.prefilled for state, _ in chunks])
-        positions = starts[:, None] + torch.arange(width)  # [b, width]; padding sits past each chunk
+        # [b, width]; padding sits past each chunk, never past the cache (real positions stay < max_model_len)
+        positions = (starts[:, None] + torch.arange(width)).clamp(max=self.cache.capacity - 1)
         out = self._forward(ids, positions, [state.slot for state, _ in chunks])
         done = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.request.prompt_ids)]
         first = None

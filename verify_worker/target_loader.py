@@ -27,9 +27,10 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str) -> torch.dtype:
 
 
 def native_cpu_bfloat16() -> bool:
-    """Whether oneDNN runs bfloat16 matmuls natively on this CPU."""
+    """Whether this CPU multiplies bfloat16 in hardware (AVX512-BF16 or AMX). oneDNN's own bf16 check also
+    accepts plain AVX512, where bfloat16 is emulated (slow, and its row invariance is not checked)."""
     try:
-        return bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+        return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except (AttributeError, RuntimeError):
         return False
 

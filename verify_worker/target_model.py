@@ -24,9 +24,9 @@ def _row_linear(in_local: int, out: int, tp: TensorParallel, bias: bool) -> nn.L
 
 
 def invariant_attention(x: torch.Tensor) -> bool:
-    """Whether the target attends with batch_invariant_attention: reduced precision on CPU, where the fused
-    kernel's roundings depend on the block's shape (float32 and accelerators keep the fused kernel)."""
-    return x.device.type == "cpu" and x.dtype in (torch.bfloat16, torch.float16)
+    """Whether the target attends with batch_invariant_attention: bfloat16 on CPU, where the fused kernel's
+    roundings depend on the block's shape (float32, float16 and accelerators keep the fused kernel)."""
+    return x.device.type == "cpu" and x.dtype == torch.bfloat16
 
 
 class TargetAttention(nn.Module):
