@@ -12,6 +12,7 @@ rejected at the same ALPHA with the same N.
 """
 
 import itertools
+from collections import deque
 
 import pytest
 import torch
@@ -140,11 +141,14 @@ def test_dflash2_selector_sparse_q_is_lossless(tiny_vocab_pair, setting):
 
 
 def test_switching_between_speculative_and_plain_steps_is_lossless(tiny_vocab_pair):
-    """The adaptive policy, its rates seeded equal and a probe every other step: the batch alternates
-    speculative and plain steps (each mode is lossless given the past, and the choice depends only on it)."""
+    """The adaptive policy, its step times seeded and a probe after every step: the batch alternates speculative
+    and plain steps (each mode is lossless given the past, and the choice depends only on it)."""
     target, drafter = tiny_vocab_pair
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16)
-    policy = AdaptiveSpeculation(period=2, probe=1, rates={(1 << i, mode): 1.0 for i in range(16) for mode in (0, 1)})
+    policy = AdaptiveSpeculation(probe_every=1, refresh_every=1)
+    for i in range(16):
+        for mode in (False, True):
+            policy.step_samples[(1 << i, mode)] = deque([1.0], maxlen=policy.window)
     engine = SpeculativeEngine(target, proposer, max_requests=N, max_model_len=16, policy=policy)
     params = SETTINGS["t1_top_p0.9"]
     states = [engine.add(GenerationRequest(PROMPT, TOKENS, SamplingParams(params.temperature, params.top_p,

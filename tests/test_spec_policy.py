@@ -16,28 +16,30 @@ def test_batch_sizes_are_measured_in_power_of_two_buckets():
 
 
 def test_it_measures_both_modes_then_runs_the_faster_and_probes_the_other():
-    policy = AdaptiveSpeculation(period=8, probe=2)
-    assert policy.speculate(1)  # nothing measured: speculation first
-    policy.observe(1, True, committed_tokens=2, seconds=0.01)  # 200 tokens/s
-    assert not policy.speculate(1)  # then plain decoding
-    policy.observe(1, False, committed_tokens=1, seconds=0.004)  # 250 tokens/s: plain is faster
-    assert policy.preferred_mode(1) == "plain"
+    policy = AdaptiveSpeculation(probe_every=4, refresh_every=8)
+    batch = ["a"]
+    assert policy.speculate(batch)  # nothing measured: speculation first
+    policy.observe(batch, True, True, 0.010, [2])  # a speculative step: 10 ms, 2 tokens
+    assert not policy.speculate(batch)  # then plain decoding
+    policy.observe(batch, False, True, 0.004, [1])  # 4 ms per token: 2 tokens per 10 ms do not pay
+    assert policy.preferred_mode(batch) == "plain"
     schedule = []
-    for _ in range(16):
-        schedule.append(policy.speculate(1))
-        policy.observe(1, None, 0, 0.0)  # steps that measure nothing still advance the probe schedule
-    assert schedule.count(True) == 4 and schedule.count(False) == 12  # 2 probe steps in each period of 8
-    assert policy.speculate(3) and policy.preferred_mode(3) is None  # another bucket is measured on its own
+    for _ in range(12):
+        schedule.append(policy.speculate(batch))
+        policy.observe(batch, schedule[-1], False, 0.0, [1])  # unmeasured steps still count towards probes
+    assert schedule == [False] * 3 + [True] + [False] * 4 + [True] + [False] * 3  # a probe after 4 plain steps
 
 
-def test_a_faster_speculative_mode_takes_over_as_its_measurements_come_in():
-    policy = AdaptiveSpeculation(period=64, probe=4, weight=0.5)
-    policy.observe(4, True, committed_tokens=4, seconds=0.01)  # 100 tokens/s per request
-    policy.observe(4, False, committed_tokens=4, seconds=0.008)  # 125
-    assert policy.preferred_mode(4) == "plain"
-    for _ in range(3):
-        policy.observe(4, True, committed_tokens=16, seconds=0.01)  # 400: the drafter started to pay
-    assert policy.preferred_mode(4) == "speculative" and policy.speculate(4)
+def test_the_decision_follows_the_requests_own_acceptance():
+    policy = AdaptiveSpeculation()
+    policy.observe(["a"], True, True, 0.010, [2])
+    policy.observe(["a"], False, True, 0.004, [1])
+    policy.observe(["b"], True, True, 0.010, [6])  # b: 6 tokens per 10 ms beat 4 ms per token
+    assert policy.preferred_mode(["a"]) == "plain" and policy.preferred_mode(["b"]) == "speculative"
+    assert policy.preferred_mode(["new"]) == "speculative"  # a new request starts at the mean acceptance (4)
+    policy.forget("b")
+    assert "b" not in policy.acceptance
+    assert policy.preferred_mode(["a", "b"]) is None  # batches of 2 are measured on their own
 
 
 def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp_path):
@@ -47,7 +49,7 @@ def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp
     requests = [GenerationRequest((5, 6, 7, i), 40) for i in range(3)]
     plain = SpeculativeEngine(target, None, max_requests=3).generate(requests)
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4, max_requests=3)
-    policy = AdaptiveSpeculation(period=4, probe=1)
+    policy = AdaptiveSpeculation(probe_every=2, refresh_every=2)
     engine = SpeculativeEngine(target, proposer, max_requests=3, policy=policy)
     modes = set()
     states = [engine.add(r) for r in requests]
@@ -57,7 +59,7 @@ def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp
             modes.add(engine.last_report.policy_plain)
     for request, state, want in zip(requests, states, plain):
         assert_same_or_near_tie(target, list(request.prompt_ids), state.output_ids, want.token_ids)
-    assert modes == {True, False} and policy.preferred_mode(3) is not None
+    assert modes == {True, False} and policy.step_seconds(3, True) and policy.step_seconds(3, False)
 
 
 def test_dflash_serve_passes_the_policy_to_the_verify_worker():

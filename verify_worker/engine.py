@@ -164,7 +164,7 @@ class SpeculativeEngine:
             self._commit(state, [int(first[i])], events)
 
     def _decode(self, states: list[RequestState], events: dict, report: StepReport) -> None:
-        speculate = self.policy is None or self.policy.speculate(len(states))
+        speculate = self.policy is None or self.policy.speculate([s.request_id for s in states])
         report.policy_plain = not speculate
         counts = [num_drafts(s, self.block_size, self.proposer is not None and speculate) for s in states]
         drafts, q_rows, counts = self._draft(states, counts, report)  # drafts [b, n]
@@ -181,7 +181,7 @@ class SpeculativeEngine:
         report.seconds["verify"] += time.perf_counter() - started
         report.decode_requests = len(states)
         report.drafted_at, report.accepted_at = [0] * n, [0] * n
-        committed_in_step = 0
+        committed_in_step = []
         for row, state in enumerate(states):
             a = accepted[row]
             state.cache_len += a + 1  # rollback is implicit: positions past cache_len are never attended
@@ -189,7 +189,7 @@ class SpeculativeEngine:
                 state.feature_chunks.append(out.taps[row, : a + 1].clone())
             tokens = drafts[row, :a].tolist() + [next_tokens[row]]
             committed = self._commit(state, tokens, events)
-            committed_in_step += committed
+            committed_in_step.append(committed)
             state.stats.record(counts[row], min(a, committed), committed)
             report.draft_tokens += counts[row]
             report.accepted_tokens += min(a, committed)
@@ -197,14 +197,19 @@ class SpeculativeEngine:
                 report.drafted_at[i] += 1
                 report.accepted_at[i] += i < min(a, committed)
         if self.policy is not None:
-            self._observe(len(states), counts, committed_in_step, report)
+            self._observe(states, counts, committed_in_step, report)
 
-    def _observe(self, batch: int, counts: list[int], committed: int, report: StepReport) -> None:
-        """Feed the policy a pure step: every row drafted, or none (mixed steps, steps with prefill in them and
-        fallback steps say nothing about either mode)."""
-        pure = not report.fallback and report.prefill_tokens == 0 and (all(counts) or not any(counts))
+    def _observe(self, states: list[RequestState], counts: list[int], committed: list[int],
+                 report: StepReport) -> None:
+        """Feed the policy the step; only a pure one measures its mode: every row drafted, or none (mixed rows,
+        prefill in the step, fallbacks, and a draft call catching up on a prompt or on plain steps say nothing
+        about either mode's usual cost)."""
+        pure = not (report.fallback or report.catch_up or report.prefill_tokens) and (all(counts) or not any(counts))
         seconds = sum(report.seconds[p] for p in ("draft", "transfer", "verify"))
-        self.policy.observe(batch, bool(counts[0]) if pure else None, committed, seconds)
+        self.policy.observe([s.request_id for s in states], any(counts), pure, seconds, committed)
+        for state in states:
+            if state.status == Status.FINISHED:
+                self.policy.forget(state.request_id)  # again: the step's own measurement re-added it
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int]):
         return self.target(
@@ -228,6 +233,7 @@ class SpeculativeEngine:
                 request_id=state.request_id, context_start=state.drafter_context_len, context_features=features,
                 anchor_token=state.last_token, num_draft=counts[r], sampling=state.request.sampling, seed=state.seed,
             ))
+        report.catch_up = any(len(item.context_features) > self.block_size for item in items)
         started = time.perf_counter()
         try:
             results = self.proposer.propose(items)
@@ -321,6 +327,8 @@ class SpeculativeEngine:
         if state.slot >= 0:
             self.free_slots.append(state.slot)
             state.slot = -1
+        if self.policy is not None:
+            self.policy.forget(state.request_id)
         if self.proposer is not None:
             try:
                 self.proposer.release(state.request_id)

@@ -137,6 +137,7 @@ class StepReport:
     accepted_at: list[int] = field(default_factory=list)
     fallback: bool = False  # drafts were wanted but the proposer was unavailable
     policy_plain: bool = False  # the speculation policy chose a plain step
+    catch_up: bool = False  # the draft call carried more context than one step commits (slower than usual)
     seconds: dict[str, float] = field(default_factory=dict)  # draft, transfer, verify, prefill, cache, scheduling
 
 

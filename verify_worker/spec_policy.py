@@ -1,13 +1,20 @@
-"""When speculation pays: a step-by-step choice between speculative and plain decoding from measured rates.
+"""When speculation pays: a step-by-step choice between speculative and plain decoding from measurements.
 
 Both modes are lossless step by step, and the choice depends only on what has already happened, so any schedule
-of them keeps the output exact (greedy: the same tokens; sampling: the same distribution). This policy runs the
-mode with the higher measured rate (tokens committed per second per request) for the batch size at hand, and
-keeps measuring the other one: every `period` steps it spends `probe` steps in the mode it did not choose, so a
-drafter that starts to pay (or stops) is noticed. Plain decoding is a real mode of the same engine (every
-request drafts 0 tokens), not a fallback.
+of them keeps the output exact (greedy: the same tokens; sampling: the same distribution). Plain decoding is a
+real mode of the same engine (every request drafts 0 tokens), not a fallback.
+
+The model: a speculative step of the batch costs Ts seconds and commits, per request, its acceptance length A
+(tokens per speculative step); a plain step costs Tp and commits one token per request. Speculate when the
+batch's mean A times Tp is at least Ts. Step times are measured per batch-size bucket (they barely vary from
+step to step); A is measured per request (it varies a lot between requests: prompts, greedy or sampled) and
+starts at the mean of the requests measured so far. Step times are the median of the last `window` steps of a
+mode, since a step that builds new kernels or catches up on context can take ten times the usual. While decoding plainly, one speculative step every `probe_every` steps
+refreshes the requests' A; while speculating, one plain step every `refresh_every` steps refreshes Tp.
 """
 
+import statistics
+from collections import deque
 from dataclasses import dataclass, field
 
 
@@ -16,41 +23,66 @@ def batch_bucket(batch_size: int) -> int:
     return 1 << max(0, batch_size - 1).bit_length()
 
 
+def _decayed(old: float | None, new: float, keep: float) -> float:
+    return new if old is None else keep * old + (1 - keep) * new
+
+
 @dataclass
 class AdaptiveSpeculation:
-    period: int = 64  # steps between probes of the mode not chosen
-    probe: int = 4  # steps each probe lasts
-    weight: float = 0.25  # weight of a new observation in the moving averages
-    rates: dict[tuple[int, bool], float] = field(default_factory=dict)  # (bucket, speculative) -> tokens/s/request
-    steps: int = 0
+    probe_every: int = 8  # plain steps between speculative probes
+    refresh_every: int = 64  # speculative steps between plain probes
+    window: int = 15  # steps whose median is a mode's step time
+    keep_acceptance: float = 0.9  # and in each request's acceptance length (a bursty figure: keep it long)
+    step_samples: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (bucket, speculative) -> seconds
+    acceptance: dict[str, float] = field(default_factory=dict)  # request id -> tokens per speculative step
+    mean_acceptance: float | None = None  # over every request's speculative steps
+    steps_in_mode: int = 0
+    last_mode: bool | None = None
 
-    def speculate(self, batch_size: int) -> bool:
-        """Whether the next decode step of a batch of this size drafts."""
-        bucket = batch_bucket(batch_size)
-        spec, plain = self.rates.get((bucket, True)), self.rates.get((bucket, False))
-        if spec is None:
-            return True  # measure speculation first, then plain decoding
-        if plain is None:
-            return False
-        preferred = spec >= plain
-        probing = self.steps % self.period >= self.period - self.probe
-        return preferred != probing
+    def speculate(self, request_ids: list[str]) -> bool:
+        """Whether the next decode step of these running requests drafts."""
+        preferred = self._preferred(request_ids)
+        if preferred is None:  # measure speculation first, then plain decoding
+            return self.step_seconds(len(request_ids), True) is None
+        limit = self.refresh_every if preferred else self.probe_every
+        if self.last_mode == preferred and self.steps_in_mode >= limit:
+            return not preferred  # one step of the other mode, to keep it measured
+        return preferred
 
-    def observe(self, batch_size: int, speculative: bool | None, committed_tokens: int, seconds: float) -> None:
-        """One decode step: how many tokens the batch committed, in how long; speculative None for a step that
-        measures neither mode (it still counts towards the probe schedule)."""
-        self.steps += 1
-        if speculative is None or seconds <= 0 or batch_size <= 0:
-            return
-        key = (batch_bucket(batch_size), speculative)
-        rate = committed_tokens / seconds / batch_size
-        old = self.rates.get(key)
-        self.rates[key] = rate if old is None else (1 - self.weight) * old + self.weight * rate
+    def step_seconds(self, batch_size: int, speculative: bool) -> float | None:
+        """The median step time of a mode at this batch size, None before it was measured."""
+        samples = self.step_samples.get((batch_bucket(batch_size), speculative))
+        return statistics.median(samples) if samples else None
 
-    def preferred_mode(self, batch_size: int) -> str | None:
-        """"speculative" or "plain" once both were measured for this batch size (for logs and tests)."""
-        bucket = batch_bucket(batch_size)
-        spec, plain = self.rates.get((bucket, True)), self.rates.get((bucket, False))
+    def _preferred(self, request_ids: list[str]) -> bool | None:
+        spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
         if spec is None or plain is None:
             return None
-        return "speculative" if spec >= plain else "plain"
+        known = self.acceptance.values()  # a request not measured yet: the mean of those that are, or of the past
+        default = sum(known) / len(known) if known else (self.mean_acceptance or 1.0)
+        expected = sum(self.acceptance.get(r, default) for r in request_ids) / len(request_ids)
+        return expected * plain >= spec
+
+    def observe(self, request_ids: list[str], speculative: bool, measured: bool, seconds: float,
+                committed: list[int]) -> None:
+        """One decode step: the rows' requests, whether it drafted, whether it measures its mode (False for a
+        step with mixed rows, prefill in it or a drafter fallback), its decode seconds and the tokens each row
+        committed."""
+        self.steps_in_mode = self.steps_in_mode + 1 if self.last_mode == speculative else 1
+        self.last_mode = speculative
+        if not measured or seconds <= 0 or not request_ids:
+            return
+        key = (batch_bucket(len(request_ids)), speculative)
+        self.step_samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        if speculative:
+            for request_id, tokens in zip(request_ids, committed):
+                self.acceptance[request_id] = _decayed(self.acceptance.get(request_id), tokens, self.keep_acceptance)
+                self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
+
+    def forget(self, request_id: str) -> None:
+        self.acceptance.pop(request_id, None)
+
+    def preferred_mode(self, request_ids: list[str]) -> str | None:
+        """"speculative" or "plain" once both modes were measured for this batch size (for logs and tests)."""
+        preferred = self._preferred(request_ids)
+        return None if preferred is None else ("speculative" if preferred else "plain")
