@@ -98,8 +98,8 @@ def parse_args(argv):
     parser.add_argument("--draft-threads", type=int, default=0)
     parser.add_argument("--draft-timeout", type=float, default=5.0)
     parser.add_argument("--spec-policy", choices=["always", "adaptive"], default="always",
-                        help="always: every step drafts; adaptive: the verify worker decodes plainly while that "
-                             "measures faster, probing speculation every 64 steps")
+                        help="always: every step drafts; adaptive: the verify worker decodes plainly while drafting is "
+                             "expected not to pay (one drafted step after 8 plain ones re-measures it)")
     parser.add_argument("--draft-placement", choices=["worker", "local"], default="worker",
                         help="worker: a draft worker process (the default); local: the drafter runs inside the "
                              "verify worker (no draft call between processes, no separate restart)")

@@ -1,5 +1,7 @@
 """--spec-policy adaptive: the choice between speculative and plain steps, and that it never changes tokens."""
 
+from collections import deque
+
 from conftest import tiny_draft_config, write_hf_checkpoint
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import LocalProposer
@@ -19,27 +21,61 @@ def test_it_measures_both_modes_then_runs_the_faster_and_probes_the_other():
     policy = AdaptiveSpeculation(probe_every=4, refresh_every=8)
     batch = ["a"]
     assert policy.speculate(batch)  # nothing measured: speculation first
-    policy.observe(batch, True, True, 0.010, [2])  # a speculative step: 10 ms, 2 tokens
+    policy.observe(batch, True, True, 0.010, [2], [True])  # a speculative step: 10 ms, 2 tokens
     assert not policy.speculate(batch)  # then plain decoding
-    policy.observe(batch, False, True, 0.004, [1])  # 4 ms per token: 2 tokens per 10 ms do not pay
+    policy.observe(batch, False, False, 0.004, [1], [False])  # 4 ms per token: 2 tokens per 10 ms do not pay
     assert policy.preferred_mode(batch) == "plain"
     schedule = []
     for _ in range(12):
         schedule.append(policy.speculate(batch))
-        policy.observe(batch, schedule[-1], False, 0.0, [1])  # unmeasured steps still count towards probes
+        policy.observe(batch, schedule[-1], None, 0.0, [1], [False])  # untimed steps still count towards probes
     assert schedule == [False] * 3 + [True] + [False] * 4 + [True] + [False] * 3  # a probe after 4 plain steps
 
 
 def test_the_decision_follows_the_requests_own_acceptance():
     policy = AdaptiveSpeculation()
-    policy.observe(["a"], True, True, 0.010, [2])
-    policy.observe(["a"], False, True, 0.004, [1])
-    policy.observe(["b"], True, True, 0.010, [6])  # b: 6 tokens per 10 ms beat 4 ms per token
+    policy.observe(["a"], True, True, 0.010, [2], [True])
+    policy.observe(["a"], False, False, 0.004, [1], [False])
+    policy.observe(["b"], True, True, 0.010, [6], [True])  # b: 6 tokens per 10 ms beat 4 ms per token
     assert policy.preferred_mode(["a"]) == "plain" and policy.preferred_mode(["b"]) == "speculative"
     assert policy.preferred_mode(["new"]) == "speculative"  # a new request starts at the mean acceptance (4)
     policy.forget("b")
     assert "b" not in policy.acceptance
     assert policy.preferred_mode(["a", "b"]) is None  # batches of 2 are measured on their own
+
+
+def test_an_unmeasured_plain_mode_does_not_hold_the_batch_forever():
+    """Under continuous prefill no plain step may be pure enough to time: the probe schedule still drafts."""
+    policy = AdaptiveSpeculation(probe_every=3)
+    policy.observe(["a"], True, True, 0.010, [2], [True])
+    schedule = []
+    for _ in range(8):
+        schedule.append(policy.speculate(["a"]))
+        policy.observe(["a"], schedule[-1], None, 0.01, [1], [schedule[-1]])
+    assert schedule == [False, False, False, True, False, False, False, True]
+
+
+def test_a_probe_that_catches_up_on_context_still_measures_acceptance(tmp_path):
+    """Block 4, a probe after 4 plain steps: its draft call carries more than a block of features (a catch-up
+    step, untimed), yet the tokens it committed update the acceptance lengths."""
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4)
+    target = load_target(tmp_path)
+    drafter = random_drafter(tiny_draft_config(block_size=4), seed=2, std=0.2)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4, max_requests=1)
+    policy = AdaptiveSpeculation(probe_every=4)
+    policy.step_samples[(1, True)] = deque([1.0])  # drafting looks slow: plain decoding is preferred
+    policy.step_samples[(1, False)] = deque([1e-6])
+    engine = SpeculativeEngine(target, proposer, max_requests=1, policy=policy)
+    state = engine.add(GenerationRequest((5, 6, 7), 60))
+    means, catch_ups = [], 0
+    while engine.has_work():
+        engine.step()
+        report = engine.last_report
+        if report.decode_requests and not report.policy_plain:
+            catch_ups += report.catch_up
+            means.append(policy.mean_acceptance)
+    assert catch_ups >= 5 and len(means) >= 5 and None not in means
+    assert state.stats.draft_tokens > 0 and not policy.acceptance  # measured while running, forgotten at the end
 
 
 def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp_path):
@@ -60,6 +96,7 @@ def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp
     for request, state, want in zip(requests, states, plain):
         assert_same_or_near_tie(target, list(request.prompt_ids), state.output_ids, want.token_ids)
     assert modes == {True, False} and policy.step_seconds(3, True) and policy.step_seconds(3, False)
+    assert not policy.acceptance  # every finished request was forgotten
 
 
 def test_dflash_serve_passes_the_policy_to_the_verify_worker():

@@ -166,8 +166,8 @@ class SpeculativeEngine:
     def _decode(self, states: list[RequestState], events: dict, report: StepReport) -> None:
         speculate = self.policy is None or self.policy.speculate([s.request_id for s in states])
         report.policy_plain = not speculate
-        counts = [num_drafts(s, self.block_size, self.proposer is not None and speculate) for s in states]
-        drafts, q_rows, counts = self._draft(states, counts, report)  # drafts [b, n]
+        asked = [num_drafts(s, self.block_size, self.proposer is not None and speculate) for s in states]
+        drafts, q_rows, counts = self._draft(states, asked, report)  # drafts [b, n]
         started = time.perf_counter()
         n = drafts.shape[1]
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
@@ -197,16 +197,18 @@ class SpeculativeEngine:
                 report.drafted_at[i] += 1
                 report.accepted_at[i] += i < min(a, committed)
         if self.policy is not None:
-            self._observe(states, counts, committed_in_step, report)
+            self._observe(states, speculate, asked, counts, committed_in_step, report)
 
-    def _observe(self, states: list[RequestState], counts: list[int], committed: list[int],
-                 report: StepReport) -> None:
-        """Feed the policy the step; only a pure one measures its mode: every row drafted, or none (mixed rows,
-        prefill in the step, fallbacks, and a draft call catching up on a prompt or on plain steps say nothing
-        about either mode's usual cost)."""
-        pure = not (report.fallback or report.catch_up or report.prefill_tokens) and (all(counts) or not any(counts))
+    def _observe(self, states: list[RequestState], chosen: bool, asked: list[int], counts: list[int],
+                 committed: list[int], report: StepReport) -> None:
+        """Feed the policy the step. Its time measures a mode only if the step is pure: every row drafted or
+        none, as asked (no fallback, no resync), no prefill in it, no draft call catching up on a prompt or on
+        plain steps; those say nothing about either mode's usual cost."""
+        pure = (counts == asked and not (report.fallback or report.catch_up or report.prefill_tokens)
+                and (all(counts) or not any(counts)))
         seconds = sum(report.seconds[p] for p in ("draft", "transfer", "verify"))
-        self.policy.observe([s.request_id for s in states], any(counts), pure, seconds, committed)
+        self.policy.observe([s.request_id for s in states], chosen, any(counts) if pure else None, seconds,
+                            committed, [c > 0 for c in counts])
         for state in states:
             if state.status == Status.FINISHED:
                 self.policy.forget(state.request_id)  # again: the step's own measurement re-added it

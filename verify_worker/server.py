@@ -224,8 +224,8 @@ def parse_args(argv):
                         help="cap on KV-cache memory: max-running is lowered to fit (error if one slot does not)")
     parser.add_argument("--draft-timeout", type=float, default=5.0, help="seconds to wait for a draft")
     parser.add_argument("--spec-policy", choices=["always", "adaptive"], default=env("DFLASH_SPEC_POLICY", "always"),
-                        help="always: every step drafts; adaptive: decode plainly while that measures faster "
-                             "(probing the other mode every 64 steps)")
+                        help="always: every step drafts; adaptive: decode plainly while drafting is expected not to "
+                             "pay (one drafted step after 8 plain ones re-measures it)")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")))

@@ -9,8 +9,10 @@ The model: a speculative step of the batch costs Ts seconds and commits, per req
 batch's mean A times Tp is at least Ts. Step times are measured per batch-size bucket (they barely vary from
 step to step); A is measured per request (it varies a lot between requests: prompts, greedy or sampled) and
 starts at the mean of the requests measured so far. Step times are the median of the last `window` steps of a
-mode, since a step that builds new kernels or catches up on context can take ten times the usual. While decoding plainly, one speculative step every `probe_every` steps
-refreshes the requests' A; while speculating, one plain step every `refresh_every` steps refreshes Tp.
+mode, since a step that builds new kernels or catches up on context can take ten times the usual. After
+`probe_every` plain steps in a row one step drafts, to re-measure the requests' A; after `refresh_every`
+speculative steps in a row one step is plain, to re-measure Tp. Until a mode is measured for a batch size the
+same schedule applies, speculation first.
 """
 
 import statistics
@@ -42,8 +44,8 @@ class AdaptiveSpeculation:
     def speculate(self, request_ids: list[str]) -> bool:
         """Whether the next decode step of these running requests drafts."""
         preferred = self._preferred(request_ids)
-        if preferred is None:  # measure speculation first, then plain decoding
-            return self.step_seconds(len(request_ids), True) is None
+        if preferred is None:  # measure speculation first, then plain decoding (probing as below meanwhile)
+            preferred = self.step_seconds(len(request_ids), True) is None
         limit = self.refresh_every if preferred else self.probe_every
         if self.last_mode == preferred and self.steps_in_mode >= limit:
             return not preferred  # one step of the other mode, to keep it measured
@@ -63,19 +65,20 @@ class AdaptiveSpeculation:
         expected = sum(self.acceptance.get(r, default) for r in request_ids) / len(request_ids)
         return expected * plain >= spec
 
-    def observe(self, request_ids: list[str], speculative: bool, measured: bool, seconds: float,
-                committed: list[int]) -> None:
-        """One decode step: the rows' requests, whether it drafted, whether it measures its mode (False for a
-        step with mixed rows, prefill in it or a drafter fallback), its decode seconds and the tokens each row
-        committed."""
-        self.steps_in_mode = self.steps_in_mode + 1 if self.last_mode == speculative else 1
-        self.last_mode = speculative
-        if not measured or seconds <= 0 or not request_ids:
-            return
-        key = (batch_bucket(len(request_ids)), speculative)
-        self.step_samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
-        if speculative:
-            for request_id, tokens in zip(request_ids, committed):
+    def observe(self, request_ids: list[str], chosen: bool, timed: bool | None, seconds: float,
+                committed: list[int], drafted: list[bool]) -> None:
+        """One decode step: the rows' requests; the mode this policy chose (the probe schedule follows it, even
+        when a drafter fallback made the step plain); which mode the step's time measures (None: neither, for
+        mixed rows, prefill in the step, a fallback or resync, or a draft call catching up on context); its
+        decode seconds; the tokens each row committed and whether the row drafted (every drafted row measures
+        its request's acceptance length, pure step or not)."""
+        self.steps_in_mode = self.steps_in_mode + 1 if self.last_mode == chosen else 1
+        self.last_mode = chosen
+        if timed is not None and seconds > 0 and request_ids:
+            key = (batch_bucket(len(request_ids)), timed)
+            self.step_samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        for request_id, tokens, drew in zip(request_ids, committed, drafted):
+            if drew:
                 self.acceptance[request_id] = _decayed(self.acceptance.get(request_id), tokens, self.keep_acceptance)
                 self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
 
