@@ -82,7 +82,7 @@ def parse_args(argv):
     parser.add_argument("--tp-timeout", type=float, default=30.0,
                         help="seconds a tensor-parallel collective may wait before the verify worker fails")
     parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto",
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations of both workers: float32, bfloat16, float16, or auto (the "
                              "checkpoint's dtype; on CPU bfloat16 only where it is native, else float32)")
     parser.add_argument("--max-running", type=int, default=16)

@@ -25,6 +25,7 @@ def run(module, *args):
         ("verify_worker.server", ["--target", "t", "--world-size", "2", "--rank", "5", "--metrics-port", "0"],
          "rank 5 is outside a world of size 2"),
         ("gateway.launcher", ["--target", "/no/such/folder"], "does not exist"),
+        ("gateway.launcher", ["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         ("verify_worker.server", ["--metrics-port", "0"], "--target is required"),
         ("draft_worker.server", ["--metrics-port", "0"], "--target and --draft are required"),
     ],
