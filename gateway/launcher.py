@@ -131,8 +131,8 @@ def build_children(args) -> dict[str, Child]:
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     common = ["--requests-addr", requests, "--events-addr", events]
     verify = ["--target", target, *common, "--draft-addr", drafts, "--metrics-port", str(args.metrics_base_port),
-              "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting), "--device", args.device, "--dtype", args.dtype,
-              "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout),
+              "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting), "--device", args.device,
+              "--dtype", args.dtype, "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout),
               "--spec-policy", args.spec_policy]
     gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
                "--max-pending", str(args.max_running + args.max_waiting)]
@@ -158,7 +158,8 @@ def build_children(args) -> dict[str, Child]:
         verify += ["--draft", draft]
         draft_argv = ["--target", target, "--draft", draft, "--draft-addr", drafts, "--metrics-port",
                       str(args.metrics_base_port + 1), "--max-requests", str(args.max_running), "--device",
-                      args.device, "--dtype", args.dtype, "--threads", str(args.draft_threads), "--draft-sampling", args.draft_sampling]
+                      args.device, "--dtype", args.dtype, "--threads", str(args.draft_threads), "--draft-sampling",
+                      args.draft_sampling]
         if args.block_size is not None:
             draft_argv += ["--block-size", str(args.block_size)]
         if args.feature_transport == "pair":

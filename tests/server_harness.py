@@ -107,6 +107,16 @@ class Server:
         return self.process.returncode
 
 
+def serving(root: Path, *extra: str):
+    """For a fixture (`yield from serving(...)`): dflash-serve on tiny models written under root, ready; it must
+    exit 0 when stopped afterwards."""
+    target, draft = write_server_models(root)
+    server = Server(target, draft, *extra, log_dir=root)
+    server.wait_ready()
+    yield server
+    assert server.stop() == 0
+
+
 def metric_value(text: str, name: str, labels: dict | None = None) -> float:
     from prometheus_client.parser import text_string_to_metric_families
 

@@ -6,17 +6,12 @@ import sys
 import httpx
 import pytest
 
-from server_harness import Server, metric_value, write_server_models
+from server_harness import metric_value, serving, write_server_models
 
 
 @pytest.fixture(scope="module")
 def local_server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("local")
-    target, draft = write_server_models(root)
-    srv = Server(target, draft, "--draft-placement", "local", log_dir=root)
-    srv.wait_ready()
-    yield srv
-    assert srv.stop() == 0
+    yield from serving(tmp_path_factory.mktemp("local"), "--draft-placement", "local")
 
 
 def _tokens(server, **body) -> dict:

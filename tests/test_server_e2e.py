@@ -7,19 +7,14 @@ import httpx
 import openai
 import pytest
 
-from server_harness import Server, metric_value, write_server_models
+from server_harness import metric_value, serving
 
 PROMPT = "def add(a, b):"
 
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    root = tmp_path_factory.mktemp("serve")
-    target, draft = write_server_models(root)
-    srv = Server(target, draft, "--max-running", "16", log_dir=root)
-    srv.wait_ready()
-    yield srv
-    assert srv.stop() == 0
+    yield from serving(tmp_path_factory.mktemp("serve"), "--max-running", "16")
 
 
 @pytest.fixture(scope="module")

@@ -268,14 +268,8 @@ def rank_device(device: str, rank: int, world_size: int) -> str:
     return device
 
 
-def local_block_size(args) -> int:
-    return args.block_size or DraftConfig.from_dict(read_config(args.draft)).block_size
-
-
 def local_proposer(args, target, max_running: int) -> LocalProposer:
     """The drafter in the verify worker's own process, sharing the target's embedding and lm_head."""
-    if args.block_size is not None and args.block_size < 2:
-        raise DFlashError(f"--block-size must be >= 2, got {args.block_size}")
     drafter = load_drafter(args.draft, dtype=target.embed_weight.dtype, device=args.device)
     cfg = target.config
     max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -300,13 +294,15 @@ def build_server(args, log) -> VerifyServer:
     if tp.parallel:
         target = TargetLeader(target)
     proposer = None
-    local = args.draft_placement == "local" and args.draft and not args.no_draft
+    drafting = bool(args.draft) and not args.no_draft
+    local = drafting and args.draft_placement == "local"
     if local and tp.parallel:
         raise DFlashError("--draft-placement local needs --world-size 1 (the drafter needs the whole lm_head)")
-    if args.draft and not args.no_draft and not local:
+    if drafting:
         draft_cfg = DraftConfig.from_dict(read_config(args.draft))
         if args.block_size is not None and args.block_size < 2:
             raise DFlashError(f"--block-size must be >= 2, got {args.block_size}")
+    if drafting and not local:
         transport = make_transport(args.feature_transport, args.feature_pair_addr, sender=True, device=args.device,
                                    backend=args.feature_pair_backend, timeout_s=args.feature_pair_timeout)
         proposer = RemoteProposer(args.draft_addr, draft_cfg, args.block_size, timeout_s=args.draft_timeout, log=log,
@@ -315,8 +311,7 @@ def build_server(args, log) -> VerifyServer:
     if args.kv_cache_budget_mb is not None:
         cfg = target.config
         max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
-        block = proposer.block_size if proposer else (local_block_size(args) if local else 1)
-        capacity = max_len + block
+        capacity = max_len + ((args.block_size or draft_cfg.block_size) if drafting else 1)
         slot_bytes = 2 * cfg.num_layers * target.local.num_kv_heads * capacity * cfg.head_dim * target.embed_weight.element_size()
         fit = int(args.kv_cache_budget_mb * 2**20 // slot_bytes)
         if fit < 1:

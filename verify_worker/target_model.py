@@ -47,9 +47,8 @@ class TargetAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
 
-    def forward(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask):
+    def forward(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask, attend):
         batch, seq, _ = x.shape
-        attend = batch_invariant_attention if invariant_attention(x) else cached_attention
         q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)  # [b, s, heads, dim]
         k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)  # [b, s, kv_heads, dim]
         v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
@@ -75,8 +74,9 @@ class TargetDecoderLayer(nn.Module):
         self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, bias=cfg.mlp_bias)  # gate/up: this rank's columns
         self.mlp.down_proj = _row_linear(local.intermediate_size, cfg.hidden_size, tp, cfg.mlp_bias)
 
-    def forward(self, x, cos, sin, cache, slots, read_slots, positions, kv_len, mask):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, read_slots, positions, kv_len, mask)
+    def forward(self, x, cos, sin, cache, slots, read_slots, positions, kv_len, mask, attend):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, read_slots, positions, kv_len, mask,
+                               attend)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -139,14 +139,16 @@ class TargetModel(nn.Module):
         """
         kv_len = input_ids.shape[1] if cache is None else int(positions.max()) + 1
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
-        if cache is not None and invariant_attention(x):  # whole key chunks: see batch_invariant_attention
+        invariant = invariant_attention(x)
+        attend = batch_invariant_attention if invariant else cached_attention
+        if cache is not None and invariant:  # whole key chunks: see batch_invariant_attention
             kv_len = invariant_key_length(kv_len, cache.capacity)
         mask = visibility_mask(positions, kv_len)  # [b, 1, s, kv_len]
         read_slots = None if cache is None else slot_selector(slots)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         taps = {}
         for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask)
+            x = layer(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask, attend)
             if index in tap_layers:
                 taps[index] = x
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None  # in the drafter's order
