@@ -2,11 +2,12 @@
 
   tokenizer  train the BPE tokenizer on the training split
   target     pretrain the target (--target-minutes) and export models/demo/target
-  data       generate target continuations with our engine (--data-minutes)
+  data       generate target continuations with our engine (--data-shards of up to 6000 prompts each,
+             at most --data-minutes each)
   drafter    train the DFlash drafter (--drafter-minutes) and export models/demo/draft
   drafter2   train the DFlash 2 additions on top of it (--drafter2-minutes, then --selector-soft-minutes of the
-             selector alone against the target's distribution, then two cycles of --drafter2-joint-minutes of the
-             whole drafter at block size 8), export models/demo/draft2
+             selector alone against the target's distribution, then three cycles of the whole drafter at block size 8,
+             --drafter2-joint-minutes each), export models/demo/draft2
   prompts    write the held-out benchmark prompts (benchmarks/prompts_heldout.json)
 """
 
@@ -42,12 +43,15 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="models/demo", help="where the finished pair goes")
     parser.add_argument("--vocab-size", type=int, default=4096)
     parser.add_argument("--target-minutes", type=float, default=40)
-    parser.add_argument("--data-minutes", type=float, default=15)
+    parser.add_argument("--data-minutes", type=float, default=15, help="time limit of each data shard")
+    parser.add_argument("--data-shards", type=int, default=3,
+                        help="shards of target continuations (6000 prompts each; existing shards are kept)")
     parser.add_argument("--drafter-minutes", type=float, default=45)
     parser.add_argument("--drafter2-minutes", type=float, default=25)
     parser.add_argument("--selector-soft-minutes", type=float, default=15)
-    parser.add_argument("--drafter2-joint-minutes", type=float, default=35,
-                        help="each of the two cycles of DFlash 2 phase 3 (the whole drafter at block 8; 0 skips it)")
+    parser.add_argument("--drafter2-joint-minutes", type=float, nargs=3, default=[35, 35, 50],
+                        help="minutes of each of the three cycles of DFlash 2 phase 3, the whole drafter at block 8 "
+                             "(0 0 0 skips the phase)")
     parser.add_argument("--threads", type=int, default=2)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -84,7 +88,7 @@ def main(argv=None) -> int:
     if "data" in args.stages:
         from demo_build.generate_data import generate_corpus
 
-        generate_corpus(out / "target", ids["train"].long(), work / "generated", args.data_minutes, log=log)
+        generate_corpus(out / "target", ids["train"].long(), work, args.data_minutes, args.data_shards, log=log)
 
     if "drafter" in args.stages:
         from demo_build.train_demo_drafter import train_demo_drafter

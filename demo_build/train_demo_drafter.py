@@ -5,6 +5,7 @@ from pathlib import Path
 
 import torch
 
+from demo_build.generate_data import generated_sequences
 from draft_worker.train_cli import examples_from, init_from_target, new_drafter_config, train
 from draft_worker.draft_checkpoint import load_drafter, random_drafter
 from draft_worker.training.trainer import TrainSettings
@@ -17,7 +18,7 @@ def train_demo_drafter(target_dir: Path, work: Path, out: Path, minutes: float, 
 
     target = load_target(target_dir, dtype="float32")
     mask_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK)
-    examples = examples_from(torch.load(work / "generated.pt"))
+    examples = examples_from(generated_sequences(work))
     checkpoint = work / "drafter"
     if (checkpoint / "model.safetensors").exists():
         drafter = load_drafter(checkpoint)  # resume, optimizer state included (see DrafterTrainer.resume)

@@ -6,7 +6,7 @@
 (2) The selector alone, 70% of its loss matching the target's distribution over the whole vocabulary, so the q
     a sampled walk draws from approaches the target's p; sampled walks then use the top 1024 candidates.
 (3) Everything (backbone included) at block size 8, the size the demo serves, with half of the selector's loss
-    hard and half soft; two cosine cycles (lr 3e-4, then 2e-4 from the first one's end).
+    hard and half soft; three cosine cycles (lr 3e-4, then 2e-4 twice, each from the previous one's end).
 
 Phases 1 and 2 keep the DFlash drafter's backbone, so comparing the two drafters after phase 2 measures what
 the DFlash 2 additions bring; phase 3 then fine-tunes the whole drafter for serving at block 8."""
@@ -18,23 +18,25 @@ import torch
 
 from draft_worker.draft_checkpoint import load_drafter, save_drafter
 from draft_worker.draft_config import DFlash2Settings
+from demo_build.generate_data import generated_sequences
 from draft_worker.train_cli import as_kind, examples_from, train, with_sample_top_k
 from draft_worker.training.trainer import TrainSettings
 from verify_worker.target_loader import load_target
 
 SAMPLE_TOP_K = 1024  # candidates of a sampled walk (greedy walks keep the published top-16)
 SERVED_BLOCK_SIZE = 8  # phase 3 trains, and the export declares, the block size the demo serves
-JOINT_CYCLES = (("drafter2_joint", 3e-4), ("drafter2_joint2", 2e-4))  # phase 3: (work folder, peak lr) each
+JOINT_CYCLES = (("drafter2_joint", 3e-4), ("drafter2_joint2", 2e-4), ("drafter2_joint3", 2e-4))  # phase 3: (work
+# folder, peak lr) of each cycle
 
 
 def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Path, minutes: float,
-                        soft_minutes: float, joint_minutes: float, log=print) -> None:
+                        soft_minutes: float, joint_minutes: list[float], log=print) -> None:
     target = load_target(target_dir, dtype="float32")
-    examples = examples_from(torch.load(work / "generated.pt"))
+    examples = examples_from(generated_sequences(work))
     common = dict(anchors_per_sequence=48, lr=1e-3, soft_label_weight=0.5, short_block_probability=0.25,
                   selector_loss_weight=1.0, checkpoint_every_s=300)
     hard_dir, soft_dir = work / "drafter2", work / "drafter2_soft"
-    joint_dirs = [work / name for name, _ in JOINT_CYCLES] if joint_minutes > 0 else []  # 0: no phase 3
+    joint_dirs = [work / name for name, _ in JOINT_CYCLES] if any(joint_minutes) else []  # all 0: no phase 3
     done = [d for d in (hard_dir, soft_dir, *joint_dirs) if (d / "model.safetensors").exists()]
     if done:
         drafter = load_drafter(done[-1])  # resume the latest phase begun (or start the next from its end)
@@ -56,7 +58,7 @@ def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Pat
                 continue  # this cycle is finished: a later one has begun
             log(f"phase 3 ({name}): the whole drafter at block size {SERVED_BLOCK_SIZE}, lr {lr:g}")
             phase3 = TrainSettings(anchors_per_sequence=64, lr=lr, soft_label_weight=0.5, selector_loss_weight=1.0,
-                                   selector_soft_weight=0.5, minutes=joint_minutes, checkpoint_every_s=300)
+                                   selector_soft_weight=0.5, minutes=joint_minutes[cycle], checkpoint_every_s=300)
             report = train(target, drafter, examples, joint_dir, phase3, val_fraction=0.03, log=log)
     # report is set: the last phase always runs (a finished one resumes, trains no step and validates).
     drafter.config = with_sample_top_k(drafter.config, min(SAMPLE_TOP_K, drafter.config.vocab_size))
