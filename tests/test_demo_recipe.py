@@ -9,7 +9,7 @@ import torch
 
 from conftest import tiny_draft_config
 from demo_build.generate_data import generated_sequences
-from demo_build.train_demo_drafter2 import JOINT_CYCLES, SAMPLE_TOP_K, SERVED_BLOCK_SIZE, train_demo_drafter2
+from demo_build.train_demo_drafter2 import GREEDY_TOP_K, JOINT_CYCLES, SAMPLE_TOP_K, SERVED_BLOCK_SIZE, train_demo_drafter2
 from draft_worker.draft_checkpoint import random_drafter, save_drafter
 
 PHASE_MINUTES = 0.02  # about a second of training per phase
@@ -46,6 +46,7 @@ def test_demo_dflash2_recipe_runs_every_phase_and_resumes(tmp_path, qwen3_pair):
     config = _exported(out)
     assert config["architectures"] == ["DFlash2DraftModel"] and config["block_size"] == SERVED_BLOCK_SIZE
     assert config["dflash_config"]["selector_sample_top_k"] == min(SAMPLE_TOP_K, config["vocab_size"])
+    assert config["dflash_config"]["selector_top_k"] == min(GREEDY_TOP_K, config["vocab_size"])
     assert "acceptance_length_walk" in (out / "validation.txt").read_text()
     assert sum("phase 3" in line for line in lines) == len(JOINT_CYCLES)
 
