@@ -9,6 +9,7 @@ and the message's own validate(); anything wrong raises WireError, which receive
 """
 
 import dataclasses
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -88,8 +89,7 @@ def decode(frames: list, registry: dict[str, type]) -> Message:
             values[descriptor["field"]] = RawTensor(descriptor["dtype"], tuple(descriptor["shape"]), frame)
         except (KeyError, TypeError) as exc:
             raise WireError(f"{cls.TYPE}: bad tensor descriptor {descriptor!r}: {exc}") from None
-    hints = typing.get_type_hints(cls)
-    names = {f.name for f in dataclasses.fields(cls)}
+    hints, names = _schema(cls)
     if set(values) != names:
         missing, extra = sorted(names - set(values)), sorted(set(values) - names)
         raise WireError(f"{cls.TYPE}: missing fields {missing}, unexpected fields {extra}")
@@ -99,6 +99,12 @@ def decode(frames: list, registry: dict[str, type]) -> Message:
     message = cls(**values)
     message.validate()
     return message
+
+
+@functools.cache
+def _schema(cls: type) -> tuple[dict, frozenset]:
+    """A message class's field types and names (resolving the annotations costs more than the rest of decode)."""
+    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
 
 
 def _matches(value, hint) -> bool:
