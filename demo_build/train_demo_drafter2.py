@@ -16,18 +16,18 @@ from pathlib import Path
 
 import torch
 
+from demo_build.generate_data import generated_sequences
 from draft_worker.draft_checkpoint import load_drafter, save_drafter
 from draft_worker.draft_config import DFlash2Settings
-from demo_build.generate_data import generated_sequences
-from draft_worker.train_cli import as_kind, examples_from, train, with_sample_top_k
+from draft_worker.train_cli import as_kind, examples_from, train
 from draft_worker.training.trainer import TrainSettings
 from verify_worker.target_loader import load_target
 
 SAMPLE_TOP_K = 1024  # candidates of a sampled walk
 GREEDY_TOP_K = 32  # candidates of a greedy walk at serving time (training's K-way loss keeps the published 16)
 SERVED_BLOCK_SIZE = 8  # phase 3 trains, and the export declares, the block size the demo serves
-JOINT_CYCLES = (("drafter2_joint", 3e-4), ("drafter2_joint2", 2e-4), ("drafter2_joint3", 2e-4))  # phase 3: (work
-# folder, peak lr) of each cycle
+# phase 3: (work folder, peak lr) of each cycle
+JOINT_CYCLES = (("drafter2_joint", 3e-4), ("drafter2_joint2", 2e-4), ("drafter2_joint3", 2e-4))
 
 
 def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Path, minutes: float,
@@ -62,10 +62,10 @@ def train_demo_drafter2(target_dir: Path, work: Path, dflash_dir: Path, out: Pat
                                    selector_soft_weight=0.5, minutes=joint_minutes[cycle], checkpoint_every_s=300)
             report = train(target, drafter, examples, joint_dir, phase3, val_fraction=0.03, log=log)
     # report is set: the last phase always runs (a finished one resumes, trains no step and validates).
-    drafter.config = with_sample_top_k(drafter.config, min(SAMPLE_TOP_K, drafter.config.vocab_size))
-    greedy_k = min(GREEDY_TOP_K, drafter.config.vocab_size)
-    drafter.config = dataclasses.replace(drafter.config,
-                                         dflash2=dataclasses.replace(drafter.config.dflash2, selector_top_k=greedy_k))
+    vocab = drafter.config.vocab_size
+    candidates = dataclasses.replace(drafter.config.dflash2, selector_top_k=min(GREEDY_TOP_K, vocab),
+                                     selector_sample_top_k=min(SAMPLE_TOP_K, vocab))
+    drafter.config = dataclasses.replace(drafter.config, dflash2=candidates)
     save_drafter(drafter, out, dtype=torch.bfloat16)
     (out / "validation.txt").write_text(str(report) + "\n")
     log(f"exported DFlash 2 drafter to {out}")

@@ -6,12 +6,11 @@ borrows the target's, passed in as tensors.
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from draft_worker.draft_config import DraftConfig
 from shared.attention import cached_attention, visibility_mask
 from shared.kv_cache import PositionalKVCache, slot_selector
-from shared.layers import GatedMLP, RMSNorm
+from shared.layers import GatedMLP, RMSNorm, project_rows
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
@@ -144,8 +143,7 @@ class DFlashDraftModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab], with the published output multiplier and soft-capping."""
-        rows = F.linear(hidden.reshape(-1, hidden.shape[-1]), lm_head_weight)  # 2-D: a strided 3-D input would copy
-        logits = rows.view(*hidden.shape[:-1], -1).float() * self.config.output_multiplier  # the head per batch row
+        logits = project_rows(hidden, lm_head_weight).float() * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

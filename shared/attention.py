@@ -1,10 +1,10 @@
 """Attention over a positional cache, with visibility decided by absolute positions."""
 
-KEY_CHUNK = 64  # batch-invariant attention reads keys in whole chunks of this many positions
-QUERY_CHUNK = 128  # and scores at most this many queries at once (float32 scores: [.., queries, keys])
-
 import torch
 from torch.nn import functional as F
+
+KEY_CHUNK = 64  # batch-invariant attention reads keys in whole chunks of this many positions
+QUERY_CHUNK = 128  # and scores at most this many queries at once (float32 scores: [.., queries, keys])
 
 
 def visibility_mask(

@@ -34,6 +34,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
+def project_rows(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """[..., in] @ weight[out, in].T -> [..., out] as one 2-D linear over the rows (an lm_head): torch copies the
+    whole weight per batch row when a strided 3-D input goes through a batched matmul."""
+    rows = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)  # [rows, out]
+    return rows.view(*hidden.shape[:-1], -1)
+
+
 def normal_init(module: nn.Module, seed: int, std: float = 0.02) -> None:
     """Random init for new models: norms at one, every other parameter from N(0, std) (seeded)."""
     generator = torch.Generator().manual_seed(seed)

@@ -268,13 +268,16 @@ def rank_device(device: str, rank: int, world_size: int) -> str:
     return device
 
 
+def served_max_len(args, cfg) -> int:
+    """Tokens a request may reach: --max-model-len, at most the target's max_position_embeddings."""
+    return min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+
+
 def local_proposer(args, target, max_running: int) -> LocalProposer:
     """The drafter in the verify worker's own process, sharing the target's embedding and lm_head."""
     drafter = load_drafter(args.draft, dtype=target.embed_weight.dtype, device=args.device)
-    cfg = target.config
-    max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     return LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=args.block_size,
-                         max_requests=max_running, max_model_len=max_len,
+                         max_requests=max_running, max_model_len=served_max_len(args, target.config),
                          draft_sampling=DraftSampling(args.draft_sampling))
 
 
@@ -310,7 +313,7 @@ def build_server(args, log) -> VerifyServer:
     max_running = args.max_running
     if args.kv_cache_budget_mb is not None:
         cfg = target.config
-        max_len = min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        max_len = served_max_len(args, cfg)
         capacity = max_len + ((args.block_size or draft_cfg.block_size) if drafting else 1)
         slot_bytes = 2 * cfg.num_layers * target.local.num_kv_heads * capacity * cfg.head_dim * target.embed_weight.element_size()
         fit = int(args.kv_cache_budget_mb * 2**20 // slot_bytes)

@@ -7,11 +7,10 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
 from shared.kv_cache import PositionalKVCache, slot_selector
-from shared.layers import GatedMLP, RMSNorm
+from shared.layers import GatedMLP, RMSNorm, project_rows
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits
@@ -156,6 +155,5 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
-        rows = F.linear(hidden.reshape(-1, hidden.shape[-1]), self.lm_head_weight)  # 2-D: a strided 3-D input copies
-        local = rows.view(*hidden.shape[:-1], -1).float()  # [..., vocab shard]  the head per batch row
+        local = project_rows(hidden, self.lm_head_weight).float()  # [..., vocab shard]
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
