@@ -167,11 +167,33 @@ def plot(report: dict, path: Path) -> None:
     fig.savefig(path, dpi=110)
 
 
-def measure_setting(servers, prompts, args, block: int, concurrency: int) -> tuple[dict, int]:
+def first_divergence(got: list[int], want: list[int]) -> int | None:
+    """Index of the first token where two outputs differ (the shorter one's length if one is a prefix of the
+    other); None when they are equal."""
+    if got == want:
+        return None
+    return next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+
+
+def greedy_mismatches(label: str, block: int, concurrency: int, prompts: list[str], spec: list[dict],
+                      plain: list[dict]) -> list[dict]:
+    """One record per prompt whose speculative tokens differ from its plain tokens."""
+    found = []
+    for index, (prompt, s, p) in enumerate(zip(prompts, spec, plain)):
+        first = first_divergence(s["tokens"], p["tokens"])
+        if first is not None:
+            found.append({"server": label, "block_size": block, "concurrency": concurrency, "prompt_index": index,
+                          "prompt": prompt, "first_divergence": first, "speculative_tokens": s["tokens"],
+                          "plain_tokens": p["tokens"]})
+    return found
+
+
+def measure_setting(servers, prompts, args, block: int, concurrency: int) -> tuple[dict, list[dict]]:
     """All rounds of one (block, concurrency) setting; per round, each server in turn runs a speculative wave
-    and a plain wave, so drafters and modes are measured side by side. Returns ({label: result}, mismatches)."""
+    and a plain wave, so drafters and modes are measured side by side. Returns ({label: result}, greedy
+    mismatches of the measured rounds)."""
     runs = {label: {"spec": [], "plain": [], "positions": [], "phases": []} for label, _, _ in servers}
-    mismatches = 0
+    mismatches = []
     for round_index in range(args.rounds + 1):  # round 0 is the warm-up
         for label, url, metrics_url in servers:
             wait_idle(url)
@@ -193,7 +215,7 @@ def measure_setting(servers, prompts, args, block: int, concurrency: int) -> tup
             run["positions"].append(per_position(before, after, block))
             run["phases"].append(step_phases_ms(before, after))
             if args.temperature == 0:
-                mismatches += sum(s["tokens"] != p["tokens"] for s, p in zip(spec[0], plain[0]))
+                mismatches += greedy_mismatches(label, block, concurrency, prompts, spec[0], plain[0])
     results = {}
     for label, run in runs.items():
         med = lambda rows, key: statistics.median(r[key] for r in rows)  # noqa: E731
@@ -244,11 +266,17 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     report = {"settings": vars(args), "by_block_size": {}}
     by_server = {label: {} for label, _, _ in servers}
-    mismatches = 0
+    mismatches = []
     for block in map(int, args.block_sizes.split(",")):
         for concurrency in map(int, args.concurrency.split(",")):
             results, wrong = measure_setting(servers, prompts, args, block, concurrency)
             mismatches += wrong
+            for m in wrong:
+                position = m["first_divergence"]
+                print(f"{m['server']}: block {block} concurrency {concurrency}: greedy mismatch on prompt "
+                      f"{m['prompt_index']} at output token {position} (speculative "
+                      f"{m['speculative_tokens'][position:position + 1]}, plain "
+                      f"{m['plain_tokens'][position:position + 1]})", file=sys.stderr, flush=True)
             for label, result in results.items():
                 entry = by_server[label].setdefault(str(block), {"by_concurrency": {}})
                 entry["by_concurrency"][str(concurrency)] = result
@@ -261,7 +289,8 @@ def main(argv=None) -> int:
     report["by_block_size"] = by_server[servers[0][0]]
     if len(servers) > 1:
         report["by_server"] = by_server
-    report["greedy_mismatches"] = mismatches if args.temperature == 0 else None
+    report["greedy_mismatches"] = len(mismatches) if args.temperature == 0 else None
+    report["greedy_mismatch_details"] = mismatches if args.temperature == 0 else None
     if args.hf_target:
         wait_idle(servers[0][1])
         hf = run_hf(args.hf_target, prompts, args.max_tokens, args.hf_dtype)

@@ -2,6 +2,7 @@
 
 import torch
 
+from gateway.bench import first_divergence
 from verify_worker.target_model import TargetModel
 
 NEAR_TIE = 1e-4
@@ -18,9 +19,9 @@ def top2_gap(target: TargetModel, prefix: list[int]) -> float:
 
 def assert_same_or_near_tie(target: TargetModel, prompt: list[int], got: list[int], want: list[int]) -> None:
     """Equal token for token, or the first divergence is at a near-tie (top-2 gap < 1e-4)."""
-    if got == want:
+    first = first_divergence(got, want)
+    if first is None:
         return
-    first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
     gap = top2_gap(target, list(prompt) + want[:first])
     assert gap < NEAR_TIE, (
         f"greedy outputs diverge at token {first} where the top-2 logit gap is {gap:.3g} (not a near-tie):\n"

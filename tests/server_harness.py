@@ -11,10 +11,13 @@ import time
 from pathlib import Path
 
 import httpx
+from tokenizers import Tokenizer
 
 from conftest import tiny_draft_config, write_hf_checkpoint
 from draft_worker.draft_checkpoint import random_drafter, save_drafter
+from greedy_check import assert_same_or_near_tie
 from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
+from verify_worker.target_loader import load_target
 
 CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}"
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
@@ -48,6 +51,7 @@ def free_port_block(count: int) -> int:
 
 class Server:
     def __init__(self, target: Path, draft: Path | None, *extra: str, log_dir: Path):
+        self.target, self._reference = target, None
         base = free_port_block(8)
         self.port, self.zmq_base, self.metrics_base = base, base + 1, base + 4
         command = [sys.executable, "-m", "gateway.launcher", "--target", str(target), "--port", str(self.port),
@@ -81,6 +85,14 @@ class Server:
                 if own_rank == rank:
                     return int(entry.name)
         raise LookupError(role)
+
+    def assert_same_or_near_tie(self, prompt: str, got: list[int], want: list[int]) -> None:
+        """Two greedy outputs of this server for a text prompt are equal, or first differ at a near-tie of the
+        target (float32 rows of a verify block and of a one-token step differ by rounding)."""
+        if self._reference is None:
+            self._reference = load_target(self.target), Tokenizer.from_file(str(self.target / "tokenizer.json"))
+        target, tokenizer = self._reference
+        assert_same_or_near_tie(target, tokenizer.encode(prompt, add_special_tokens=False).ids, got, want)
 
     def metrics(self, role: str) -> str:
         url = f"{self.url}/metrics" if role == "gateway" else \

@@ -25,7 +25,8 @@ def _tokens(server, **body) -> dict:
 def test_a_local_drafter_speculates_and_serves_the_plain_tokens(local_server):
     spec = _tokens(local_server)
     plain = _tokens(local_server, num_speculative_tokens=0)
-    assert spec["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+    local_server.assert_same_or_near_tie("def add(a, b):", spec["choices"][0]["token_ids"],
+                                         plain["choices"][0]["token_ids"])
     assert spec["usage"]["speculative"]["draft_tokens"] > 0 and plain["usage"]["speculative"]["draft_tokens"] == 0
     verify = local_server.metrics("verify")
     assert metric_value(verify, "dflash_drafter_available", {"kind": "dflash"}) == 1

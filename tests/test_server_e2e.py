@@ -136,7 +136,7 @@ def test_sixteen_concurrent_streams_equal_requests_served_alone(server):
 
     together = asyncio.run(run_all())
     for prompt, got, want in zip(prompts, together, alone):
-        assert got == want, prompt  # near-ties aside, batching must not change greedy output
+        server.assert_same_or_near_tie(prompt, got, want)  # batching must not change greedy output
 
 
 def test_metrics_parse_and_speculative_counters_move(server):
@@ -191,6 +191,6 @@ def test_bad_input_gets_openai_error_bodies(server, path, body, status, param):
 def test_speculation_knob_zero_is_plain_decoding(server):
     spec = completion(server, max_tokens=20)
     plain = completion(server, max_tokens=20, num_speculative_tokens=0)
-    assert plain["choices"][0]["token_ids"] == spec["choices"][0]["token_ids"]
+    server.assert_same_or_near_tie(PROMPT, spec["choices"][0]["token_ids"], plain["choices"][0]["token_ids"])
     assert plain["usage"]["speculative"]["draft_tokens"] == 0
     assert plain["usage"]["speculative"]["acceptance_length"] == 1.0
