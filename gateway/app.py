@@ -11,6 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.logprobs import TextOffsets, TokenLogprobs, chat_logprobs, completion_logprobs
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ApiError, GenerationParams, parse_chat, parse_completion, parse_json
 from gateway.tokenization import IncrementalDetokenizer, StopMatcher, TextCodec
@@ -60,6 +61,7 @@ class Turn:
     accepted_tokens: int = 0
     first_token_at: float | None = None
     last_token_at: float | None = None
+    logprobs: TokenLogprobs | None = None  # every token's, when the request asked for them
 
     def absorb(self, event: TokenEvent, metrics: GatewayMetrics) -> str:
         """Take one event; returns the text it adds (stop strings cut, broken UTF-8 held back)."""
@@ -74,6 +76,10 @@ class Turn:
                     metrics.itl.observe(per_token)
             self.last_token_at = now
         self.token_ids.extend(event.token_ids)
+        run = event_logprobs(event)
+        if run is not None and self.params.logprobs is not None:
+            self.logprobs = self.logprobs or TokenLogprobs()
+            self.logprobs.extend(run)
         self.verify_steps, self.draft_tokens = event.verify_steps, event.draft_tokens
         self.accepted_tokens = event.accepted_tokens
         delta = self.detokenizer.add(event.token_ids)
@@ -105,6 +111,12 @@ class Turn:
                 "acceptance_length": round((completion - 1) / self.verify_steps, 4) if self.verify_steps else 0.0,
             },
         }
+
+
+def event_logprobs(event: TokenEvent) -> TokenLogprobs | None:
+    if event.logprobs is None:
+        return None
+    return TokenLogprobs(list(event.token_ids), list(event.logprobs), list(event.top_ids), list(event.top_logprobs))
 
 
 def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger | None = None) -> FastAPI:
@@ -254,7 +266,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         turn = Turn(request_id, params, codec.detokenizer(), StopMatcher(params.stop), time.monotonic())
         message = SubmitRequest(
             request_id, params.prompt_ids, params.max_tokens, params.temperature, params.top_p, params.top_k,
-            params.seed, list(codec.eos_token_ids), params.num_speculative_tokens,
+            params.seed, list(codec.eos_token_ids), params.num_speculative_tokens, params.logprobs,
         )
         try:
             queue = await client.submit(message)
@@ -302,9 +314,9 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             if turn.finish_reason is not None:
                 if event.finish_reason is None:  # a stop string ended it: stop the verify worker too
                     await client.abort(turn.request_id)
-                yield delta, event.token_ids
+                yield delta, event
                 return
-            yield delta, event.token_ids
+            yield delta, event
             event = await next_event(request, queue, turn.request_id)
             if event is None:
                 raise _Disconnected()
@@ -322,6 +334,9 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             return Response(status_code=499)
         finish_turn(turn, "success")
         choice = {"index": 0, "finish_reason": turn.finish_reason, "logprobs": None}
+        if turn.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(turn.logprobs, codec) if chat else \
+                completion_logprobs(turn.logprobs, codec, TextOffsets(codec))
         if turn.params.return_token_ids:
             choice["token_ids"] = turn.token_ids
         if chat:
@@ -337,14 +352,20 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
 
-        def chunk(delta: str | None, finish: str | None, role: bool = False, token_ids=None) -> str:
+        offsets = TextOffsets(codec)  # the legacy text_offset runs on across chunks
+
+        def chunk(delta: str | None, finish: str | None, role: bool = False, token_ids=None,
+                  run: TokenLogprobs | None = None) -> str:
+            logprobs = None
+            if run is not None:
+                logprobs = chat_logprobs(run, codec) if chat else completion_logprobs(run, codec, offsets)
             if chat:
                 body = {} if delta is None else {"content": delta}
                 if role:
                     body["role"] = "assistant"
-                choice = {"index": 0, "delta": body, "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "delta": body, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": None}
+                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
             if turn.params.return_token_ids:
                 choice["token_ids"] = token_ids or []
             payload = {"id": turn.request_id, "object": kind, "created": created, "model": settings.model_name,
@@ -357,9 +378,11 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         try:
             if chat:
                 yield chunk("", None, role=True)
-            async for delta, token_ids in events_of(request, queue, turn, first):
-                if delta or (token_ids and turn.params.return_token_ids):
-                    yield chunk(delta, None, token_ids=token_ids)
+            wants_logprobs = turn.params.logprobs is not None
+            async for delta, event in events_of(request, queue, turn, first):
+                if delta or (event.token_ids and (turn.params.return_token_ids or wants_logprobs)):
+                    run = event_logprobs(event) if wants_logprobs else None
+                    yield chunk(delta, None, token_ids=event.token_ids, run=run)
             yield chunk(None if chat else "", turn.finish_reason)
             if turn.params.include_usage:
                 usage = {"id": turn.request_id, "object": kind, "created": created, "model": settings.model_name,

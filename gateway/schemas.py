@@ -4,6 +4,7 @@ import json
 from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 4
+MAX_TOP_LOGPROBS = 20  # the verify worker's own limit (verify_worker/logprobs.py)
 
 
 class ApiError(Exception):
@@ -34,6 +35,7 @@ class GenerationParams:
     stop: list[str]
     num_speculative_tokens: int | None
     return_token_ids: bool = False  # extension: include the generated token ids in the response
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     prompt_text: str | None = None
     prompt_ids: list[int] = field(default_factory=list)
     messages: list[dict] | None = None
@@ -104,6 +106,7 @@ def parse_common(body: dict, served_model: str) -> GenerationParams:
     top_k = _integer(body, "top_k", 0)
     if top_k is not None and top_k < -1:
         raise ApiError(400, f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
+    reject_unsupported(body)
     max_tokens = _integer(body, "max_completion_tokens", None, low=1)
     max_tokens = _integer(body, "max_tokens", max_tokens, low=1)
     return GenerationParams(
@@ -121,8 +124,33 @@ def parse_common(body: dict, served_model: str) -> GenerationParams:
     )
 
 
+def reject_unsupported(body: dict) -> None:
+    """OpenAI parameters that would change the output and that this server does not implement: a clear 400
+    rather than an answer that silently ignores them (their neutral values are accepted)."""
+    for name in ("presence_penalty", "frequency_penalty"):
+        if _number(body, name, 0, low=-2, high=2) != 0:
+            raise ApiError(400, f"'{name}' is not supported by this server (only 0)", param=name)
+    if body.get("logit_bias"):
+        raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
+    if _integer(body, "best_of", 1) != 1:
+        raise ApiError(400, "only best_of=1 is supported", param="best_of")
+    if _boolean(body, "echo"):
+        raise ApiError(400, "'echo' is not supported by this server", param="echo")
+    if body.get("suffix") is not None:
+        raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
+
+
+def _top_count(body: dict, name: str) -> int:
+    value = _integer(body, name, 0, low=0)
+    if value > MAX_TOP_LOGPROBS:
+        raise ApiError(400, f"'{name}' must be <= {MAX_TOP_LOGPROBS}, got {value}", param=name)
+    return value
+
+
 def parse_completion(body: dict, served_model: str) -> GenerationParams:
     params = parse_common(body, served_model)
+    if body.get("logprobs") is not None:  # the legacy form: an integer count of top alternatives
+        params.logprobs = _top_count(body, "logprobs")
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt")
     prompt = body["prompt"]
@@ -140,6 +168,11 @@ def parse_completion(body: dict, served_model: str) -> GenerationParams:
 
 def parse_chat(body: dict, served_model: str) -> GenerationParams:
     params = parse_common(body, served_model)
+    top = _top_count(body, "top_logprobs") if body.get("top_logprobs") is not None else None
+    if _boolean(body, "logprobs"):
+        params.logprobs = top or 0
+    elif top:
+        raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")

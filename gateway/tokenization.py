@@ -2,10 +2,12 @@
 
 import json
 from dataclasses import dataclass
+from functools import cached_property
 from pathlib import Path
 
 from tokenizers import Tokenizer
 
+from shared.byte_tokenizer import byte_symbols
 from shared.errors import ConfigError
 
 FALLBACK_CHAT_TEMPLATE = (
@@ -70,6 +72,32 @@ class TextCodec:
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.tokenizer)
+
+    @cached_property
+    def _byte_alphabet(self) -> dict[str, int] | None:
+        """Byte-level BPE: the stand-in character of each byte -> the byte; None for other tokenizers."""
+        decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
+        kinds = {d.get("type") for d in decoder.get("decoders", [])} | {decoder.get("type")}
+        return {c: b for b, c in enumerate(byte_symbols())} if "ByteLevel" in kinds else None
+
+    @cached_property
+    def _special_tokens(self) -> set[str]:
+        return {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+
+    def is_special(self, token_id: int) -> bool:
+        return self.tokenizer.id_to_token(token_id) in self._special_tokens
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one token stands for (a piece of a UTF-8 character, for some): byte-level BPE tokens are
+        mapped back through their byte alphabet, special tokens give their text, others their decoded text."""
+        token, alphabet = self.tokenizer.id_to_token(token_id), self._byte_alphabet
+        if token is None:
+            return b""
+        if token in self._special_tokens:
+            return token.encode()
+        if alphabet is None or not all(c in alphabet for c in token):
+            return self.tokenizer.decode([token_id]).encode()
+        return bytes(alphabet[c] for c in token)
 
 
 class IncrementalDetokenizer:

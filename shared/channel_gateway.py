@@ -18,6 +18,7 @@ class SubmitRequest(Message):
     seed: int | None
     stop_token_ids: list[int]
     num_speculative_tokens: int | None
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
 
     def validate(self):
         if not self.request_id:
@@ -32,7 +33,8 @@ class AbortRequest(Message):
 
 @dataclass
 class TokenEvent(Message):
-    """New tokens of one request; finish_reason and the stats are set on its last event."""
+    """New tokens of one request; finish_reason and the stats are set on its last event. When the request asked
+    for log-probabilities: one per token, and per token its top alternatives (ids and log-probabilities)."""
 
     TYPE = "tokens"
     request_id: str
@@ -41,6 +43,21 @@ class TokenEvent(Message):
     verify_steps: int
     draft_tokens: int
     accepted_tokens: int
+    logprobs: list[float] | None = None
+    top_ids: list[list[int]] | None = None
+    top_logprobs: list[list[float]] | None = None
+
+    def validate(self):
+        if self.logprobs is None:
+            if self.top_ids is not None or self.top_logprobs is not None:
+                raise WireError("tokens: top alternatives without log-probabilities")
+            return
+        if self.top_ids is None or self.top_logprobs is None:
+            raise WireError("tokens: log-probabilities without their top alternatives")
+        if not len(self.logprobs) == len(self.top_ids) == len(self.top_logprobs) == len(self.token_ids):
+            raise WireError("tokens: one log-probability and one list of alternatives per token expected")
+        if any(len(i) != len(p) for i, p in zip(self.top_ids, self.top_logprobs)):
+            raise WireError("tokens: alternative ids and log-probabilities differ in length")
 
 
 @dataclass

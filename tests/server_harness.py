@@ -86,12 +86,16 @@ class Server:
                     return int(entry.name)
         raise LookupError(role)
 
+    def reference(self) -> tuple:
+        """(TargetModel, Tokenizer) of this server's target, loaded here (once) for reference computations."""
+        if self._reference is None:
+            self._reference = load_target(self.target), Tokenizer.from_file(str(self.target / "tokenizer.json"))
+        return self._reference
+
     def assert_same_or_near_tie(self, prompt: str, got: list[int], want: list[int]) -> None:
         """Two greedy outputs of this server for a text prompt are equal, or first differ at a near-tie of the
         target (float32 rows of a verify block and of a one-token step differ by rounding)."""
-        if self._reference is None:
-            self._reference = load_target(self.target), Tokenizer.from_file(str(self.target / "tokenizer.json"))
-        target, tokenizer = self._reference
+        target, tokenizer = self.reference()
         assert_same_or_near_tie(target, tokenizer.encode(prompt, add_special_tokens=False).ids, got, want)
 
     def metrics(self, role: str) -> str:

@@ -6,6 +6,7 @@ import json
 import httpx
 import openai
 import pytest
+import torch
 
 from server_harness import metric_value, serving
 
@@ -154,6 +155,48 @@ def test_metrics_parse_and_speculative_counters_move(server):
     assert metric_value(server.metrics("draft"), "dflash_draft_calls_total") >= 1
 
 
+def test_logprobs_are_the_targets_and_stream_like_the_whole(server, client):
+    body = {"max_tokens": 16, "logprobs": 2}
+    whole = completion(server, **body)
+    ids, logprobs = whole["choices"][0]["token_ids"], whole["choices"][0]["logprobs"]
+    assert len(logprobs["tokens"]) == len(ids) == whole["usage"]["completion_tokens"]
+    target, tokenizer = server.reference()
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    with torch.no_grad():
+        cache = target.new_cache(1, len(prompt) + len(ids))
+        out = target(torch.tensor([prompt + ids[:-1]]), torch.arange(len(prompt) + len(ids) - 1)[None], cache,
+                     torch.tensor([0]))
+        want = torch.log_softmax(target.logits(out.hidden[0, len(prompt) - 1:]), -1)  # [tokens, vocab]
+    assert logprobs["token_logprobs"] == pytest.approx(want.gather(1, torch.tensor(ids)[:, None])[:, 0].tolist(),
+                                                       abs=1e-4)
+    for token, chosen, top in zip(logprobs["tokens"], logprobs["token_logprobs"], logprobs["top_logprobs"]):
+        assert token in top and len(top) <= 3 and top[token] == chosen
+        assert chosen == pytest.approx(max(top.values()))  # greedy: the chosen token is the most likely
+    offsets = logprobs["text_offset"]
+    assert offsets[0] == 0 and offsets == sorted(offsets) and offsets[-1] <= len(whole["choices"][0]["text"])
+    chunks, done = sse_events(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "temperature": 0,
+                                                          "stream": True, **body})
+    parts = [c["choices"][0]["logprobs"] for c in chunks if c["choices"] and c["choices"][0]["logprobs"]]
+    assert done and [x for p in parts for x in p["tokens"]] == logprobs["tokens"]
+    assert [x for p in parts for x in p["token_logprobs"]] == pytest.approx(logprobs["token_logprobs"], abs=1e-5)
+    assert [x for p in parts for x in p["text_offset"]] == offsets
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                          temperature=0, logprobs=True, top_logprobs=2)
+    content = chat.choices[0].logprobs.content
+    assert len(content) == chat.usage.completion_tokens
+    assert all(len(t.top_logprobs) == 2 and t.top_logprobs[0].logprob == pytest.approx(t.logprob) for t in content)
+    assert all(bytes(t.bytes).decode("utf-8", errors="replace") == t.token for t in content)
+    plain = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=8,
+                                           temperature=0)
+    assert plain.choices[0].logprobs is None
+
+
+def test_neutral_values_of_unsupported_parameters_are_accepted(server):
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "echo": False,
+               "logprobs": None}
+    assert completion(server, max_tokens=2, **neutral)["usage"]["completion_tokens"] == 2
+
+
 BAD = [
     ("/v1/completions", b"{not json", 400, None),
     ("/v1/completions", {"model": "tiny"}, 400, "prompt"),
@@ -171,6 +214,19 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "stop": [1, 2]}, 400, "stop"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "num_speculative_tokens": -1}, 400, "num_speculative_tokens"),
     ("/v1/completions", [1, 2], 400, None),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": 21}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logprobs": True}, 400, "logprobs"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "presence_penalty": 0.5}, 400, "presence_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
+     400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
+     400, "top_logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
+                              "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny"}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user"}]}, 400, "messages"),
     ("/v1/chat/completions", {"model": "tiny", "messages": "hi"}, 400, "messages"),

@@ -14,6 +14,7 @@ import pytest
 import zmq
 
 from server_harness import Server, metric_value, process_alive, write_server_models
+from shared.wire import SCHEMA_VERSION
 
 
 @pytest.fixture(scope="module")
@@ -158,13 +159,13 @@ def test_bad_wire_messages_are_rejected_and_workers_keep_running(models):
         to_drafter.connect(f"tcp://127.0.0.1:{server.zmq_base + 2}")
         bad = [
             [msgpack.packb({"v": 99, "type": "submit", "body": {}, "tensors": []})],
-            [msgpack.packb({"v": 1, "type": "submit", "body": {"request_id": "x"}, "tensors": []})],
+            [msgpack.packb({"v": SCHEMA_VERSION, "type": "submit", "body": {"request_id": "x"}, "tensors": []})],
             [b"\x00\x01garbage"],
         ]
         for frames in bad:
             to_verify.send_multipart(frames)
             to_drafter.send_multipart(frames)
-        shapes = {"v": 1, "type": "draft", "body": {"call_id": 1, "request_ids": ["a"], "context_starts": [0],
+        shapes = {"v": SCHEMA_VERSION, "type": "draft", "body": {"call_id": 1, "request_ids": ["a"], "context_starts": [0],
                   "feature_rows": [3], "anchor_tokens": [1], "num_drafts": [2], "temperatures": [0.0],
                   "top_ps": [1.0], "top_ks": [0], "seeds": [1]},
                   "tensors": [{"field": "features", "dtype": "float32", "shape": [2, 4]}]}

@@ -51,3 +51,27 @@ def test_fallback_chat_template(tmp_path):
     write_byte_tokenizer(tmp_path)
     codec = TextCodec.from_folder(tmp_path)
     assert codec.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
+
+
+def test_logprob_tokens_keep_their_bytes_and_offsets_follow_the_text(tmp_path):
+    from gateway.logprobs import TextOffsets, TokenLogprobs, chat_logprobs, completion_logprobs
+
+    write_byte_tokenizer(tmp_path)
+    codec = TextCodec.from_folder(tmp_path)
+    text = "a é🚀b"
+    ids = codec.encode(text) + [codec.tokenizer.token_to_id("<|endoftext|>")]
+    run = TokenLogprobs(ids, [-0.5] * len(ids), [[ids[0]]] * len(ids), [[-0.1]] * len(ids))
+    offsets = TextOffsets(codec)
+    first = completion_logprobs(TokenLogprobs(ids[:3], run.logprobs[:3], run.top_ids[:3], run.top_logprobs[:3]),
+                                codec, offsets)
+    rest = completion_logprobs(TokenLogprobs(ids[3:], run.logprobs[3:], run.top_ids[3:], run.top_logprobs[3:]),
+                               codec, offsets)  # a second stream chunk carries on
+    tokens = first["tokens"] + rest["tokens"]
+    assert tokens[:4] == ["a", " ", "bytes:\\xc3", "bytes:\\xa9"] and tokens[-2:] == ["b", "<|endoftext|>"]
+    # é starts at 2 (both its bytes), the rocket at 3 (all four), b at 4; the special token adds no text
+    assert first["text_offset"] + rest["text_offset"] == [0, 1, 2, 2, 3, 3, 3, 3, 4, 5]
+    assert first["top_logprobs"][2] == {"a": -0.1, "bytes:\\xc3": -0.5}  # the chosen token is always listed
+    content = chat_logprobs(run, codec)["content"]
+    assert b"".join(bytes(t["bytes"]) for t in content[:-1]).decode() == text
+    assert content[2]["token"] == "\ufffd" and content[0]["top_logprobs"] == [{"token": "a", "logprob": -0.1,
+                                                                               "bytes": [97]}]

@@ -103,3 +103,15 @@ def test_wrong_tensor_shapes_are_rejected():
         decode(encode(reply), TO_VERIFIER)
     assert isinstance(decode(encode(reply_message(1, [DraftResult(torch.tensor([1]))], 0.0)), TO_VERIFIER), DraftReply)
     assert DraftRequest.TYPE == "draft"
+
+
+def test_token_logprobs_travel_and_must_line_up_with_the_tokens():
+    event = TokenEvent("r", [4, 5], None, 1, 2, 1, logprobs=[-0.1, -2.0], top_ids=[[4], [7]],
+                       top_logprobs=[[-0.1], [-0.5]])
+    assert decode(encode(event), TO_GATEWAY) == event
+    for wrong in ({"logprobs": [-0.1]}, {"top_ids": None}, {"top_logprobs": [[-0.1], []]},
+                  {"logprobs": None}):
+        bad = TokenEvent("r", [4, 5], None, 1, 2, 1, **{"logprobs": [-0.1, -2.0], "top_ids": [[4], [7]],
+                                                        "top_logprobs": [[-0.1], [-0.5]], **wrong})
+        with pytest.raises(WireError, match="tokens:"):
+            decode(encode(bad), TO_GATEWAY)

@@ -16,6 +16,7 @@ import torch
 from shared.errors import ConfigError, RequestError
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.sampling import batch_sampling_probs, sample_from
+from verify_worker.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
 from verify_worker.scheduler import num_drafts, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
@@ -85,6 +86,9 @@ class SpeculativeEngine:
         spec = request.num_speculative_tokens
         if spec is not None and (not isinstance(spec, int) or spec < 0):
             raise RequestError(f"num_speculative_tokens must be an integer >= 0, got {spec!r}")
+        top = request.logprobs
+        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS):
+            raise RequestError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its cache slot and drafter context are freed at once."""
@@ -130,7 +134,8 @@ class SpeculativeEngine:
         states = [self.add(r) for r in requests]
         while self.has_work():
             self.step()
-        return [GenerationResult(s.request_id, s.output_ids, s.finish_reason, s.stats) for s in states]
+        return [GenerationResult(s.request_id, s.output_ids, s.finish_reason, s.stats,
+                                 s.logprobs if s.request.logprobs is not None else None) for s in states]
 
     def _prefill(self, chunks: list[tuple[RequestState, int]], events: dict, report: StepReport) -> None:
         """One forward over the next prompt chunk of each prefilling request; requests whose prompt is now
@@ -161,7 +166,8 @@ class SpeculativeEngine:
             self.prefilling.remove(state)
             state.status = Status.RUNNING
             self.running[state.request_id] = state
-            self._commit(state, [int(first[i])], events)
+            token = int(first[i])
+            self._commit(state, [token], events, self._logprobs(state, logits[i, None], [token]))
 
     def _decode(self, states: list[RequestState], events: dict, report: StepReport) -> None:
         speculate = self.policy is None or self.policy.speculate([s.request_id for s in states])
@@ -188,7 +194,7 @@ class SpeculativeEngine:
             if self.proposer is not None:
                 state.feature_chunks.append(out.taps[row, : a + 1].clone())
             tokens = drafts[row, :a].tolist() + [next_tokens[row]]
-            committed = self._commit(state, tokens, events)
+            committed = self._commit(state, tokens, events, self._logprobs(state, logits[row, : a + 1], tokens))
             committed_in_step.append(committed)
             state.stats.record(counts[row], min(a, committed), committed)
             report.draft_tokens += counts[row]
@@ -301,9 +307,17 @@ class SpeculativeEngine:
             tokens[sampled] = sample_from(probs, draws)
         return tokens
 
+    @staticmethod
+    def _logprobs(state: RequestState, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+        """The tokens' log-probabilities from their target logits [len(tokens), vocab], if the request asked."""
+        top = state.request.logprobs
+        return None if top is None else token_logprobs(logits, tokens, top)
+
     # ------------------------------------------------------------------ bookkeeping
-    def _commit(self, state: RequestState, tokens: list[int], events: dict) -> int:
-        """Append tokens up to a stop token or max_tokens; finish the request if it ended. Returns the count kept."""
+    def _commit(self, state: RequestState, tokens: list[int], events: dict,
+                logprobs: list[TokenLogprob] | None = None) -> int:
+        """Append tokens up to a stop token or max_tokens (and their log-probabilities, when asked for); finish
+        the request if it ended. Returns the count kept."""
         kept = []
         for token in tokens[: state.remaining]:
             kept.append(token)
@@ -316,6 +330,9 @@ class SpeculativeEngine:
         event = events.setdefault(state.request_id, StepEvent(state.request_id, [], None))
         event.new_token_ids.extend(kept)
         event.stats = state.stats
+        if logprobs is not None:
+            state.logprobs.extend(logprobs[: len(kept)])
+            event.logprobs = (event.logprobs or []) + logprobs[: len(kept)]
         if state.finish_reason is not None:
             event.finish_reason = state.finish_reason
             del self.running[state.request_id]

@@ -8,6 +8,7 @@ from enum import Enum
 import torch
 
 from shared.sampling import SamplingParams, request_generator
+from verify_worker.logprobs import TokenLogprob
 
 VERIFY_STREAM = 0  # random stream id of the verifier's draws
 
@@ -20,6 +21,7 @@ class GenerationRequest:
     stop_token_ids: tuple[int, ...] = ()
     num_speculative_tokens: int | None = None  # None = block size - 1; 0 = plain decoding
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
+    logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
 
 
 class Status(Enum):
@@ -79,6 +81,7 @@ class RequestState:
     sent_chunks: int = 0  # leading feature chunks the proposer already has
     drafter_context_len: int = 0  # positions whose features the proposer already has
     stats: RequestStats = field(default_factory=RequestStats)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
 
     @classmethod
     def create(cls, request: GenerationRequest) -> "RequestState":
@@ -123,6 +126,7 @@ class GenerationResult:
     token_ids: list[int]
     finish_reason: str
     stats: RequestStats
+    logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
 
 
 @dataclass
@@ -149,3 +153,4 @@ class StepEvent:
     new_token_ids: list[int]
     finish_reason: str | None
     stats: RequestStats | None = None  # the request's running totals
+    logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them

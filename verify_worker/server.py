@@ -139,7 +139,7 @@ class VerifyServer:
             sampling = SamplingParams(message.temperature, message.top_p, message.top_k, message.seed)
             request = GenerationRequest(
                 tuple(message.prompt_ids), message.max_tokens, sampling, tuple(message.stop_token_ids),
-                message.num_speculative_tokens, request_id=message.request_id,
+                message.num_speculative_tokens, request_id=message.request_id, logprobs=message.logprobs,
             )
             self.engine.add(request)
         except RequestError as exc:
@@ -157,11 +157,14 @@ class VerifyServer:
             self._fail_all("internal", "the verify worker failed on this step", waiting_too=False)
             return
         for event in events:
-            stats = event.stats
+            stats, logprobs = event.stats, event.logprobs
             self._send(TokenEvent(
                 request_id=event.request_id, token_ids=event.new_token_ids, finish_reason=event.finish_reason,
                 verify_steps=stats.verify_steps if stats else 0, draft_tokens=stats.draft_tokens if stats else 0,
                 accepted_tokens=stats.accepted_tokens if stats else 0,
+                logprobs=None if logprobs is None else [t.logprob for t in logprobs],
+                top_ids=None if logprobs is None else [t.top_ids for t in logprobs],
+                top_logprobs=None if logprobs is None else [t.top_logprobs for t in logprobs],
             ))
         self.metrics.record(self.engine.last_report)
 
