@@ -41,6 +41,15 @@ def test_json_contract_and_spec_equals_plain(checkpoints, capsys):
     code, out, _ = run_cli(capsys, "--target", t, "--prompt", "def f(x):", "--max-tokens", 20, "--json", "--no-spec")
     plain = json.loads(out.strip().splitlines()[-1])
     assert plain["token_ids"] == report["token_ids"] and plain["stats"]["draft_tokens"] == 0
+    assert "logprobs" not in report
+    runs = [json.loads(run_cli(capsys, "--target", t, *extra, "--prompt", "def f(x):", "--max-tokens", 20, "--json",
+                               "--logprobs", 2)[1].strip().splitlines()[-1]) for extra in (["--draft", d], ["--no-spec"])]
+    for run in runs:
+        assert run["token_ids"] == report["token_ids"] and len(run["logprobs"]) == 20
+        assert all(len(t["top"]) == 2 and t["top"][0] == [token, pytest.approx(t["logprob"])]
+                   for token, t in zip(run["token_ids"], run["logprobs"]))  # greedy: the chosen token is the best
+    assert [t["logprob"] for t in runs[0]["logprobs"]] == pytest.approx([t["logprob"] for t in runs[1]["logprobs"]],
+                                                                         abs=1e-5)
 
 
 def test_prompt_ids_without_tokenizer(checkpoints, tmp_path, capsys):
@@ -144,6 +153,7 @@ def test_hidden_size_mismatch_between_target_and_drafter(checkpoints, tmp_path, 
         (["--prompt-ids", ""], "the prompt is empty"),
         (["--max-tokens", "100000"], "exceeds the maximum model length"),
         (["--dtype", "int8"], "dtype 'int8' is not supported"),
+        (["--logprobs", "21"], "logprobs must be an integer from 0 to 20"),
     ],
 )
 def test_bad_flags_give_clear_errors(checkpoints, capsys, flags, message):

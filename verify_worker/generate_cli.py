@@ -42,6 +42,9 @@ def parse_args(argv):
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
     parser.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (0 = PyTorch's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
+    parser.add_argument("--logprobs", type=int, default=None, metavar="K",
+                        help="with --json: each token's log-probability under the target (before temperature, "
+                             "top-p, top-k) and its K most likely alternatives (0-20)")
     return parser.parse_args(argv)
 
 
@@ -92,13 +95,17 @@ def run(args) -> dict:
         )
     engine = SpeculativeEngine(target, proposer, max_requests=1)
     stops = () if args.ignore_eos else target.config.eos_token_ids
-    request = GenerationRequest(tuple(_prompt_ids(args, tokenizer)), args.max_tokens, sampling, stops)
+    request = GenerationRequest(tuple(_prompt_ids(args, tokenizer)), args.max_tokens, sampling, stops,
+                                logprobs=args.logprobs)
     started = time.perf_counter()
     result = engine.generate([request])[0]
     elapsed = time.perf_counter() - started
     stats = result.stats.as_dict()
     stats["tokens_per_second"] = round(len(result.token_ids) / elapsed, 3)
     report = {"token_ids": result.token_ids, "stats": stats}
+    if result.logprobs is not None:
+        report["logprobs"] = [{"logprob": t.logprob, "top": [[i, v] for i, v in zip(t.top_ids, t.top_logprobs)]}
+                              for t in result.logprobs]
     if tokenizer is not None:
         report["text"] = tokenizer.decode(result.token_ids, skip_special_tokens=True)
     return report
