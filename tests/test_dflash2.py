@@ -278,7 +278,7 @@ def test_dflash_serve_serves_a_dflash2_drafter_and_says_so(tmp_path):
         spec = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         plain = httpx.post(f"{server.url}/v1/completions", json={**body, "num_speculative_tokens": 0}, timeout=60).json()
         assert spec["usage"]["speculative"]["draft_tokens"] > 0
-        assert spec["choices"][0]["token_ids"] == plain["choices"][0]["token_ids"]
+        server.assert_same_or_near_tie("def f(x):", spec["choices"][0]["token_ids"], plain["choices"][0]["token_ids"])
         assert metric_value(server.metrics("verify"), "dflash_drafter_available", {"kind": "dflash2"}) == 1
     finally:
         server.stop()

@@ -74,7 +74,8 @@ def test_drafter_killed_mid_stream(models):
         assert server.wait_ready(60)["drafter"] == "available"  # restarted, and speculating again
         assert completion_tokens(server.url, prompts[0], 30)["usage"]["speculative"]["draft_tokens"] > 0
         for prompt, (tokens, _, _) in zip(prompts, results):  # identical to the request served alone
-            assert completion_tokens(server.url, prompt, 400)["choices"][0]["token_ids"] == tokens
+            alone = completion_tokens(server.url, prompt, 400)["choices"][0]["token_ids"]
+            server.assert_same_or_near_tie(prompt, tokens, alone)
     finally:
         assert server.stop() == 0
 
