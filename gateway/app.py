@@ -11,7 +11,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.logprobs import TextOffsets, TokenLogprobs, chat_logprobs, completion_logprobs
+from gateway.logprobs import TextOffsets, TokenLogprobs, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.metrics import GatewayMetrics
 from gateway.schemas import ApiError, GenerationParams, parse_chat, parse_completion, parse_json
 from gateway.tokenization import IncrementalDetokenizer, StopMatcher, TextCodec
@@ -62,6 +62,7 @@ class Turn:
     first_token_at: float | None = None
     last_token_at: float | None = None
     logprobs: TokenLogprobs | None = None  # every token's, when the request asked for them
+    prompt_logprobs: TokenLogprobs | None = None  # the prompt's tokens 1.., with echo and logprobs
 
     def absorb(self, event: TokenEvent, metrics: GatewayMetrics) -> str:
         """Take one event; returns the text it adds (stop strings cut, broken UTF-8 held back)."""
@@ -76,6 +77,8 @@ class Turn:
                     metrics.itl.observe(per_token)
             self.last_token_at = now
         self.token_ids.extend(event.token_ids)
+        if event.prompt_logprobs is not None and self.params.logprobs is not None:
+            self.prompt_logprobs = event_prompt_logprobs(event, self.params)
         run = event_logprobs(event)
         if run is not None and self.params.logprobs is not None:
             self.logprobs = self.logprobs or TokenLogprobs()
@@ -117,6 +120,14 @@ def event_logprobs(event: TokenEvent) -> TokenLogprobs | None:
     if event.logprobs is None:
         return None
     return TokenLogprobs(list(event.token_ids), list(event.logprobs), list(event.top_ids), list(event.top_logprobs))
+
+
+def event_prompt_logprobs(event, params: GenerationParams) -> TokenLogprobs | None:
+    """The prompt's scored tokens (1..) carried by a request's first event, if it carries them."""
+    if not isinstance(event, TokenEvent) or event.prompt_logprobs is None:
+        return None
+    return TokenLogprobs(params.prompt_ids[1:], list(event.prompt_logprobs), list(event.prompt_top_ids),
+                         list(event.prompt_top_logprobs))
 
 
 def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger | None = None) -> FastAPI:
@@ -264,9 +275,12 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                            "shortly", kind="rate_limit_error", code="server_busy", headers={"Retry-After": "1"})
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         turn = Turn(request_id, params, codec.detokenizer(), StopMatcher(params.stop), time.monotonic())
+        score_only = params.max_tokens == 0  # echo of a prompt: the verify worker scores it, generates nothing
         message = SubmitRequest(
             request_id, params.prompt_ids, params.max_tokens, params.temperature, params.top_p, params.top_k,
-            params.seed, list(codec.eos_token_ids), params.num_speculative_tokens, params.logprobs,
+            params.seed, list(codec.eos_token_ids), params.num_speculative_tokens,
+            0 if score_only and params.logprobs is None else params.logprobs,
+            params.echo and (score_only or params.logprobs is not None),
         )
         try:
             queue = await client.submit(message)
@@ -286,6 +300,11 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         if params.stream:
             return StreamingResponse(stream(request, queue, turn, first, chat), media_type="text/event-stream")
         return await collect(request, queue, turn, first, chat)
+
+    def echoed_prompt(params: GenerationParams) -> str:
+        if params.prompt_text is not None:
+            return params.prompt_text
+        return codec.tokenizer.decode(params.prompt_ids, skip_special_tokens=True)
 
     async def next_event(request: Request, queue: asyncio.Queue, request_id: str):
         """The next event, or None when the client went away (the request is then aborted)."""
@@ -334,15 +353,21 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             return Response(status_code=499)
         finish_turn(turn, "success")
         choice = {"index": 0, "finish_reason": turn.finish_reason, "logprobs": None}
-        if turn.logprobs is not None:
-            choice["logprobs"] = chat_logprobs(turn.logprobs, codec) if chat else \
-                completion_logprobs(turn.logprobs, codec, TextOffsets(codec))
+        if chat and turn.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(turn.logprobs, codec)
+        elif turn.params.logprobs is not None:
+            offsets = TextOffsets(codec)
+            parts = [prompt_logprobs(turn.params.prompt_ids, turn.prompt_logprobs, codec, offsets)] \
+                if turn.params.echo else []
+            if turn.logprobs is not None:
+                parts.append(completion_logprobs(turn.logprobs, codec, offsets))
+            choice["logprobs"] = joined(*parts) if parts else None
         if turn.params.return_token_ids:
             choice["token_ids"] = turn.token_ids
         if chat:
             choice["message"] = {"role": "assistant", "content": turn.text}
         else:
-            choice["text"] = turn.text
+            choice["text"] = (echoed_prompt(turn.params) if turn.params.echo else "") + turn.text
         return {
             "id": turn.request_id, "object": "chat.completion" if chat else "text_completion",
             "created": int(time.time()), "model": settings.model_name, "choices": [choice], "usage": turn.usage(),
@@ -355,10 +380,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         offsets = TextOffsets(codec)  # the legacy text_offset runs on across chunks
 
         def chunk(delta: str | None, finish: str | None, role: bool = False, token_ids=None,
-                  run: TokenLogprobs | None = None) -> str:
-            logprobs = None
-            if run is not None:
-                logprobs = chat_logprobs(run, codec) if chat else completion_logprobs(run, codec, offsets)
+                  logprobs: dict | None = None) -> str:
             if chat:
                 body = {} if delta is None else {"content": delta}
                 if role:
@@ -379,10 +401,16 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             if chat:
                 yield chunk("", None, role=True)
             wants_logprobs = turn.params.logprobs is not None
+            if turn.params.echo:  # the prompt first, with its log-probabilities when asked for
+                scored = event_prompt_logprobs(first, turn.params) if wants_logprobs else None
+                yield chunk(echoed_prompt(turn.params), None, logprobs=prompt_logprobs(
+                    turn.params.prompt_ids, scored, codec, offsets) if wants_logprobs else None)
             async for delta, event in events_of(request, queue, turn, first):
                 if delta or (event.token_ids and (turn.params.return_token_ids or wants_logprobs)):
                     run = event_logprobs(event) if wants_logprobs else None
-                    yield chunk(delta, None, token_ids=event.token_ids, run=run)
+                    logprobs = None if run is None else \
+                        chat_logprobs(run, codec) if chat else completion_logprobs(run, codec, offsets)
+                    yield chunk(delta, None, token_ids=event.token_ids, logprobs=logprobs)
             yield chunk(None if chat else "", turn.finish_reason)
             if turn.params.include_usage:
                 usage = {"id": turn.request_id, "object": kind, "created": created, "model": settings.model_name,

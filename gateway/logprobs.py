@@ -77,3 +77,19 @@ def chat_logprobs(run: TokenLogprobs, codec: TextCodec) -> dict:
         content.append({**described(token_id, logprob),
                         "top_logprobs": [described(i, v) for i, v in zip(ids, values)]})
     return {"content": content}
+
+
+def prompt_logprobs(prompt_ids: list[int], scored: TokenLogprobs | None, codec: TextCodec,
+                    offsets: TextOffsets) -> dict:
+    """The echoed prompt's part of a legacy completions object: the first token has no log-probability (null),
+    the others are scored (tokens 1..); offsets carries on into the completion's part."""
+    first = {"tokens": [legacy_token(codec, prompt_ids[0])], "token_logprobs": [None], "top_logprobs": [None],
+             "text_offset": offsets.take(prompt_ids[:1])}
+    if scored is None or not scored.token_ids:
+        return first
+    return joined(first, completion_logprobs(scored, codec, offsets))
+
+
+def joined(*parts: dict) -> dict:
+    """Legacy completions objects one after the other (prompt, then completion)."""
+    return {key: [value for part in parts for value in part[key]] for key in parts[0]}

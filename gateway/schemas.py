@@ -36,6 +36,7 @@ class GenerationParams:
     num_speculative_tokens: int | None
     return_token_ids: bool = False  # extension: include the generated token ids in the response
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
+    echo: bool = False  # completions: the prompt leads the text (and the logprobs, when asked for)
     prompt_text: str | None = None
     prompt_ids: list[int] = field(default_factory=list)
     messages: list[dict] | None = None
@@ -108,7 +109,7 @@ def parse_common(body: dict, served_model: str) -> GenerationParams:
         raise ApiError(400, f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
     reject_unsupported(body)
     max_tokens = _integer(body, "max_completion_tokens", None, low=1)
-    max_tokens = _integer(body, "max_tokens", max_tokens, low=1)
+    max_tokens = _integer(body, "max_tokens", max_tokens, low=0)  # 0: with echo, to score the prompt only
     return GenerationParams(
         model=model,
         stream=stream,
@@ -134,8 +135,6 @@ def reject_unsupported(body: dict) -> None:
         raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
     if _integer(body, "best_of", 1) != 1:
         raise ApiError(400, "only best_of=1 is supported", param="best_of")
-    if _boolean(body, "echo"):
-        raise ApiError(400, "'echo' is not supported by this server", param="echo")
     if body.get("suffix") is not None:
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
 
@@ -151,6 +150,9 @@ def parse_completion(body: dict, served_model: str) -> GenerationParams:
     params = parse_common(body, served_model)
     if body.get("logprobs") is not None:  # the legacy form: an integer count of top alternatives
         params.logprobs = _top_count(body, "logprobs")
+    params.echo = _boolean(body, "echo")
+    if params.max_tokens == 0 and not params.echo:
+        raise ApiError(400, "'max_tokens' must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt")
     prompt = body["prompt"]
@@ -168,6 +170,10 @@ def parse_completion(body: dict, served_model: str) -> GenerationParams:
 
 def parse_chat(body: dict, served_model: str) -> GenerationParams:
     params = parse_common(body, served_model)
+    if params.max_tokens == 0:
+        raise ApiError(400, "'max_tokens' must be >= 1", param="max_tokens")
+    if "echo" in body:
+        raise ApiError(400, "'echo' is a completions parameter, not a chat one", param="echo")
     top = _top_count(body, "top_logprobs") if body.get("top_logprobs") is not None else None
     if _boolean(body, "logprobs"):
         params.logprobs = top or 0

@@ -19,6 +19,7 @@ class SubmitRequest(Message):
     stop_token_ids: list[int]
     num_speculative_tokens: int | None
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
+    prompt_logprobs: bool = False  # also for the prompt's tokens after the first (max_tokens may then be 0)
 
     def validate(self):
         if not self.request_id:
@@ -34,7 +35,8 @@ class AbortRequest(Message):
 @dataclass
 class TokenEvent(Message):
     """New tokens of one request; finish_reason and the stats are set on its last event. When the request asked
-    for log-probabilities: one per token, and per token its top alternatives (ids and log-probabilities)."""
+    for log-probabilities: one per token, and per token its top alternatives (ids and log-probabilities); the
+    first event also carries the prompt's (tokens 1..), when asked for."""
 
     TYPE = "tokens"
     request_id: str
@@ -46,18 +48,27 @@ class TokenEvent(Message):
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
+    prompt_logprobs: list[float] | None = None
+    prompt_top_ids: list[list[int]] | None = None
+    prompt_top_logprobs: list[list[float]] | None = None
 
     def validate(self):
-        if self.logprobs is None:
-            if self.top_ids is not None or self.top_logprobs is not None:
-                raise WireError("tokens: top alternatives without log-probabilities")
-            return
-        if self.top_ids is None or self.top_logprobs is None:
-            raise WireError("tokens: log-probabilities without their top alternatives")
-        if not len(self.logprobs) == len(self.top_ids) == len(self.top_logprobs) == len(self.token_ids):
-            raise WireError("tokens: one log-probability and one list of alternatives per token expected")
-        if any(len(i) != len(p) for i, p in zip(self.top_ids, self.top_logprobs)):
-            raise WireError("tokens: alternative ids and log-probabilities differ in length")
+        _check_logprobs("", self.logprobs, self.top_ids, self.top_logprobs, len(self.token_ids))
+        _check_logprobs("prompt ", self.prompt_logprobs, self.prompt_top_ids, self.prompt_top_logprobs, None)
+
+
+def _check_logprobs(what: str, values, top_ids, top_values, count: int | None) -> None:
+    """Log-probabilities travel as three parallel lists (count long when given), or not at all."""
+    if values is None:
+        if top_ids is not None or top_values is not None:
+            raise WireError(f"tokens: {what}top alternatives without log-probabilities")
+        return
+    if top_ids is None or top_values is None:
+        raise WireError(f"tokens: {what}log-probabilities without their top alternatives")
+    if not len(values) == len(top_ids) == len(top_values) or (count is not None and len(values) != count):
+        raise WireError(f"tokens: one {what}log-probability and one list of alternatives per token expected")
+    if any(len(i) != len(p) for i, p in zip(top_ids, top_values)):
+        raise WireError(f"tokens: {what}alternative ids and log-probabilities differ in length")
 
 
 @dataclass

@@ -89,3 +89,26 @@ def test_token_logprobs_is_log_softmax():
     want = torch.log_softmax(logits, -1)
     assert rows[0].logprob == pytest.approx(want[0, 0].item()) and rows[0].top_ids == [2, 1]
     assert rows[1].top_logprobs == pytest.approx(want[1, [0, 1]].tolist())
+
+
+@pytest.mark.parametrize("chunk", [3, 2048])
+def test_prompt_logprobs_across_prefill_chunks_and_a_zero_token_request(qwen3_pair, chunk):
+    hf, target, _, _ = qwen3_pair
+    engine = SpeculativeEngine(target, None, max_requests=2, max_model_len=256, max_prefill_tokens=chunk)
+    prompt = (60, 61, 62, 63, 64, 9, 3, 17)
+    with torch.no_grad():
+        want = torch.log_softmax(hf(torch.tensor([prompt])).logits[0].float(), -1)  # [P, vocab]
+    scored, generated = engine.generate([GenerationRequest(prompt, 0, logprobs=2, prompt_logprobs=True),
+                                         GenerationRequest(prompt, 3, logprobs=2, prompt_logprobs=True)])
+    assert scored.token_ids == [] and scored.finish_reason == "length" and scored.logprobs == []
+    assert len(generated.token_ids) == 3  # batched beside each other: equal up to float32 rounding
+    assert [t.logprob for t in generated.prompt_logprobs] == pytest.approx([t.logprob for t in scored.prompt_logprobs],
+                                                                            abs=1e-5)
+    assert len(scored.prompt_logprobs) == len(prompt) - 1
+    for position, (token, got) in enumerate(zip(prompt[1:], scored.prompt_logprobs)):
+        assert got.logprob == pytest.approx(want[position, token].item(), abs=1e-4)
+        assert got.top_logprobs == pytest.approx(want[position].topk(2).values.tolist(), abs=1e-4)
+    with pytest.raises(RequestError, match="max_tokens must be an integer >= 1"):
+        engine.add(GenerationRequest(prompt, 0, logprobs=2))
+    with pytest.raises(RequestError, match="prompt log-probabilities need logprobs"):
+        engine.add(GenerationRequest(prompt, 2, prompt_logprobs=True))

@@ -191,6 +191,41 @@ def test_logprobs_are_the_targets_and_stream_like_the_whole(server, client):
     assert plain.choices[0].logprobs is None
 
 
+def test_echo_scores_the_prompt_with_or_without_a_completion(server):
+    target, tokenizer = server.reference()
+    prompt = tokenizer.encode(PROMPT, add_special_tokens=False).ids
+    with torch.no_grad():
+        out = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], target.new_cache(1, len(prompt)),
+                     torch.tensor([0]))
+        want = torch.log_softmax(target.logits(out.hidden[0]), -1)  # [prompt, vocab]
+    scored = completion(server, max_tokens=0, echo=True, logprobs=1)
+    choice = scored["choices"][0]
+    assert choice["text"] == PROMPT and choice["finish_reason"] == "length" and choice["token_ids"] == []
+    assert scored["usage"]["completion_tokens"] == 0 and scored["usage"]["prompt_tokens"] == len(prompt)
+    logprobs = choice["logprobs"]
+    assert len(logprobs["tokens"]) == len(prompt) and logprobs["token_logprobs"][0] is None
+    assert logprobs["top_logprobs"][0] is None and "".join(logprobs["tokens"]) == PROMPT
+    assert logprobs["token_logprobs"][1:] == pytest.approx(
+        want[:-1].gather(1, torch.tensor(prompt[1:])[:, None])[:, 0].tolist(), abs=1e-4)
+    tokens = logprobs["tokens"]  # an ASCII prompt: each token's text starts where the previous ones end
+    assert logprobs["text_offset"] == [len("".join(tokens[:i])) for i in range(len(tokens))]
+    both = completion(server, max_tokens=6, echo=True, logprobs=1)
+    assert both["choices"][0]["text"].startswith(PROMPT) and len(both["choices"][0]["logprobs"]["tokens"]) == \
+        len(prompt) + both["usage"]["completion_tokens"]
+    assert both["choices"][0]["logprobs"]["token_logprobs"][1:len(prompt)] == pytest.approx(
+        logprobs["token_logprobs"][1:], abs=1e-5)
+    chunks, done = sse_events(server, "/v1/completions", {"model": "tiny", "prompt": PROMPT, "temperature": 0,
+                                                          "max_tokens": 6, "echo": True, "logprobs": 1, "stream": True})
+    parts = [c["choices"][0] for c in chunks if c["choices"]]
+    assert done and "".join(p["text"] for p in parts) == both["choices"][0]["text"]
+    streamed = [x for p in parts if p["logprobs"] for x in p["logprobs"]["tokens"]]
+    assert streamed == both["choices"][0]["logprobs"]["tokens"]
+    assert [x for p in parts if p["logprobs"] for x in p["logprobs"]["text_offset"]] == \
+        both["choices"][0]["logprobs"]["text_offset"]
+    plain = completion(server, max_tokens=0, echo=True)
+    assert plain["choices"][0]["text"] == PROMPT and plain["choices"][0]["logprobs"] is None
+
+
 def test_neutral_values_of_unsupported_parameters_are_accepted(server):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "echo": False,
                "logprobs": None}
@@ -220,7 +255,10 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "frequency_penalty": 3}, 400, "frequency_penalty"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "logit_bias": {"5": 10}}, 400, "logit_bias"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "best_of": 2}, 400, "best_of"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": True}, 400, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "echo": "yes"}, 400, "echo"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0, "logprobs": 1}, 400, "max_tokens"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "echo": True},
+     400, "echo"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
      400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},

@@ -115,3 +115,10 @@ def test_token_logprobs_travel_and_must_line_up_with_the_tokens():
                                                         "top_logprobs": [[-0.1], [-0.5]], **wrong})
         with pytest.raises(WireError, match="tokens:"):
             decode(encode(bad), TO_GATEWAY)
+
+    prompt = TokenEvent("r", [], "length", 1, 0, 0, prompt_logprobs=[-1.0, -0.2], prompt_top_ids=[[3], [4]],
+                        prompt_top_logprobs=[[-0.5], [-0.2]])  # a scored prompt, nothing generated
+    assert decode(encode(prompt), TO_GATEWAY) == prompt
+    with pytest.raises(WireError, match="prompt log-probability"):
+        decode(encode(TokenEvent("r", [], "length", 1, 0, 0, prompt_logprobs=[-1.0], prompt_top_ids=[[3], [4]],
+                                 prompt_top_logprobs=[[-0.5], [-0.2]])), TO_GATEWAY)

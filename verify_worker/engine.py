@@ -75,8 +75,10 @@ class SpeculativeEngine:
         bad = [t for t in request.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (size {vocab})")
-        if not isinstance(request.max_tokens, int) or request.max_tokens < 1:
-            raise RequestError(f"max_tokens must be a positive integer, got {request.max_tokens!r}")
+        least = 0 if request.prompt_logprobs else 1  # 0: score the prompt, generate nothing
+        if not isinstance(request.max_tokens, int) or isinstance(request.max_tokens, bool) or request.max_tokens < least:
+            raise RequestError(f"max_tokens must be an integer >= {least}"
+                               f"{' (0 only when scoring the prompt)' if least else ''}, got {request.max_tokens!r}")
         total = len(request.prompt_ids) + request.max_tokens
         if total > self.max_model_len:
             raise RequestError(
@@ -89,6 +91,8 @@ class SpeculativeEngine:
         top = request.logprobs
         if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS):
             raise RequestError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
+        if request.prompt_logprobs and top is None:
+            raise RequestError("prompt log-probabilities need logprobs (a count of alternatives, 0-20)")
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its cache slot and drafter context are freed at once."""
@@ -135,7 +139,8 @@ class SpeculativeEngine:
         while self.has_work():
             self.step()
         return [GenerationResult(s.request_id, s.output_ids, s.finish_reason, s.stats,
-                                 s.logprobs if s.request.logprobs is not None else None) for s in states]
+                                 s.logprobs if s.request.logprobs is not None else None,
+                                 s.prompt_logprobs if s.request.prompt_logprobs else None) for s in states]
 
     def _prefill(self, chunks: list[tuple[RequestState, int]], events: dict, report: StepReport) -> None:
         """One forward over the next prompt chunk of each prefilling request; requests whose prompt is now
@@ -157,6 +162,8 @@ class SpeculativeEngine:
             first = self._sample([chunks[row][0] for row in done], logits[:, None])[:, 0]
         report.prefill_tokens = sum(n for _, n in chunks)
         for row, (state, n) in enumerate(chunks):
+            if state.request.prompt_logprobs:
+                self._score_prompt(state, out.hidden[row, :n])
             if self.proposer is not None:
                 state.feature_chunks.append(out.taps[row, :n].clone())  # a copy: a view would pin the batch
             state.cache_len += n
@@ -168,6 +175,8 @@ class SpeculativeEngine:
             self.running[state.request_id] = state
             token = int(first[i])
             self._commit(state, [token], events, self._logprobs(state, logits[i, None], [token]))
+            if state.request.prompt_logprobs:
+                events[state.request_id].prompt_logprobs = state.prompt_logprobs
 
     def _decode(self, states: list[RequestState], events: dict, report: StepReport) -> None:
         speculate = self.policy is None or self.policy.speculate([s.request_id for s in states])
@@ -306,6 +315,17 @@ class SpeculativeEngine:
             draws = torch.stack([states[r].uniforms(1) for r in sampled]).to(self.device)  # [s, 1]
             tokens[sampled] = sample_from(probs, draws)
         return tokens
+
+    def _score_prompt(self, state: RequestState, hidden: torch.Tensor, rows_at_once: int = 256) -> None:
+        """Log-probabilities of the prompt tokens that this chunk's rows (hidden [n, H], from position
+        state.prefilled) predict, a few hundred rows at a time (a [rows, vocab] float32 block each)."""
+        start, prompt = state.prefilled, state.request.prompt_ids
+        rows = min(len(hidden), len(prompt) - 1 - start)  # the last prompt row predicts the first output token
+        for first in range(0, rows, rows_at_once):
+            last = min(rows, first + rows_at_once)
+            tokens = list(prompt[start + first + 1: start + last + 1])
+            state.prompt_logprobs += token_logprobs(self.target.logits(hidden[first:last]), tokens,
+                                                    state.request.logprobs)
 
     @staticmethod
     def _logprobs(state: RequestState, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:

@@ -22,6 +22,7 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None  # None = block size - 1; 0 = plain decoding
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
+    prompt_logprobs: bool = False  # also for the prompt's tokens after the first (then max_tokens may be 0)
 
 
 class Status(Enum):
@@ -82,6 +83,7 @@ class RequestState:
     drafter_context_len: int = 0  # positions whose features the proposer already has
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked for
 
     @classmethod
     def create(cls, request: GenerationRequest) -> "RequestState":
@@ -127,6 +129,7 @@ class GenerationResult:
     finish_reason: str
     stats: RequestStats
     logprobs: list[TokenLogprob] | None = None  # one per token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # prompt tokens 1.., when the request asked for them
 
 
 @dataclass
@@ -154,3 +157,4 @@ class StepEvent:
     finish_reason: str | None
     stats: RequestStats | None = None  # the request's running totals
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # on the first event: prompt tokens 1.., when asked for

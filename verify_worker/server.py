@@ -28,6 +28,7 @@ from shared.role import configure_process, run_worker
 from shared.sampling import SamplingParams
 from shared.wire import WireError, decode, encode
 from verify_worker.engine import SpeculativeEngine
+from verify_worker.logprobs import TokenLogprob
 from verify_worker.parallel.driver import ParallelFailure, TargetLeader, follow
 from verify_worker.parallel.group import GroupSettings, join_group, leave_group
 from verify_worker.remote_proposer import RemoteProposer
@@ -75,6 +76,13 @@ class VerifyMetrics:
             self.fallback.inc()
         if report.policy_plain:
             self.policy_plain.inc()
+
+
+def _logprob_lists(logprobs: list[TokenLogprob] | None) -> tuple:
+    """TokenLogprobs as the three parallel lists of a token event (or three Nones)."""
+    if logprobs is None:
+        return None, None, None
+    return [t.logprob for t in logprobs], [t.top_ids for t in logprobs], [t.top_logprobs for t in logprobs]
 
 
 class VerifyServer:
@@ -140,6 +148,7 @@ class VerifyServer:
             request = GenerationRequest(
                 tuple(message.prompt_ids), message.max_tokens, sampling, tuple(message.stop_token_ids),
                 message.num_speculative_tokens, request_id=message.request_id, logprobs=message.logprobs,
+                prompt_logprobs=message.prompt_logprobs,
             )
             self.engine.add(request)
         except RequestError as exc:
@@ -157,14 +166,15 @@ class VerifyServer:
             self._fail_all("internal", "the verify worker failed on this step", waiting_too=False)
             return
         for event in events:
-            stats, logprobs = event.stats, event.logprobs
+            stats = event.stats
+            values, top_ids, top_values = _logprob_lists(event.logprobs)
+            prompt_values, prompt_top_ids, prompt_top_values = _logprob_lists(event.prompt_logprobs)
             self._send(TokenEvent(
                 request_id=event.request_id, token_ids=event.new_token_ids, finish_reason=event.finish_reason,
                 verify_steps=stats.verify_steps if stats else 0, draft_tokens=stats.draft_tokens if stats else 0,
-                accepted_tokens=stats.accepted_tokens if stats else 0,
-                logprobs=None if logprobs is None else [t.logprob for t in logprobs],
-                top_ids=None if logprobs is None else [t.top_ids for t in logprobs],
-                top_logprobs=None if logprobs is None else [t.top_logprobs for t in logprobs],
+                accepted_tokens=stats.accepted_tokens if stats else 0, logprobs=values, top_ids=top_ids,
+                top_logprobs=top_values, prompt_logprobs=prompt_values, prompt_top_ids=prompt_top_ids,
+                prompt_top_logprobs=prompt_top_values,
             ))
         self.metrics.record(self.engine.last_report)
 
