@@ -108,6 +108,8 @@ def test_chunked_prefill_gives_the_same_output_and_keeps_streams_running(qwen3_p
         engine.step()
         steps_prefilling += 1
         assert engine.last_report.prefill_tokens <= 32
+        seconds = engine.last_report.seconds  # a step that prefilled and decoded times both, and the cache work
+        assert seconds["prefill"] > 0 and seconds["verify"] > 0 and seconds["cache"] > 0
     assert steps_prefilling == 5  # 150 prompt tokens in chunks of at most 32
     assert len(short.output_ids) >= tokens_before + 5  # the running stream decoded during every chunk
     while engine.has_work():

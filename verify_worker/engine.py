@@ -197,6 +197,7 @@ class SpeculativeEngine:
         report.decode_requests = len(states)
         report.drafted_at, report.accepted_at = [0] * n, [0] * n
         committed_in_step = []
+        started = time.perf_counter()  # cache work: lengths (rollback), drafter context features, commits, frees
         for row, state in enumerate(states):
             a = accepted[row]
             state.cache_len += a + 1  # rollback is implicit: positions past cache_len are never attended
@@ -211,6 +212,7 @@ class SpeculativeEngine:
             for i in range(counts[row]):
                 report.drafted_at[i] += 1
                 report.accepted_at[i] += i < min(a, committed)
+        report.seconds["cache"] += time.perf_counter() - started
         if self.policy is not None:
             self._observe(states, speculate, asked, counts, committed_in_step, report)
 
