@@ -224,6 +224,8 @@ def test_echo_scores_the_prompt_with_or_without_a_completion(server):
         both["choices"][0]["logprobs"]["text_offset"]
     plain = completion(server, max_tokens=0, echo=True)
     assert plain["choices"][0]["text"] == PROMPT and plain["choices"][0]["logprobs"] is None
+    by_ids = completion(server, prompt=prompt, max_tokens=0, echo=True, logprobs=1)  # as evaluation harnesses ask
+    assert by_ids["choices"][0]["text"] == PROMPT and by_ids["choices"][0]["logprobs"] == logprobs
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(server):
