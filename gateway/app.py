@@ -253,7 +253,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (size {settings.vocab_size})",
                            param="prompt")
         room = settings.max_model_len - prompt_len
-        if room < 1:
+        if room < (0 if params.max_tokens == 0 else 1):  # scoring a prompt (echo, max_tokens 0) needs no room
             raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is "
                            f"{settings.max_model_len} tokens", param="prompt", code="context_length_exceeded")
         if params.max_tokens is None:
@@ -275,12 +275,10 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                            "shortly", kind="rate_limit_error", code="server_busy", headers={"Retry-After": "1"})
         request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
         turn = Turn(request_id, params, codec.detokenizer(), StopMatcher(params.stop), time.monotonic())
-        score_only = params.max_tokens == 0  # echo of a prompt: the verify worker scores it, generates nothing
         message = SubmitRequest(
             request_id, params.prompt_ids, params.max_tokens, params.temperature, params.top_p, params.top_k,
-            params.seed, list(codec.eos_token_ids), params.num_speculative_tokens,
-            0 if score_only and params.logprobs is None else params.logprobs,
-            params.echo and (score_only or params.logprobs is not None),
+            params.seed, list(codec.eos_token_ids), params.num_speculative_tokens, params.logprobs,
+            params.echo and params.logprobs is not None,
         )
         try:
             queue = await client.submit(message)
@@ -357,8 +355,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             choice["logprobs"] = chat_logprobs(turn.logprobs, codec)
         elif turn.params.logprobs is not None:
             offsets = TextOffsets(codec)
-            parts = [prompt_logprobs(turn.params.prompt_ids, turn.prompt_logprobs, codec, offsets)] \
-                if turn.params.echo else []
+            parts = [prompt_logprobs(turn.params.prompt_ids, turn.prompt_logprobs, codec, offsets,
+                                     turn.params.prompt_text is not None)] if turn.params.echo else []
             if turn.logprobs is not None:
                 parts.append(completion_logprobs(turn.logprobs, codec, offsets))
             choice["logprobs"] = joined(*parts) if parts else None
@@ -404,7 +402,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             if turn.params.echo:  # the prompt first, with its log-probabilities when asked for
                 scored = event_prompt_logprobs(first, turn.params) if wants_logprobs else None
                 yield chunk(echoed_prompt(turn.params), None, logprobs=prompt_logprobs(
-                    turn.params.prompt_ids, scored, codec, offsets) if wants_logprobs else None)
+                    turn.params.prompt_ids, scored, codec, offsets, turn.params.prompt_text is not None)
+                    if wants_logprobs else None)
             async for delta, event in events_of(request, queue, turn, first):
                 if delta or (event.token_ids and (turn.params.return_token_ids or wants_logprobs)):
                     run = event_logprobs(event) if wants_logprobs else None

@@ -40,22 +40,24 @@ def legacy_token(codec: TextCodec, token_id: int) -> str:
 
 class TextOffsets:
     """Where each token's text starts in the output text (characters), across the chunks of a stream: bytes of
-    an unfinished character wait for the rest of it, special tokens add no text (the output skips them)."""
+    an unfinished character wait for the rest of it, special tokens add no text (the output skips them) unless
+    the text is a prompt as the client wrote it (keep_special)."""
 
     def __init__(self, codec: TextCodec):
         self.codec, self.chars = codec, 0
         self.decoder = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def take(self, token_ids: list[int]) -> list[int]:
+    def take(self, token_ids: list[int], keep_special: bool = False) -> list[int]:
         starts = []
         for token_id in token_ids:
             starts.append(self.chars)
-            if not self.codec.is_special(token_id):
+            if keep_special or not self.codec.is_special(token_id):
                 self.chars += len(self.decoder.decode(self.codec.token_bytes(token_id)))
         return starts
 
 
-def completion_logprobs(run: TokenLogprobs, codec: TextCodec, offsets: TextOffsets) -> dict:
+def completion_logprobs(run: TokenLogprobs, codec: TextCodec, offsets: TextOffsets,
+                        keep_special: bool = False) -> dict:
     """The legacy completions object; offsets carries on from the previous chunk of the same stream."""
     tokens = [legacy_token(codec, t) for t in run.token_ids]
     top = []
@@ -64,7 +66,7 @@ def completion_logprobs(run: TokenLogprobs, codec: TextCodec, offsets: TextOffse
         entry.setdefault(token, logprob)  # the chosen token is always listed
         top.append(entry)
     return {"tokens": tokens, "token_logprobs": run.logprobs, "top_logprobs": top,
-            "text_offset": offsets.take(run.token_ids)}
+            "text_offset": offsets.take(run.token_ids, keep_special)}
 
 
 def chat_logprobs(run: TokenLogprobs, codec: TextCodec) -> dict:
@@ -80,14 +82,15 @@ def chat_logprobs(run: TokenLogprobs, codec: TextCodec) -> dict:
 
 
 def prompt_logprobs(prompt_ids: list[int], scored: TokenLogprobs | None, codec: TextCodec,
-                    offsets: TextOffsets) -> dict:
+                    offsets: TextOffsets, as_written: bool) -> dict:
     """The echoed prompt's part of a legacy completions object: the first token has no log-probability (null),
-    the others are scored (tokens 1..); offsets carries on into the completion's part."""
+    the others are scored (tokens 1..); offsets carries on into the completion's part. as_written: the echoed
+    text is the client's own prompt string, special tokens included."""
     first = {"tokens": [legacy_token(codec, prompt_ids[0])], "token_logprobs": [None], "top_logprobs": [None],
-             "text_offset": offsets.take(prompt_ids[:1])}
+             "text_offset": offsets.take(prompt_ids[:1], as_written)}
     if scored is None or not scored.token_ids:
         return first
-    return joined(first, completion_logprobs(scored, codec, offsets))
+    return joined(first, completion_logprobs(scored, codec, offsets, as_written))
 
 
 def joined(*parts: dict) -> dict:

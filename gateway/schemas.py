@@ -79,7 +79,9 @@ def _integer(body, name, default=None, low=None):
 
 
 def _boolean(body, name, default=False) -> bool:
-    value = body.get(name, default)
+    value = body.get(name)
+    if value is None:
+        return default
     if not isinstance(value, bool):
         raise ApiError(400, f"'{name}' must be a boolean, got {json.dumps(value)}", param=name)
     return value
@@ -135,7 +137,7 @@ def reject_unsupported(body: dict) -> None:
         raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
     if _integer(body, "best_of", 1) != 1:
         raise ApiError(400, "only best_of=1 is supported", param="best_of")
-    if body.get("suffix") is not None:
+    if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
 
 
@@ -172,7 +174,7 @@ def parse_chat(body: dict, served_model: str) -> GenerationParams:
     params = parse_common(body, served_model)
     if params.max_tokens == 0:
         raise ApiError(400, "'max_tokens' must be >= 1", param="max_tokens")
-    if "echo" in body:
+    if body.get("echo"):
         raise ApiError(400, "'echo' is a completions parameter, not a chat one", param="echo")
     top = _top_count(body, "top_logprobs") if body.get("top_logprobs") is not None else None
     if _boolean(body, "logprobs"):

@@ -81,23 +81,30 @@ class TextCodec:
         return {c: b for b, c in enumerate(byte_symbols())} if "ByteLevel" in kinds else None
 
     @cached_property
-    def _special_tokens(self) -> set[str]:
-        return {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+    def _added_tokens(self) -> dict[str, bool]:
+        """Added tokens -> whether they are special (the detokenizer leaves those out of the text)."""
+        return {t.content: t.special for t in self.tokenizer.get_added_tokens_decoder().values()}
 
     def is_special(self, token_id: int) -> bool:
-        return self.tokenizer.id_to_token(token_id) in self._special_tokens
+        return self._added_tokens.get(self.tokenizer.id_to_token(token_id), False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a UTF-8 character, for some): byte-level BPE tokens are
-        mapped back through their byte alphabet, special tokens give their text, others their decoded text."""
+        mapped back through their byte alphabet, SentencePiece pieces turn U+2581 into a space and <0xNN> into
+        that byte, added tokens give their text."""
         token, alphabet = self.tokenizer.id_to_token(token_id), self._byte_alphabet
         if token is None:
             return b""
-        if token in self._special_tokens:
+        if token in self._added_tokens:
             return token.encode()
-        if alphabet is None or not all(c in alphabet for c in token):
-            return self.tokenizer.decode([token_id]).encode()
-        return bytes(alphabet[c] for c in token)
+        if alphabet is not None and all(c in alphabet for c in token):
+            return bytes(alphabet[c] for c in token)
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        return token.replace("\u2581", " ").encode()
 
 
 class IncrementalDetokenizer:

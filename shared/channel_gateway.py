@@ -19,7 +19,7 @@ class SubmitRequest(Message):
     stop_token_ids: list[int]
     num_speculative_tokens: int | None
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
-    prompt_logprobs: bool = False  # also for the prompt's tokens after the first (max_tokens may then be 0)
+    prompt_logprobs: bool = False  # also for the prompt's tokens after the first
 
     def validate(self):
         if not self.request_id:

@@ -76,7 +76,7 @@ def test_unseeded_requests_differ(qwen3_pair):
     [
         (((), 5), "the prompt is empty"),
         (((1, 500), 5), "prompt token id 500 is outside the vocabulary"),
-        (((1,), 0), "max_tokens must be an integer >= 1"),
+        (((1,), -1), "max_tokens must be an integer >= 0"),
         (((1,) * 250, 10), "exceeds the maximum model length 256"),
     ],
 )

@@ -108,7 +108,7 @@ def test_prompt_logprobs_across_prefill_chunks_and_a_zero_token_request(qwen3_pa
     for position, (token, got) in enumerate(zip(prompt[1:], scored.prompt_logprobs)):
         assert got.logprob == pytest.approx(want[position, token].item(), abs=1e-4)
         assert got.top_logprobs == pytest.approx(want[position].topk(2).values.tolist(), abs=1e-4)
-    with pytest.raises(RequestError, match="max_tokens must be an integer >= 1"):
-        engine.add(GenerationRequest(prompt, 0, logprobs=2))
+    prefill_only = engine.generate([GenerationRequest(prompt, 0)])[0]  # echo without logprobs: nothing to score
+    assert prefill_only.token_ids == [] and prefill_only.prompt_logprobs is None
     with pytest.raises(RequestError, match="prompt log-probabilities need logprobs"):
         engine.add(GenerationRequest(prompt, 2, prompt_logprobs=True))

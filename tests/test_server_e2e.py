@@ -229,9 +229,13 @@ def test_echo_scores_the_prompt_with_or_without_a_completion(server):
 
 
 def test_neutral_values_of_unsupported_parameters_are_accepted(server):
-    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "echo": False,
-               "logprobs": None}
+    neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "echo": None,
+               "logprobs": None, "suffix": "", "stream": None}
     assert completion(server, max_tokens=2, **neutral)["usage"]["completion_tokens"] == 2
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": None,
+            "top_logprobs": None, "echo": False}
+    response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
+    assert response.status_code == 200 and response.json()["choices"][0]["logprobs"] is None
 
 
 BAD = [

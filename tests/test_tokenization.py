@@ -75,3 +75,24 @@ def test_logprob_tokens_keep_their_bytes_and_offsets_follow_the_text(tmp_path):
     assert b"".join(bytes(t["bytes"]) for t in content[:-1]).decode() == text
     assert content[2]["token"] == "\ufffd" and content[0]["top_logprobs"] == [{"token": "a", "logprob": -0.1,
                                                                                "bytes": [97]}]
+
+
+def test_token_bytes_of_sentencepiece_pieces_and_offsets_of_added_tokens(tmp_path):
+    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
+
+    from gateway.logprobs import TextOffsets
+
+    pieces = Tokenizer(models.BPE(vocab={"\u2581world": 0, "<0x0A>": 1, "a": 2, "b": 3}, merges=[]))
+    pieces.pre_tokenizer = pre_tokenizers.Metaspace()
+    pieces.decoder = decoders.Metaspace()
+    pieces.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec.from_folder(tmp_path)
+    assert codec.token_bytes(0) == b" world" and codec.token_bytes(1) == b"\n" and codec.token_bytes(2) == b"a"
+    tokenizer = build_byte_tokenizer()
+    tokenizer.add_tokens([AddedToken("<think>", special=False)])  # shown in the text, unlike <|endoftext|>
+    tokenizer.save(str(tmp_path / "tokenizer.json"))
+    codec = TextCodec.from_folder(tmp_path)
+    think, end = codec.tokenizer.token_to_id("<think>"), codec.tokenizer.token_to_id("<|endoftext|>")
+    assert not codec.is_special(think) and codec.is_special(end)
+    assert TextOffsets(codec).take([97, think, 98, end, 99]) == [0, 1, 8, 9, 9]
+    assert TextOffsets(codec).take([97, end, 98], keep_special=True) == [0, 1, 14]  # a prompt as the client wrote it

@@ -75,10 +75,9 @@ class SpeculativeEngine:
         bad = [t for t in request.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
         if bad:
             raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (size {vocab})")
-        least = 0 if request.prompt_logprobs else 1  # 0: score the prompt, generate nothing
-        if not isinstance(request.max_tokens, int) or isinstance(request.max_tokens, bool) or request.max_tokens < least:
-            raise RequestError(f"max_tokens must be an integer >= {least}"
-                               f"{' (0 only when scoring the prompt)' if least else ''}, got {request.max_tokens!r}")
+        if not isinstance(request.max_tokens, int) or isinstance(request.max_tokens, bool) or request.max_tokens < 0:
+            raise RequestError(f"max_tokens must be an integer >= 0 (0: prefill only, e.g. to score the prompt), "
+                               f"got {request.max_tokens!r}")
         total = len(request.prompt_ids) + request.max_tokens
         if total > self.max_model_len:
             raise RequestError(

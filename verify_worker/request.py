@@ -22,7 +22,7 @@ class GenerationRequest:
     num_speculative_tokens: int | None = None  # None = block size - 1; 0 = plain decoding
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
-    prompt_logprobs: bool = False  # also for the prompt's tokens after the first (then max_tokens may be 0)
+    prompt_logprobs: bool = False  # also for the prompt's tokens after the first
 
 
 class Status(Enum):
