@@ -331,3 +331,15 @@ def test_dockerfile_copies_real_paths_and_runs_a_declared_script(monkeypatch):
     assert (ROOT / "models/demo" / Path(ns.draft).name / "config.json").exists()
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
     assert "runs" in ignore and ".git" in ignore
+
+
+@pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)
+def test_the_dashboard_checker_runs_every_query_with_grafanas_variables_filled_in(path):
+    spec = importlib.util.spec_from_file_location("check_dashboard", DOCKER / "check_dashboard.py")
+    checker = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(checker)
+    board = json.loads(path.read_text())
+    queries = checker.panel_queries(board)
+    assert [expr for _, expr in queries] == dashboard_exprs(board)
+    for _, expr in queries:
+        assert "$" not in checker.with_grafana_variables(expr, "5m"), expr

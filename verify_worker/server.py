@@ -59,6 +59,7 @@ class VerifyMetrics:
         self.policy_plain = Counter(names.POLICY_PLAIN_STEPS, "Steps the speculation policy decoded plainly",
                                     registry=r)
         self.bad = Counter(names.BAD_MESSAGES, "Rejected wire messages", ["role"], registry=r)
+        self.bad.labels("verify")  # exported at 0 from the start: a dashboard shows 0, not "no data"
         self.kind = drafter_kind
 
     def record(self, report: StepReport) -> None:
