@@ -3,8 +3,10 @@
 
 Each child's command line names its role. The launcher waits for each child's ready line, prints one line of
 its own, restarts a drafter that dies, and exits non-zero (after the gateway has failed the open streams)
-when the verify worker or the gateway dies, so a supervisor can restart the service. SIGINT / SIGTERM stop
-every child; children also die with the launcher (PR_SET_PDEATHSIG), so none is orphaned.
+when the verify worker or the gateway dies, so a supervisor can restart the service. SIGTERM drains: the
+gateway refuses new connections and lets the requests in flight finish (--shutdown-timeout), then every child
+stops. Ctrl-C reaches every child of the terminal's process group at once and stops them now. Children also die
+with the launcher (PR_SET_PDEATHSIG), so none is orphaned.
 """
 
 import argparse
@@ -111,6 +113,9 @@ def parse_args(argv):
     parser.add_argument("--feature-pair-port", type=int,
                         help="rendezvous port of the feature pair (default: --zmq-base-port + 4)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--shutdown-timeout", type=float, default=30.0,
+                        help="on SIGTERM, seconds the gateway lets requests in flight finish (new connections are "
+                             "refused meanwhile) before the workers stop; Ctrl-C stops at once")
     return parser.parse_args(argv)
 
 
@@ -135,7 +140,8 @@ def build_children(args) -> dict[str, Child]:
               "--dtype", args.dtype, "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout),
               "--spec-policy", args.spec_policy]
     gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
-               "--max-pending", str(args.max_running + args.max_waiting)]
+               "--max-pending", str(args.max_running + args.max_waiting), "--shutdown-timeout",
+               str(args.shutdown_timeout)]
     verify += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
     for flag, value in (("--max-model-len", args.max_model_len), ("--block-size", args.block_size),
                         ("--kv-cache-budget-mb", args.kv_cache_budget_mb)):
@@ -192,9 +198,11 @@ class Launcher:
         return [key for key in self.children if key.split(".")[0] == "verify"]
 
     def stop_all(self) -> None:
+        """The gateway first (it drains the requests in flight while the workers still serve them), then the
+        verify ranks and the drafter."""
         for key in ("gateway", *self.verify_ranks(), "draft"):
             if key in self.children:
-                self.children[key].stop()
+                self.children[key].stop(self.args.shutdown_timeout + 5 if key == "gateway" else 10.0)
 
     def _wait_ready(self, roles: list[str]) -> str | None:
         """None when every role reported ready; otherwise the role that failed."""

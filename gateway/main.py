@@ -48,6 +48,9 @@ def parse_args(argv):
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--default-max-tokens", type=int, default=256)
     parser.add_argument("--no-draft", action="store_true", help="no drafter is configured (affects /ready)")
+    parser.add_argument("--shutdown-timeout", type=float, default=float(env("DFLASH_SHUTDOWN_TIMEOUT", "30")),
+                        help="on SIGTERM: stop accepting connections and let requests in flight finish for up to "
+                             "this many seconds (then they are cut)")
     return parser.parse_args(argv)
 
 
@@ -64,7 +67,7 @@ async def serve(args, log) -> int:
     )
     app = create_app(settings, codec, log)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                                           timeout_graceful_shutdown=2))
+                                           timeout_graceful_shutdown=args.shutdown_timeout))
     task = asyncio.create_task(server.serve())
     deadline = asyncio.get_running_loop().time() + 30
     while not (server.started and app.state.client.alive) and not task.done():

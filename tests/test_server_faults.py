@@ -187,3 +187,28 @@ def test_sigterm_leaves_no_orphans(models):
     assert server.stop() == 0
     time.sleep(0.5)
     assert not any(process_alive(pid) for pid in pids)
+
+
+def test_sigterm_drains_the_streams_in_flight_and_refuses_new_ones(tmp_path):
+    target, draft = write_server_models(tmp_path)
+    (target / "tokenizer_config.json").write_text("{}")  # no end-of-text token: every stream runs to max_tokens
+    server = Server(target, draft, "--shutdown-timeout", "60", log_dir=tmp_path)
+    try:
+        server.wait_ready()
+        events = [threading.Event() for _ in range(16)]
+        with ThreadPoolExecutor(len(events)) as pool:
+            futures = [pool.submit(stream_tokens, server.url, f"x = {i}", 480, e) for i, e in enumerate(events)]
+            assert all(e.wait(60) for e in events)
+            began = time.monotonic()
+            server.process.send_signal(signal.SIGTERM)  # the launcher only, as a supervisor stops it
+            time.sleep(0.3)
+            with pytest.raises(httpx.TransportError):  # draining: no new connections
+                httpx.post(f"{server.url}/v1/completions", json={"model": "tiny", "prompt": "x"}, timeout=5)
+            results = [f.result(timeout=120) for f in futures]
+        drained = time.monotonic() - began
+        for tokens, error, done in results:  # every stream in flight finished, none was cut
+            assert error is None and done and len(tokens) == 480
+        assert server.process.wait(60) == 0
+    finally:
+        server.stop()
+    print(f"drained 16 streams in {drained:.1f} s")  # before the drain (a 2 s cap) all 16 were cut here
