@@ -5,18 +5,19 @@ import json
 import logging
 import time
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
-from gateway.logprobs import TextOffsets, TokenLogprobs, chat_logprobs, completion_logprobs, joined, prompt_logprobs
+from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.metrics import GatewayMetrics
-from gateway.schemas import ApiError, GenerationParams, parse_chat, parse_completion, parse_json
-from gateway.tokenization import IncrementalDetokenizer, StopMatcher, TextCodec
+from gateway.schemas import ApiError, GenerationParams, Prompt, parse_chat, parse_completion, parse_json
+from gateway.tokenization import StopMatcher, TextCodec
+from gateway.turn import Turn, event_logprobs, event_prompt_logprobs, usage
 from gateway.verify_client import VerifyClient
-from shared.channel_gateway import RequestFailed, SubmitRequest, TokenEvent
+from shared.channel_gateway import RequestFailed, SubmitRequest
 
 FAILURE_STATUS = {"invalid_request": 400, "queue_full": 429, "verify_worker_down": 503}
 
@@ -42,92 +43,6 @@ class Probe:
     last_ok: float = 0.0
     drafted: bool = False
     detail: str = "no probe has run yet"
-
-
-@dataclass
-class Turn:
-    """The state of one request while its events arrive."""
-
-    request_id: str
-    params: GenerationParams
-    detokenizer: IncrementalDetokenizer
-    stops: StopMatcher
-    started: float
-    token_ids: list[int] = field(default_factory=list)
-    text: str = ""
-    finish_reason: str | None = None
-    verify_steps: int = 0
-    draft_tokens: int = 0
-    accepted_tokens: int = 0
-    first_token_at: float | None = None
-    last_token_at: float | None = None
-    logprobs: TokenLogprobs | None = None  # every token's, when the request asked for them
-    prompt_logprobs: TokenLogprobs | None = None  # the prompt's tokens 1.., with echo and logprobs
-
-    def absorb(self, event: TokenEvent, metrics: GatewayMetrics) -> str:
-        """Take one event; returns the text it adds (stop strings cut, broken UTF-8 held back)."""
-        now = time.monotonic()
-        if event.token_ids:
-            if self.first_token_at is None:
-                self.first_token_at = now
-                metrics.ttft.observe(now - self.started)
-            elif self.last_token_at is not None:
-                per_token = (now - self.last_token_at) / len(event.token_ids)
-                for _ in event.token_ids:
-                    metrics.itl.observe(per_token)
-            self.last_token_at = now
-        self.token_ids.extend(event.token_ids)
-        if event.prompt_logprobs is not None and self.params.logprobs is not None:
-            self.prompt_logprobs = event_prompt_logprobs(event, self.params)
-        run = event_logprobs(event)
-        if run is not None and self.params.logprobs is not None:
-            self.logprobs = self.logprobs or TokenLogprobs()
-            self.logprobs.extend(run)
-        self.verify_steps, self.draft_tokens = event.verify_steps, event.draft_tokens
-        self.accepted_tokens = event.accepted_tokens
-        delta = self.detokenizer.add(event.token_ids)
-        if event.finish_reason is not None:
-            delta += self.detokenizer.flush()
-        emitted, stopped = self.stops.feed(delta)
-        if stopped:
-            self.finish_reason = "stop"
-        elif event.finish_reason is not None:
-            emitted += self.stops.flush()
-            self.finish_reason = event.finish_reason
-        self.text += emitted
-        return emitted
-
-    def usage(self) -> dict:
-        completion = len(self.token_ids)
-        return {
-            "prompt_tokens": len(self.params.prompt_ids),
-            "completion_tokens": completion,
-            "total_tokens": len(self.params.prompt_ids) + completion,
-            "completion_tokens_details": {
-                "accepted_prediction_tokens": self.accepted_tokens,
-                "rejected_prediction_tokens": self.draft_tokens - self.accepted_tokens,
-            },
-            "speculative": {
-                "verify_steps": self.verify_steps,
-                "draft_tokens": self.draft_tokens,
-                "accepted_tokens": self.accepted_tokens,
-                "acceptance_length": round((completion - 1) / self.verify_steps, 4) if self.verify_steps else 0.0,
-            },
-        }
-
-
-def event_logprobs(event: TokenEvent) -> TokenLogprobs | None:
-    if event.logprobs is None:
-        return None
-    return TokenLogprobs(list(event.token_ids), list(event.logprobs), list(event.top_ids), list(event.top_logprobs))
-
-
-def event_prompt_logprobs(event, params: GenerationParams) -> TokenLogprobs | None:
-    """The prompt's scored tokens (1..) carried by a request's first event, if it carries them."""
-    if not isinstance(event, TokenEvent) or event.prompt_logprobs is None:
-        return None
-    return TokenLogprobs(params.prompt_ids[1:], list(event.prompt_logprobs), list(event.prompt_top_ids),
-                         list(event.prompt_top_logprobs))
 
 
 def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger | None = None) -> FastAPI:
@@ -230,8 +145,9 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     async def completions(request: Request):
         authorize(request)
         params = parse_completion(parse_json(await request.body()), settings.model_name)
-        if params.prompt_text is not None:
-            params.prompt_ids = codec.encode(params.prompt_text)
+        for prompt in params.prompts:
+            if prompt.text is not None:
+                prompt.ids = codec.encode(prompt.text)
         return await generate(request, params, chat=False)
 
     @app.post("/v1/chat/completions")
@@ -239,16 +155,17 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         authorize(request)
         params = parse_chat(parse_json(await request.body()), settings.model_name)
         try:
-            params.prompt_ids = codec.encode(codec.render_chat(params.messages))
+            params.prompts = [Prompt(None, codec.encode(codec.render_chat(params.messages)))]
         except Exception as exc:  # jinja raises many types on a template the messages do not fit
             raise ApiError(400, f"cannot apply the chat template to these messages: {exc}", param="messages")
         return await generate(request, params, chat=True)
 
-    def check_lengths(params: GenerationParams) -> None:
-        prompt_len = len(params.prompt_ids)
+    def max_tokens_for(params: GenerationParams, prompt: Prompt) -> int:
+        """The prompt's checks against the vocabulary and the context; returns its max_tokens."""
+        prompt_len = len(prompt.ids)
         if prompt_len == 0:
             raise ApiError(400, "the prompt is empty", param="prompt")
-        bad = next((t for t in params.prompt_ids if not 0 <= t < settings.vocab_size), None)
+        bad = next((t for t in prompt.ids if not 0 <= t < settings.vocab_size), None)
         if bad is not None:
             raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (size {settings.vocab_size})",
                            param="prompt")
@@ -257,63 +174,100 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is "
                            f"{settings.max_model_len} tokens", param="prompt", code="context_length_exceeded")
         if params.max_tokens is None:
-            params.max_tokens = min(settings.default_max_tokens, room)
-        elif params.max_tokens > room:
+            return min(settings.default_max_tokens, room)
+        if params.max_tokens > room:
             raise ApiError(400, f"max_tokens ({params.max_tokens}) plus the prompt ({prompt_len} tokens) exceeds "
                            f"this model's context of {settings.max_model_len} tokens", param="max_tokens",
                            code="context_length_exceeded")
+        return params.max_tokens
 
     async def generate(request: Request, params: GenerationParams, chat: bool):
-        check_lengths(params)
+        """Submit one verify-worker request per choice (n per prompt), all answering on one queue; fail the
+        whole request with an HTTP error if any choice is refused before it starts."""
+        limits = [max_tokens_for(params, prompt) for prompt in params.prompts]
         if not client.alive:
             raise ApiError(503, "the verify worker is not available", kind="server_error", code="service_unavailable",
                            headers={"Retry-After": "5"})
+        count = len(params.prompts) * params.n
+        if count > settings.max_pending:
+            raise ApiError(400, f"this request asks for {count} choices (prompts x n); the server admits at most "
+                           f"{settings.max_pending} at once", param="n")
         user_requests = [r for r in client.queues if not r.startswith("probe-")]
-        if len(user_requests) >= settings.max_pending:
+        if len(user_requests) + count > settings.max_pending:
             metrics.requests.labels("rejected").inc()
             raise ApiError(429, f"the server is at capacity ({settings.max_pending} requests in flight); retry "
                            "shortly", kind="rate_limit_error", code="server_busy", headers={"Retry-After": "1"})
-        request_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        turn = Turn(request_id, params, codec.detokenizer(), StopMatcher(params.stop), time.monotonic())
-        message = SubmitRequest(
-            request_id, params.prompt_ids, params.max_tokens, params.temperature, params.top_p, params.top_k,
-            params.seed, list(codec.eos_token_ids), params.num_speculative_tokens, params.logprobs,
-            params.echo and params.logprobs is not None,
-        )
-        try:
-            queue = await client.submit(message)
-        except ConnectionError as exc:
-            raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
-        metrics.prompt_tokens.inc(len(params.prompt_ids))
-        first = await next_event(request, queue, request_id)
-        if isinstance(first, RequestFailed):
-            client.finish(request_id)
-            metrics.requests.labels("rejected" if first.code == "queue_full" else "error").inc()
-            status = FAILURE_STATUS.get(first.code, 500)
-            kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
-            raise ApiError(status, first.message, code=first.code, kind=kind,
-                           headers={"Retry-After": "1"} if status in (429, 503) else None)
-        if first is None:
+        base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        queue: asyncio.Queue = asyncio.Queue()
+        turns: dict[str, Turn] = {}
+        for prompt_index, (prompt, limit) in enumerate(zip(params.prompts, limits)):
+            for j in range(params.n):
+                index = prompt_index * params.n + j
+                request_id = base if count == 1 else f"{base}-{index}"
+                seed = params.seed if params.seed is None or count == 1 else params.seed + index
+                turns[request_id] = Turn(request_id, index, prompt, params, codec.detokenizer(),
+                                         StopMatcher(params.stop), time.monotonic())
+                message = SubmitRequest(
+                    request_id, prompt.ids, limit, params.temperature, params.top_p, params.top_k, seed,
+                    list(codec.eos_token_ids), params.num_speculative_tokens, params.logprobs,
+                    params.echo and params.logprobs is not None,
+                )
+                try:
+                    await client.submit(message, queue)
+                except ConnectionError as exc:
+                    await abort_unfinished(turns)
+                    raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
+        metrics.prompt_tokens.inc(sum(len(prompt.ids) for prompt in params.prompts))
+        early = await first_events(request, queue, turns)
+        if early is None:
             return Response(status_code=499)
+        failed = next((e for e in early if isinstance(e, RequestFailed)), None)
+        if failed is not None:
+            await abort_unfinished(turns)
+            for turn in turns.values():
+                client.finish(turn.request_id)
+            metrics.requests.labels("rejected" if failed.code == "queue_full" else "error").inc()
+            status = FAILURE_STATUS.get(failed.code, 500)
+            kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
+            raise ApiError(status, failed.message, code=failed.code, kind=kind,
+                           headers={"Retry-After": "1"} if status in (429, 503) else None)
         if params.stream:
-            return StreamingResponse(stream(request, queue, turn, first, chat), media_type="text/event-stream")
-        return await collect(request, queue, turn, first, chat)
+            return StreamingResponse(stream(request, queue, turns, early, chat), media_type="text/event-stream")
+        return await collect(request, queue, turns, early, chat)
 
-    def echoed_prompt(params: GenerationParams) -> str:
-        if params.prompt_text is not None:
-            return params.prompt_text
-        return codec.tokenizer.decode(params.prompt_ids, skip_special_tokens=True)
+    def echoed_prompt(prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return codec.tokenizer.decode(prompt.ids, skip_special_tokens=True)
 
-    async def next_event(request: Request, queue: asyncio.Queue, request_id: str):
-        """The next event, or None when the client went away (the request is then aborted)."""
+    async def abort_unfinished(turns: dict[str, Turn]) -> None:
+        for turn in turns.values():
+            if turn.finish_reason is None:
+                await client.abort(turn.request_id)
+
+    async def next_event(request: Request, queue: asyncio.Queue, turns: dict[str, Turn]):
+        """The next event of any of the turns, or None when the client went away (they are then aborted)."""
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    await client.abort(request_id)
+                    await abort_unfinished(turns)
                     metrics.requests.labels("aborted").inc()
                     return None
+
+    async def first_events(request: Request, queue: asyncio.Queue, turns: dict[str, Turn]) -> list | None:
+        """Events in arrival order until every turn has one (or one failed); None if the client went away."""
+        early, heard = [], set()
+        while len(heard) < len(turns):
+            event = await next_event(request, queue, turns)
+            if event is None:
+                return None
+            early.append(event)
+            heard.add(event.request_id)
+            if isinstance(event, RequestFailed):
+                break
+        return early
 
     def finish_turn(turn: Turn, outcome: str) -> None:
         client.finish(turn.request_id)
@@ -321,42 +275,32 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         metrics.generation_tokens.inc(len(turn.token_ids))
         metrics.e2e.observe(time.monotonic() - turn.started)
 
-    async def events_of(request, queue, turn: Turn, first):
-        """Yields text deltas until the request ends; raises _Failed on a failure event."""
-        event = first
-        while True:
-            if isinstance(event, RequestFailed):
-                raise _Failed(event)
-            delta = turn.absorb(event, metrics)
-            if turn.finish_reason is not None:
-                if event.finish_reason is None:  # a stop string ended it: stop the verify worker too
-                    await client.abort(turn.request_id)
-                yield delta, event
-                return
-            yield delta, event
-            event = await next_event(request, queue, turn.request_id)
+    async def events_of(request, queue, turns: dict[str, Turn], early: list):
+        """Yields (turn, text delta, event) until every turn has ended; raises _Failed on a failure event and
+        _Disconnected when the client went away."""
+        pending = list(early)
+        while any(turn.finish_reason is None for turn in turns.values()):
+            event = pending.pop(0) if pending else await next_event(request, queue, turns)
             if event is None:
                 raise _Disconnected()
+            if isinstance(event, RequestFailed):
+                raise _Failed(event)
+            turn = turns.get(event.request_id)
+            if turn is None or turn.finish_reason is not None:
+                continue  # a stop string ended this choice already; its late events are dropped
+            delta = turn.absorb(event, metrics)
+            if turn.finish_reason is not None and event.finish_reason is None:
+                await client.abort(turn.request_id)  # a stop string ended it: stop the verify worker too
+            yield turn, delta, event
 
-    async def collect(request, queue, turn: Turn, first, chat: bool):
-        try:
-            async for _ in events_of(request, queue, turn, first):
-                pass
-        except _Failed as failed:
-            finish_turn(turn, "error")
-            raise ApiError(503 if failed.event.code == "verify_worker_down" else 500, failed.event.message,
-                           kind="server_error", code=failed.event.code) from None
-        except _Disconnected:
-            client.finish(turn.request_id)
-            return Response(status_code=499)
-        finish_turn(turn, "success")
-        choice = {"index": 0, "finish_reason": turn.finish_reason, "logprobs": None}
+    def choice_of(turn: Turn, chat: bool) -> dict:
+        choice = {"index": turn.index, "finish_reason": turn.finish_reason, "logprobs": None}
         if chat and turn.logprobs is not None:
             choice["logprobs"] = chat_logprobs(turn.logprobs, codec)
-        elif turn.params.logprobs is not None:
+        elif turn.params.logprobs is not None and not chat:
             offsets = TextOffsets(codec)
-            parts = [prompt_logprobs(turn.params.prompt_ids, turn.prompt_logprobs, codec, offsets,
-                                     turn.params.prompt_text is not None)] if turn.params.echo else []
+            parts = [prompt_logprobs(turn.prompt.ids, turn.prompt_logprobs, codec, offsets,
+                                     turn.prompt.text is not None)] if turn.params.echo else []
             if turn.logprobs is not None:
                 parts.append(completion_logprobs(turn.logprobs, codec, offsets))
             choice["logprobs"] = joined(*parts) if parts else None
@@ -365,71 +309,108 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         if chat:
             choice["message"] = {"role": "assistant", "content": turn.text}
         else:
-            choice["text"] = (echoed_prompt(turn.params) if turn.params.echo else "") + turn.text
+            choice["text"] = (echoed_prompt(turn.prompt) if turn.params.echo else "") + turn.text
+        return choice
+
+    def fail_all(turns: dict[str, Turn]) -> None:
+        for turn in turns.values():
+            finish_turn(turn, "error")
+
+    async def collect(request, queue, turns: dict[str, Turn], early: list, chat: bool):
+        try:
+            async for _ in events_of(request, queue, turns, early):
+                pass
+        except _Failed as failed:
+            await abort_unfinished(turns)
+            fail_all(turns)
+            raise ApiError(503 if failed.event.code == "verify_worker_down" else 500, failed.event.message,
+                           kind="server_error", code=failed.event.code) from None
+        except _Disconnected:
+            for turn in turns.values():
+                client.finish(turn.request_id)
+            return Response(status_code=499)
+        ordered = sorted(turns.values(), key=lambda t: t.index)
+        for turn in ordered:
+            finish_turn(turn, "success")
+        first = ordered[0]
         return {
-            "id": turn.request_id, "object": "chat.completion" if chat else "text_completion",
-            "created": int(time.time()), "model": settings.model_name, "choices": [choice], "usage": turn.usage(),
+            "id": first.request_id.rsplit("-", 1)[0] if len(ordered) > 1 else first.request_id,
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": settings.model_name, "choices": [choice_of(t, chat) for t in ordered],
+            "usage": usage(ordered),
         }
 
-    async def stream(request, queue, turn: Turn, first, chat: bool):
+    async def stream(request, queue, turns: dict[str, Turn], early: list, chat: bool):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
+        ordered = sorted(turns.values(), key=lambda t: t.index)
+        response_id = ordered[0].request_id.rsplit("-", 1)[0] if len(ordered) > 1 else ordered[0].request_id
+        offsets = {turn.request_id: TextOffsets(codec) for turn in ordered}  # legacy text_offset, per choice
+        params = ordered[0].params
 
-        offsets = TextOffsets(codec)  # the legacy text_offset runs on across chunks
-
-        def chunk(delta: str | None, finish: str | None, role: bool = False, token_ids=None,
+        def chunk(turn: Turn, delta: str | None, finish: str | None, role: bool = False, token_ids=None,
                   logprobs: dict | None = None) -> str:
             if chat:
                 body = {} if delta is None else {"content": delta}
                 if role:
                     body["role"] = "assistant"
-                choice = {"index": 0, "delta": body, "finish_reason": finish, "logprobs": logprobs}
+                choice = {"index": turn.index, "delta": body, "finish_reason": finish, "logprobs": logprobs}
             else:
-                choice = {"index": 0, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
-            if turn.params.return_token_ids:
+                choice = {"index": turn.index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+            if params.return_token_ids:
                 choice["token_ids"] = token_ids or []
-            payload = {"id": turn.request_id, "object": kind, "created": created, "model": settings.model_name,
+            payload = {"id": response_id, "object": kind, "created": created, "model": settings.model_name,
                        "choices": [choice]}
-            if turn.params.include_usage:
+            if params.include_usage:
                 payload["usage"] = None
             return f"data: {json.dumps(payload)}\n\n"
 
         finished = False
         try:
-            if chat:
-                yield chunk("", None, role=True)
-            wants_logprobs = turn.params.logprobs is not None
-            if turn.params.echo:  # the prompt first, with its log-probabilities when asked for
-                scored = event_prompt_logprobs(first, turn.params) if wants_logprobs else None
-                yield chunk(echoed_prompt(turn.params), None, logprobs=prompt_logprobs(
-                    turn.params.prompt_ids, scored, codec, offsets, turn.params.prompt_text is not None)
-                    if wants_logprobs else None)
-            async for delta, event in events_of(request, queue, turn, first):
-                if delta or (event.token_ids and (turn.params.return_token_ids or wants_logprobs)):
+            wants_logprobs = params.logprobs is not None
+            firsts = {}
+            for event in early:
+                firsts.setdefault(event.request_id, event)
+            for turn in ordered:
+                if chat:
+                    yield chunk(turn, "", None, role=True)
+                elif params.echo:  # the prompt first, with its log-probabilities when asked for
+                    scored = event_prompt_logprobs(firsts.get(turn.request_id), turn.prompt) if wants_logprobs else None
+                    yield chunk(turn, echoed_prompt(turn.prompt), None, logprobs=prompt_logprobs(
+                        turn.prompt.ids, scored, codec, offsets[turn.request_id], turn.prompt.text is not None)
+                        if wants_logprobs else None)
+            async for turn, delta, event in events_of(request, queue, turns, early):
+                if delta or (event.token_ids and (params.return_token_ids or wants_logprobs)):
                     run = event_logprobs(event) if wants_logprobs else None
-                    logprobs = None if run is None else \
-                        chat_logprobs(run, codec) if chat else completion_logprobs(run, codec, offsets)
-                    yield chunk(delta, None, token_ids=event.token_ids, logprobs=logprobs)
-            yield chunk(None if chat else "", turn.finish_reason)
-            if turn.params.include_usage:
-                usage = {"id": turn.request_id, "object": kind, "created": created, "model": settings.model_name,
-                         "choices": [], "usage": turn.usage()}
-                yield f"data: {json.dumps(usage)}\n\n"
+                    logprobs = None if run is None else chat_logprobs(run, codec) if chat else \
+                        completion_logprobs(run, codec, offsets[turn.request_id])
+                    yield chunk(turn, delta, None, token_ids=event.token_ids, logprobs=logprobs)
+                if turn.finish_reason is not None:
+                    yield chunk(turn, None if chat else "", turn.finish_reason)
+            if params.include_usage:
+                body = {"id": response_id, "object": kind, "created": created, "model": settings.model_name,
+                        "choices": [], "usage": usage(ordered)}
+                yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
             finished = True
-            finish_turn(turn, "success")
+            for turn in ordered:
+                finish_turn(turn, "success")
         except _Failed as failed:
             finished = True
-            finish_turn(turn, "error")
+            await abort_unfinished(turns)
+            fail_all(turns)
             error = ApiError(503, failed.event.message, kind="server_error", code=failed.event.code).body()
             yield f"data: {json.dumps(error)}\n\n"
             yield "data: [DONE]\n\n"
         except _Disconnected:
             finished = True
-            client.finish(turn.request_id)
+            for turn in turns.values():
+                client.finish(turn.request_id)
         finally:
             if not finished:  # the client went away while we were sending
-                await client.abort(turn.request_id)
+                await abort_unfinished(turns)
+                for turn in turns.values():
+                    client.finish(turn.request_id)
                 metrics.requests.labels("aborted").inc()
 
     return app

@@ -5,6 +5,7 @@ from dataclasses import dataclass, field
 
 MAX_STOP_STRINGS = 4
 MAX_TOP_LOGPROBS = 20  # the verify worker's own limit (verify_worker/logprobs.py)
+MAX_CHOICES = 64  # n per prompt
 
 
 class ApiError(Exception):
@@ -21,8 +22,18 @@ class ApiError(Exception):
 
 
 @dataclass
+class Prompt:
+    """One prompt of a request: the client's text (None when it sent token ids) and its token ids (filled in by
+    the app for text)."""
+
+    text: str | None
+    ids: list[int] = field(default_factory=list)
+
+
+@dataclass
 class GenerationParams:
-    """Everything a completion or chat request asks for, validated; prompt_ids are filled in by the app."""
+    """Everything a completion or chat request asks for, validated; each prompt's ids are filled in by the app.
+    The response has n choices per prompt, choice index = prompt index * n + j."""
 
     model: str
     stream: bool
@@ -37,8 +48,8 @@ class GenerationParams:
     return_token_ids: bool = False  # extension: include the generated token ids in the response
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     echo: bool = False  # completions: the prompt leads the text (and the logprobs, when asked for)
-    prompt_text: str | None = None
-    prompt_ids: list[int] = field(default_factory=list)
+    n: int = 1
+    prompts: list[Prompt] = field(default_factory=list)
     messages: list[dict] | None = None
 
 
@@ -94,9 +105,9 @@ def parse_common(body: dict, served_model: str) -> GenerationParams:
     if model != served_model:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
-    n = _integer(body, "n", 1)
-    if n != 1:
-        raise ApiError(400, f"only n=1 is supported, got n={n}", param="n")
+    n = _integer(body, "n", 1, low=1)
+    if n > MAX_CHOICES:
+        raise ApiError(400, f"'n' must be <= {MAX_CHOICES}, got {n}", param="n")
     stream = _boolean(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -124,6 +135,7 @@ def parse_common(body: dict, served_model: str) -> GenerationParams:
         stop=stop,
         num_speculative_tokens=_integer(body, "num_speculative_tokens", None, low=0),
         return_token_ids=_boolean(body, "return_token_ids"),
+        n=n,
     )
 
 
@@ -157,17 +169,27 @@ def parse_completion(body: dict, served_model: str) -> GenerationParams:
         raise ApiError(400, "'max_tokens' must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
     if "prompt" not in body:
         raise ApiError(400, "'prompt' is required", param="prompt")
-    prompt = body["prompt"]
-    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], (str, list)):
-        prompt = prompt[0]  # a batch of one
-    if isinstance(prompt, str):
-        params.prompt_text = prompt
-    elif isinstance(prompt, list) and prompt and all(isinstance(t, int) and not isinstance(t, bool) for t in prompt):
-        params.prompt_ids = list(prompt)
-    else:
-        raise ApiError(400, "'prompt' must be a string or a non-empty list of token ids (one prompt per request)",
-                       param="prompt")
+    params.prompts = parse_prompts(body["prompt"])
     return params
+
+
+def _token_ids(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(t, int) and not isinstance(t, bool)
+                                                           for t in value)
+
+
+def parse_prompts(prompt) -> list[Prompt]:
+    """A string, a list of token ids, or a batch: a non-empty list of strings or of token-id lists."""
+    if isinstance(prompt, str):
+        return [Prompt(prompt)]
+    if _token_ids(prompt):
+        return [Prompt(None, list(prompt))]
+    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        return [Prompt(p) for p in prompt]
+    if isinstance(prompt, list) and prompt and all(_token_ids(p) for p in prompt):
+        return [Prompt(None, list(p)) for p in prompt]
+    raise ApiError(400, "'prompt' must be a string, a non-empty list of token ids, or a non-empty list of either "
+                   "(a batch of prompts)", param="prompt")
 
 
 def parse_chat(body: dict, served_model: str) -> GenerationParams:

@@ -49,8 +49,9 @@ class VerifyClient:
         self.receiver.close(0)
         self.context.term()
 
-    async def submit(self, message: SubmitRequest) -> asyncio.Queue:
-        queue: asyncio.Queue = asyncio.Queue()
+    async def submit(self, message: SubmitRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+        """Send a request; its events arrive on the returned queue (several requests may share one)."""
+        queue = queue if queue is not None else asyncio.Queue()
         self.queues[message.request_id] = queue
         try:
             await self.sender.send_multipart(encode(message), flags=zmq.NOBLOCK)

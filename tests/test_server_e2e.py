@@ -228,6 +228,33 @@ def test_echo_scores_the_prompt_with_or_without_a_completion(server):
     assert by_ids["choices"][0]["text"] == PROMPT and by_ids["choices"][0]["logprobs"] == logprobs
 
 
+def test_a_batch_of_prompts_times_n_gives_every_choice_in_order(server, client):
+    prompts = [PROMPT, "while True:"]
+    alone = [completion(server, prompt=p, max_tokens=12)["choices"][0]["token_ids"] for p in prompts]
+    both = completion(server, prompt=prompts, n=2, max_tokens=12, logprobs=1)
+    assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
+    for c in both["choices"]:  # choice index = prompt index * n + j
+        server.assert_same_or_near_tie(prompts[c["index"] // 2], c["token_ids"], alone[c["index"] // 2])
+        assert len(c["logprobs"]["tokens"]) == len(c["token_ids"])
+    usage = both["usage"]
+    assert usage["prompt_tokens"] == sum(len(p.encode()) for p in prompts)  # each prompt counted once
+    assert usage["completion_tokens"] == sum(len(c["token_ids"]) for c in both["choices"])
+    body = {"model": "tiny", "prompt": PROMPT, "max_tokens": 12, "n": 3, "temperature": 1.0, "seed": 5,
+            "stream": True, "return_token_ids": True, "stream_options": {"include_usage": True}}
+    chunks, done = sse_events(server, "/v1/completions", body)
+    streamed = {i: [t for c in chunks if c["choices"] and c["choices"][0]["index"] == i
+                    for t in c["choices"][0]["token_ids"]] for i in range(3)}
+    finals = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
+    assert done and sorted(finals) == [0, 1, 2] and chunks[-1]["usage"]["completion_tokens"] == \
+        sum(len(t) for t in streamed.values())
+    whole = completion(server, **{k: v for k, v in body.items() if k not in ("stream", "stream_options")})
+    assert [c["token_ids"] for c in whole["choices"]] == [streamed[i] for i in range(3)]  # seeds seed + index
+    chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
+                                          temperature=0, n=2)
+    assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == \
+        chat.choices[1].message.content
+
+
 def test_neutral_values_of_unsupported_parameters_are_accepted(server):
     neutral = {"presence_penalty": 0, "frequency_penalty": 0.0, "logit_bias": {}, "best_of": 1, "echo": None,
                "logprobs": None, "suffix": "", "stream": None}
@@ -245,7 +272,11 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
-    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 2}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 65}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["x", [1, 2]]}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": []}, 400, "prompt"),
+    ("/v1/completions", {"model": "tiny", "prompt": ["x"] * 9, "n": 9}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "temperature": -0.5}, 400, "temperature"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 0}, 400, "top_p"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "top_p": 1.5}, 400, "top_p"),
