@@ -13,9 +13,10 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.metrics import GatewayMetrics
-from gateway.schemas import ApiError, GenerationParams, Prompt, parse_chat, parse_completion, parse_json
+from gateway.schemas import (ApiError, GenerationParams, Prompt, choice_seed, parse_chat, parse_completion,
+                             parse_json)
 from gateway.tokenization import StopMatcher, TextCodec
-from gateway.turn import Turn, event_logprobs, event_prompt_logprobs, usage
+from gateway.turn import Turn, event_logprobs, usage
 from gateway.verify_client import VerifyClient
 from shared.channel_gateway import RequestFailed, SubmitRequest
 
@@ -185,13 +186,13 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         """Submit one verify-worker request per choice (n per prompt), all answering on one queue; fail the
         whole request with an HTTP error if any choice is refused before it starts."""
         limits = [max_tokens_for(params, prompt) for prompt in params.prompts]
-        if not client.alive:
-            raise ApiError(503, "the verify worker is not available", kind="server_error", code="service_unavailable",
-                           headers={"Retry-After": "5"})
         count = len(params.prompts) * params.n
         if count > settings.max_pending:
             raise ApiError(400, f"this request asks for {count} choices (prompts x n); the server admits at most "
                            f"{settings.max_pending} at once", param="n")
+        if not client.alive:
+            raise ApiError(503, "the verify worker is not available", kind="server_error", code="service_unavailable",
+                           headers={"Retry-After": "5"})
         user_requests = [r for r in client.queues if not r.startswith("probe-")]
         if len(user_requests) + count > settings.max_pending:
             metrics.requests.labels("rejected").inc()
@@ -204,7 +205,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             for j in range(params.n):
                 index = prompt_index * params.n + j
                 request_id = base if count == 1 else f"{base}-{index}"
-                seed = params.seed if params.seed is None or count == 1 else params.seed + index
+                seed = choice_seed(params.seed, index, count)
                 turns[request_id] = Turn(request_id, index, prompt, params, codec.detokenizer(),
                                          StopMatcher(params.stop), time.monotonic())
                 message = SubmitRequest(
@@ -214,15 +215,20 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                 )
                 try:
                     await client.submit(message, queue)
-                except ConnectionError as exc:
+                except BaseException as exc:  # the choices already sent must not run on with nobody reading them
+                    turns.pop(request_id)
                     await abort_unfinished(turns)
-                    raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
+                    for turn in turns.values():
+                        client.finish(turn.request_id)
+                    if isinstance(exc, ConnectionError):
+                        raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
+                    raise
         metrics.prompt_tokens.inc(sum(len(prompt.ids) for prompt in params.prompts))
         early = await first_events(request, queue, turns)
         if early is None:
             return Response(status_code=499)
-        failed = next((e for e in early if isinstance(e, RequestFailed)), None)
-        if failed is not None:
+        if isinstance(early, RequestFailed):
+            failed = early
             await abort_unfinished(turns)
             for turn in turns.values():
                 client.finish(turn.request_id)
@@ -256,42 +262,54 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                     metrics.requests.labels("aborted").inc()
                     return None
 
-    async def first_events(request: Request, queue: asyncio.Queue, turns: dict[str, Turn]) -> list | None:
-        """Events in arrival order until every turn has one (or one failed); None if the client went away."""
+    async def first_events(request: Request, queue: asyncio.Queue, turns: dict[str, Turn]):
+        """Take events as they arrive (a stop string acts at once) until every choice has been heard from, so
+        that a refusal is still an HTTP error. Returns the (turn, delta, event) items to replay, the
+        RequestFailed that refused a choice, or None if the client went away. A request with more choices than
+        the worker runs at once is answered once its last choice has started."""
         early, heard = [], set()
         while len(heard) < len(turns):
             event = await next_event(request, queue, turns)
-            if event is None:
-                return None
-            early.append(event)
+            if event is None or isinstance(event, RequestFailed):
+                return event
             heard.add(event.request_id)
-            if isinstance(event, RequestFailed):
-                break
+            item = await take(turns, event)
+            if item is not None:
+                early.append(item)
         return early
 
-    def finish_turn(turn: Turn, outcome: str) -> None:
-        client.finish(turn.request_id)
+    async def take(turns: dict[str, Turn], event):
+        """Absorb a token event into its choice: (turn, text delta, event), or None for a choice already ended."""
+        turn = turns.get(event.request_id)
+        if turn is None or turn.finish_reason is not None:
+            return None  # a stop string ended this choice already; its late events are dropped
+        delta = turn.absorb(event, metrics)
+        if turn.finish_reason is not None and event.finish_reason is None:
+            await client.abort(turn.request_id)  # a stop string ended it: stop the verify worker too
+        return turn, delta, event
+
+    def finish_request(turns: dict[str, Turn], outcome: str) -> None:
+        """Counted once per request (its generated tokens: every choice's)."""
+        for turn in turns.values():
+            client.finish(turn.request_id)
+            metrics.generation_tokens.inc(len(turn.token_ids))
         metrics.requests.labels(outcome).inc()
-        metrics.generation_tokens.inc(len(turn.token_ids))
-        metrics.e2e.observe(time.monotonic() - turn.started)
+        metrics.e2e.observe(time.monotonic() - min(turn.started for turn in turns.values()))
 
     async def events_of(request, queue, turns: dict[str, Turn], early: list):
-        """Yields (turn, text delta, event) until every turn has ended; raises _Failed on a failure event and
-        _Disconnected when the client went away."""
-        pending = list(early)
+        """Yields the early items, then (turn, text delta, event) until every choice has ended; raises _Failed
+        on a failure event and _Disconnected when the client went away."""
+        for item in early:
+            yield item
         while any(turn.finish_reason is None for turn in turns.values()):
-            event = pending.pop(0) if pending else await next_event(request, queue, turns)
+            event = await next_event(request, queue, turns)
             if event is None:
                 raise _Disconnected()
             if isinstance(event, RequestFailed):
                 raise _Failed(event)
-            turn = turns.get(event.request_id)
-            if turn is None or turn.finish_reason is not None:
-                continue  # a stop string ended this choice already; its late events are dropped
-            delta = turn.absorb(event, metrics)
-            if turn.finish_reason is not None and event.finish_reason is None:
-                await client.abort(turn.request_id)  # a stop string ended it: stop the verify worker too
-            yield turn, delta, event
+            item = await take(turns, event)
+            if item is not None:
+                yield item
 
     def choice_of(turn: Turn, chat: bool) -> dict:
         choice = {"index": turn.index, "finish_reason": turn.finish_reason, "logprobs": None}
@@ -312,17 +330,13 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             choice["text"] = (echoed_prompt(turn.prompt) if turn.params.echo else "") + turn.text
         return choice
 
-    def fail_all(turns: dict[str, Turn]) -> None:
-        for turn in turns.values():
-            finish_turn(turn, "error")
-
     async def collect(request, queue, turns: dict[str, Turn], early: list, chat: bool):
         try:
             async for _ in events_of(request, queue, turns, early):
                 pass
         except _Failed as failed:
             await abort_unfinished(turns)
-            fail_all(turns)
+            finish_request(turns, "error")
             raise ApiError(503 if failed.event.code == "verify_worker_down" else 500, failed.event.message,
                            kind="server_error", code=failed.event.code) from None
         except _Disconnected:
@@ -330,8 +344,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                 client.finish(turn.request_id)
             return Response(status_code=499)
         ordered = sorted(turns.values(), key=lambda t: t.index)
-        for turn in ordered:
-            finish_turn(turn, "success")
+        finish_request(turns, "success")
         first = ordered[0]
         return {
             "id": first.request_id.rsplit("-", 1)[0] if len(ordered) > 1 else first.request_id,
@@ -368,17 +381,13 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         finished = False
         try:
             wants_logprobs = params.logprobs is not None
-            firsts = {}
-            for event in early:
-                firsts.setdefault(event.request_id, event)
-            for turn in ordered:
+            for turn in ordered:  # every choice was heard from: its prompt's log-probabilities are in
                 if chat:
                     yield chunk(turn, "", None, role=True)
                 elif params.echo:  # the prompt first, with its log-probabilities when asked for
-                    scored = event_prompt_logprobs(firsts.get(turn.request_id), turn.prompt) if wants_logprobs else None
                     yield chunk(turn, echoed_prompt(turn.prompt), None, logprobs=prompt_logprobs(
-                        turn.prompt.ids, scored, codec, offsets[turn.request_id], turn.prompt.text is not None)
-                        if wants_logprobs else None)
+                        turn.prompt.ids, turn.prompt_logprobs, codec, offsets[turn.request_id],
+                        turn.prompt.text is not None) if wants_logprobs else None)
             async for turn, delta, event in events_of(request, queue, turns, early):
                 if delta or (event.token_ids and (params.return_token_ids or wants_logprobs)):
                     run = event_logprobs(event) if wants_logprobs else None
@@ -393,12 +402,11 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
             finished = True
-            for turn in ordered:
-                finish_turn(turn, "success")
+            finish_request(turns, "success")
         except _Failed as failed:
             finished = True
             await abort_unfinished(turns)
-            fail_all(turns)
+            finish_request(turns, "error")
             error = ApiError(503, failed.event.message, kind="server_error", code=failed.event.code).body()
             yield f"data: {json.dumps(error)}\n\n"
             yield "data: [DONE]\n\n"

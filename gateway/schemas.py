@@ -89,6 +89,21 @@ def _integer(body, name, default=None, low=None):
     return value
 
 
+def _seed(body) -> int | None:
+    seed = _integer(body, "seed", None)
+    if seed is not None and not -2**63 <= seed < 2**63:
+        raise ApiError(400, f"'seed' must fit in 64 bits (from -2**63 to 2**63 - 1), got {seed}", param="seed")
+    return seed
+
+
+def choice_seed(seed: int | None, index: int, choices: int) -> int | None:
+    """The seed of choice `index` of a request: the request's seed for a single choice, else seed + index
+    (wrapped into 64 bits), so that the choices differ and each is reproducible."""
+    if seed is None or choices == 1:
+        return seed
+    return (seed + index + 2**63) % 2**64 - 2**63
+
+
 def _boolean(body, name, default=False) -> bool:
     value = body.get(name)
     if value is None:
@@ -131,7 +146,7 @@ def parse_common(body: dict, served_model: str) -> GenerationParams:
         temperature=float(_number(body, "temperature", 1.0, low=0, high=2)),
         top_p=float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True)),
         top_k=max(top_k, 0),
-        seed=_integer(body, "seed", None),
+        seed=_seed(body),
         stop=stop,
         num_speculative_tokens=_integer(body, "num_speculative_tokens", None, low=0),
         return_token_ids=_boolean(body, "return_token_ids"),

