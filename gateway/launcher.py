@@ -241,7 +241,7 @@ class Launcher:
                 print(f"dflash-serve: error: the {failed} role did not become ready", file=sys.stderr)
             self.stop_all()
             return 0 if failed == "interrupted" else 2
-        local = "--draft-placement" in self.children["verify"].argv
+        local = self.args.draft_placement == "local" and "draft" not in self.children and not self.args.no_draft
         drafter = self.args.draft or ("demo drafter" if "draft" in self.children or local else "none")
         draft_metrics = "" if local or "draft" not in self.children else f", draft :{self.args.metrics_base_port + 1}"
         print(f"dflash-serve ready: http://{self.args.host}:{self.args.port} (drafter: {drafter}"
