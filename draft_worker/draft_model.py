@@ -133,7 +133,8 @@ class DFlashDraftModel(nn.Module):
         block_positions [R]; mask [R, S + R] (see draft_worker.training.masks). Returns [R, hidden].
         """
         context = self.hidden_norm(self.fc(features))[None]  # [1, S, hidden]
-        cos_c, sin_c = rotary_cos_sin(self.inv_freq, torch.arange(features.shape[0])[None], context.dtype)
+        cos_c, sin_c = rotary_cos_sin(self.inv_freq, torch.arange(features.shape[0], device=features.device)[None],
+                                     context.dtype)
         cos, sin = rotary_cos_sin(self.inv_freq, block_positions[None], block_embeds.dtype)
         x = block_embeds[None]  # [1, R, hidden]
         for layer in self.layers:

@@ -175,7 +175,8 @@ class LocalProposer:
             row_slots = slots.repeat_interleave(counts)
             offsets = torch.arange(int(counts.sum()), device=slots.device) - (counts.cumsum(0) - counts).repeat_interleave(counts)
             positions = starts.repeat_interleave(counts) + offsets  # [rows]
-            features = torch.cat(rows).to(self.embed_weight.dtype)  # the target may compute in another dtype
+            # the target may compute in another dtype; frames (and a gloo pair) arrive in host memory
+            features = torch.cat(rows).to(self.embed_weight.device, self.embed_weight.dtype)
             self.drafter.ingest_context(self.cache, row_slots, positions, features)
         for item in items:
             self.lengths[item.request_id] = item.context_start + len(item.context_features)

@@ -81,6 +81,8 @@ class PairTransport:
             os.environ.setdefault("GLOO_SOCKET_IFNAME", "lo")  # one host: do not depend on the hostname resolving
         self.sender, self.device, self.timeout_s = sender, torch.device(device), timeout_s
         self.backend = pair_backend(device, backend)
+        # where the tensor sits while it travels: NCCL moves device memory, gloo host memory only
+        self.staging = self.device if self.backend == "nccl" else torch.device("cpu")
         self.store: dist.TCPStore | None = None
         self.session, self.group = "", None
         if sender:
@@ -131,7 +133,7 @@ class PairTransport:
             return
         group = self._group(outgoing.session)
         try:
-            group.send([features.to(self.device).contiguous()], 1, 0).wait()
+            group.send([features.to(self.staging).contiguous()], 1, 0).wait()
         except RuntimeError as exc:
             self.reset()
             raise TransportError(f"feature pair send failed: {exc}") from None
@@ -144,7 +146,7 @@ class PairTransport:
             return from_raw(frames)  # a verify worker on frames still works with a pair-configured drafter
         if dtype not in TORCH_DTYPES:
             raise TransportError(f"feature dtype {dtype!r} is not known")
-        tensor = torch.empty(shape, dtype=TORCH_DTYPES[dtype], device=self.device)
+        tensor = torch.empty(shape, dtype=TORCH_DTYPES[dtype], device=self.staging)  # the drafter moves it
         if not tensor.numel():
             return tensor
         group = self._group(session)

@@ -277,7 +277,8 @@ class SpeculativeEngine:
             state.mark_features_sent()
             drafts[r, : counts[r]] = result.tokens.cpu()
             if not state.request.sampling.greedy:
-                q_rows[r] = dense_proposal(result.tokens.to(self.device), vocab, result.q_probs, result.q_ids)
+                q_probs, q_ids = (None if t is None else t.to(self.device) for t in (result.q_probs, result.q_ids))
+                q_rows[r] = dense_proposal(result.tokens.to(self.device), vocab, q_probs, q_ids)  # scattered there
         return drafts[:, : max(counts)], q_rows, counts
 
     def _no_features(self) -> torch.Tensor:
@@ -295,8 +296,9 @@ class SpeculativeEngine:
         q = torch.zeros(b_s, n, vocab, device=self.device)
         accept_u = torch.ones(b_s, n, dtype=torch.float64)
         sample_u = torch.zeros(b_s, dtype=torch.float64)
+        per_row = counts.tolist()  # one host copy, not one per row
         for i, r in enumerate(sampled):
-            k = int(counts[r])
+            k = per_row[r]
             if k:
                 q[i, :k] = q_rows[r]
             draws = states[r].uniforms(k + 1)  # k acceptance tests, then one draw
