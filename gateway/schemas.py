@@ -164,6 +164,16 @@ def reject_unsupported(body: dict) -> None:
         raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
     if _integer(body, "best_of", 1) != 1:
         raise ApiError(400, "only best_of=1 is supported", param="best_of")
+    if body.get("tools") or body.get("functions"):
+        raise ApiError(400, "tool calling is not supported by this server", param="tools" if body.get("tools")
+                       else "functions")
+    if body.get("tool_choice") not in (None, "none") or body.get("function_call") not in (None, "none"):
+        raise ApiError(400, "tool calling is not supported by this server", param="tool_choice"
+                       if body.get("tool_choice") not in (None, "none") else "function_call")
+    response_format = body.get("response_format")
+    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
+        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported (no JSON mode or schema)",
+                       param="response_format")
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
 

@@ -262,7 +262,8 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(server):
                "logprobs": None, "suffix": "", "stream": None}
     assert completion(server, max_tokens=2, **neutral)["usage"]["completion_tokens"] == 2
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": None,
-            "top_logprobs": None, "echo": False}
+            "top_logprobs": None, "echo": False, "tools": [], "tool_choice": "none",
+            "response_format": {"type": "text"}, "user": "someone"}
     response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
     assert response.status_code == 200 and response.json()["choices"][0]["logprobs"] is None
 
@@ -301,6 +302,12 @@ BAD = [
      400, "echo"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
      400, "logprobs"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
+                              "response_format": {"type": "json_object"}}, 400, "response_format"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2},
      400, "top_logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": True,
