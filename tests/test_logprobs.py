@@ -91,9 +91,11 @@ def test_token_logprobs_is_log_softmax():
     assert rows[1].top_logprobs == pytest.approx(want[1, [0, 1]].tolist())
 
 
-@pytest.mark.parametrize("chunk", [3, 2048])
-def test_prompt_logprobs_across_prefill_chunks_and_a_zero_token_request(qwen3_pair, chunk):
+@pytest.mark.parametrize("chunk,slice_floats", [(3, 1 << 24), (2048, 1 << 24), (2048, 300)])
+def test_prompt_logprobs_across_prefill_chunks_and_a_zero_token_request(qwen3_pair, chunk, slice_floats, monkeypatch):
     hf, target, _, _ = qwen3_pair
+    # 300 floats: logits of 2 rows at a time (vocabulary 128), so the scoring slices are exercised too
+    monkeypatch.setattr(SpeculativeEngine._score_prompt, "__defaults__", (slice_floats,))
     engine = SpeculativeEngine(target, None, max_requests=2, max_model_len=256, max_prefill_tokens=chunk)
     prompt = (60, 61, 62, 63, 64, 9, 3, 17)
     with torch.no_grad():

@@ -319,9 +319,11 @@ class SpeculativeEngine:
             tokens[sampled] = sample_from(probs, draws)
         return tokens
 
-    def _score_prompt(self, state: RequestState, hidden: torch.Tensor, rows_at_once: int = 256) -> None:
+    def _score_prompt(self, state: RequestState, hidden: torch.Tensor, floats_at_once: int = 1 << 24) -> None:
         """Log-probabilities of the prompt tokens that this chunk's rows (hidden [n, H], from position
-        state.prefilled) predict, a few hundred rows at a time (a [rows, vocab] float32 block each)."""
+        state.prefilled) predict, in slices of [rows, vocab] float32 logits of at most 64 MB (110 rows of a
+        152k vocabulary, 4096 of the demo's)."""
+        rows_at_once = max(1, floats_at_once // self.target.config.vocab_size)
         start, prompt = state.prefilled, state.request.prompt_ids
         rows = min(len(hidden), len(prompt) - 1 - start)  # the last prompt row predicts the first output token
         for first in range(0, rows, rows_at_once):
