@@ -102,12 +102,16 @@ def test_verify_worker_killed(models):
         server.stop()
 
 
-def test_client_disconnect_aborts_and_frees_the_cache(models):
-    target, draft, root = models
-    server = Server(target, draft, log_dir=root)
+@pytest.mark.parametrize("choices", [{}, {"n": 3}, {"prompt": ["import os", "import sys"], "n": 2}],
+                         ids=["one", "n3", "batch2x2"])
+def test_client_disconnect_aborts_and_frees_the_cache(tmp_path, choices):
+    target, draft = write_server_models(tmp_path)
+    (target / "tokenizer_config.json").write_text("{}")  # no end-of-text token: no choice ends before the abort
+    server = Server(target, draft, log_dir=tmp_path)
     try:
         server.wait_ready()
-        body = {"model": "tiny", "prompt": "import os", "max_tokens": 480, "temperature": 0, "stream": True}
+        body = {"model": "tiny", "prompt": "import os", "max_tokens": 480, "temperature": 0, "stream": True,
+                **choices}
         with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
             assert response.status_code == 200
             lines = response.iter_lines()
@@ -119,7 +123,11 @@ def test_client_disconnect_aborts_and_frees_the_cache(models):
                 break
             time.sleep(0.2)
         assert metric_value(server.metrics("verify"), "dflash_running_requests") == 0
+        count = choices.get("n", 1) * (len(choices["prompt"]) if "prompt" in choices else 1)
+        aborted = [line for line in server.stderr_path.read_text().splitlines() if " INFO aborted " in line]
+        assert len(aborted) == count  # the verify worker dropped every choice, none ran on to max_tokens
         assert metric_value(server.metrics("gateway"), "dflash_requests_total", {"outcome": "aborted"}) == 1
+        assert completion_tokens(server.url, "ok", 4)["usage"]["completion_tokens"] == 4  # and serving on
     finally:
         assert server.stop() == 0
 
