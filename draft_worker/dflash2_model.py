@@ -132,7 +132,7 @@ class DFlash2DraftModel(DFlashDraftModel):
         k = min(k, logits.shape[-1])
         if logits.device.type != "cpu" or k == logits.shape[-1]:
             return logits.topk(k, dim=-1, sorted=False)
-        ids = torch.from_numpy(np.argpartition(-logits.float().numpy(), k - 1, axis=-1)[..., :k].copy())
+        ids = torch.from_numpy(np.argpartition(-logits.detach().float().numpy(), k - 1, axis=-1)[..., :k].copy())
         return logits.gather(-1, ids), ids
 
     def walk(self, hidden: torch.Tensor, logits: torch.Tensor, anchors: torch.Tensor, temperatures: torch.Tensor,

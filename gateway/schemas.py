@@ -167,9 +167,10 @@ def reject_unsupported(body: dict) -> None:
     if body.get("tools") or body.get("functions"):
         raise ApiError(400, "tool calling is not supported by this server", param="tools" if body.get("tools")
                        else "functions")
-    if body.get("tool_choice") not in (None, "none") or body.get("function_call") not in (None, "none"):
+    neutral = (None, "none", "auto")  # with no tools offered, "auto" means no tool call either
+    if body.get("tool_choice") not in neutral or body.get("function_call") not in neutral:
         raise ApiError(400, "tool calling is not supported by this server", param="tool_choice"
-                       if body.get("tool_choice") not in (None, "none") else "function_call")
+                       if body.get("tool_choice") not in neutral else "function_call")
     response_format = body.get("response_format")
     if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
         raise ApiError(400, "only response_format {\"type\": \"text\"} is supported (no JSON mode or schema)",

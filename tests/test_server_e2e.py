@@ -263,7 +263,7 @@ def test_neutral_values_of_unsupported_parameters_are_accepted(server):
                "logprobs": None, "suffix": "", "stream": None}
     assert completion(server, max_tokens=2, **neutral)["usage"]["completion_tokens"] == 2
     chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, "logprobs": None,
-            "top_logprobs": None, "echo": False, "tools": [], "tool_choice": "none",
+            "top_logprobs": None, "echo": False, "tools": [], "tool_choice": "auto",
             "response_format": {"type": "text"}, "user": "someone"}
     response = httpx.post(f"{server.url}/v1/chat/completions", json=chat, timeout=30)
     assert response.status_code == 200 and response.json()["choices"][0]["logprobs"] is None

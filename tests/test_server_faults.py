@@ -117,15 +117,17 @@ def test_client_disconnect_aborts_and_frees_the_cache(tmp_path, choices):
             lines = response.iter_lines()
             for _ in range(3):
                 next(lines)
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline:
-            if metric_value(server.metrics("verify"), "dflash_running_requests") == 0:
-                break
-            time.sleep(0.2)
-        assert metric_value(server.metrics("verify"), "dflash_running_requests") == 0
         count = choices.get("n", 1) * (len(choices["prompt"]) if "prompt" in choices else 1)
-        aborted = [line for line in server.stderr_path.read_text().splitlines() if " INFO aborted " in line]
-        assert len(aborted) == count  # the verify worker dropped every choice, none ran on to max_tokens
+
+        def aborted() -> int:
+            return sum(" INFO aborted " in line for line in server.stderr_path.read_text().splitlines())
+
+        deadline = time.monotonic() + 15
+        while time.monotonic() < deadline and aborted() < count:
+            time.sleep(0.1)
+        assert aborted() == count  # the verify worker dropped every choice, none ran on to max_tokens
+        time.sleep(0.6)  # the running gauge is refreshed by the worker's heartbeat (every 0.25 s)
+        assert metric_value(server.metrics("verify"), "dflash_running_requests") == 0
         assert metric_value(server.metrics("gateway"), "dflash_requests_total", {"outcome": "aborted"}) == 1
         assert completion_tokens(server.url, "ok", 4)["usage"]["completion_tokens"] == 4  # and serving on
     finally:
