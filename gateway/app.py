@@ -217,29 +217,26 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                     await client.submit(message, queue)
                 except BaseException as exc:  # the choices already sent must not run on with nobody reading them
                     turns.pop(request_id)
-                    await abort_unfinished(turns)
-                    for turn in turns.values():
-                        client.finish(turn.request_id)
+                    await release(turns)
                     if isinstance(exc, ConnectionError):
                         raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
                     raise
         metrics.prompt_tokens.inc(sum(len(prompt.ids) for prompt in params.prompts))
         early = await first_events(request, queue, turns)
+        if early is None or isinstance(early, RequestFailed):
+            await release(turns)
         if early is None:
             return Response(status_code=499)
         if isinstance(early, RequestFailed):
             failed = early
-            await abort_unfinished(turns)
-            for turn in turns.values():
-                client.finish(turn.request_id)
             metrics.requests.labels("rejected" if failed.code == "queue_full" else "error").inc()
             status = FAILURE_STATUS.get(failed.code, 500)
             kind = "rate_limit_error" if status == 429 else "invalid_request_error" if status < 500 else "server_error"
             raise ApiError(status, failed.message, code=failed.code, kind=kind,
                            headers={"Retry-After": "1"} if status in (429, 503) else None)
         if params.stream:
-            return StreamingResponse(stream(request, queue, turns, early, chat), media_type="text/event-stream")
-        return await collect(request, queue, turns, early, chat)
+            return StreamingResponse(stream(request, queue, turns, early, chat, base), media_type="text/event-stream")
+        return await collect(request, queue, turns, early, chat, base)
 
     def echoed_prompt(prompt: Prompt) -> str:
         if prompt.text is not None:
@@ -251,14 +248,19 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             if turn.finish_reason is None:
                 await client.abort(turn.request_id)
 
-    async def next_event(request: Request, queue: asyncio.Queue, turns: dict[str, Turn]):
-        """The next event of any of the turns, or None when the client went away (they are then aborted)."""
+    async def release(turns: dict[str, Turn]) -> None:
+        """Abort the choices still running and stop listening for every choice's events."""
+        await abort_unfinished(turns)
+        for turn in turns.values():
+            client.finish(turn.request_id)
+
+    async def next_event(request: Request, queue: asyncio.Queue):
+        """The next event of a request's choices, or None when the client went away (the caller releases them)."""
         while True:
             try:
                 return await asyncio.wait_for(queue.get(), timeout=0.5)
             except asyncio.TimeoutError:
                 if await request.is_disconnected():
-                    await abort_unfinished(turns)
                     metrics.requests.labels("aborted").inc()
                     return None
 
@@ -269,7 +271,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         the worker runs at once is answered once its last choice has started."""
         early, heard = [], set()
         while len(heard) < len(turns):
-            event = await next_event(request, queue, turns)
+            event = await next_event(request, queue)
             if event is None or isinstance(event, RequestFailed):
                 return event
             heard.add(event.request_id)
@@ -302,7 +304,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         for item in early:
             yield item
         while any(turn.finish_reason is None for turn in turns.values()):
-            event = await next_event(request, queue, turns)
+            event = await next_event(request, queue)
             if event is None:
                 raise _Disconnected()
             if isinstance(event, RequestFailed):
@@ -330,7 +332,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             choice["text"] = (echoed_prompt(turn.prompt) if turn.params.echo else "") + turn.text
         return choice
 
-    async def collect(request, queue, turns: dict[str, Turn], early: list, chat: bool):
+    async def collect(request, queue, turns: dict[str, Turn], early: list, chat: bool, response_id: str):
         try:
             async for _ in events_of(request, queue, turns, early):
                 pass
@@ -340,24 +342,21 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             raise ApiError(503 if failed.event.code == "verify_worker_down" else 500, failed.event.message,
                            kind="server_error", code=failed.event.code) from None
         except _Disconnected:
-            for turn in turns.values():
-                client.finish(turn.request_id)
+            await release(turns)
             return Response(status_code=499)
         ordered = sorted(turns.values(), key=lambda t: t.index)
         finish_request(turns, "success")
-        first = ordered[0]
         return {
-            "id": first.request_id.rsplit("-", 1)[0] if len(ordered) > 1 else first.request_id,
+            "id": response_id,
             "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
             "model": settings.model_name, "choices": [choice_of(t, chat) for t in ordered],
             "usage": usage(ordered),
         }
 
-    async def stream(request, queue, turns: dict[str, Turn], early: list, chat: bool):
+    async def stream(request, queue, turns: dict[str, Turn], early: list, chat: bool, response_id: str):
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         ordered = sorted(turns.values(), key=lambda t: t.index)
-        response_id = ordered[0].request_id.rsplit("-", 1)[0] if len(ordered) > 1 else ordered[0].request_id
         offsets = {turn.request_id: TextOffsets(codec) for turn in ordered}  # legacy text_offset, per choice
         params = ordered[0].params
 
@@ -412,13 +411,10 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             yield "data: [DONE]\n\n"
         except _Disconnected:
             finished = True
-            for turn in turns.values():
-                client.finish(turn.request_id)
+            await release(turns)
         finally:
             if not finished:  # the client went away while we were sending
-                await abort_unfinished(turns)
-                for turn in turns.values():
-                    client.finish(turn.request_id)
+                await release(turns)
                 metrics.requests.labels("aborted").inc()
 
     return app

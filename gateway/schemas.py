@@ -3,8 +3,9 @@
 import json
 from dataclasses import dataclass, field
 
+from shared.channel_gateway import MAX_TOP_LOGPROBS
+
 MAX_STOP_STRINGS = 4
-MAX_TOP_LOGPROBS = 20  # the verify worker's own limit (verify_worker/logprobs.py)
 MAX_CHOICES = 64  # n per prompt
 
 
@@ -78,7 +79,7 @@ def _number(body, name, default, low=None, high=None, low_open=False):
     return value
 
 
-def _integer(body, name, default=None, low=None):
+def _integer(body, name, default=None, low=None, high=None):
     value = body.get(name, default)
     if value is None:
         return default
@@ -86,6 +87,8 @@ def _integer(body, name, default=None, low=None):
         raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)}", param=name)
     if low is not None and value < low:
         raise ApiError(400, f"'{name}' must be >= {low}, got {value}", param=name)
+    if high is not None and value > high:
+        raise ApiError(400, f"'{name}' must be <= {high}, got {value}", param=name)
     return value
 
 
@@ -120,9 +123,7 @@ def parse_common(body: dict, served_model: str) -> GenerationParams:
     if model != served_model:
         raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
-    n = _integer(body, "n", 1, low=1)
-    if n > MAX_CHOICES:
-        raise ApiError(400, f"'n' must be <= {MAX_CHOICES}, got {n}", param="n")
+    n = _integer(body, "n", 1, low=1, high=MAX_CHOICES)
     stream = _boolean(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -179,17 +180,10 @@ def reject_unsupported(body: dict) -> None:
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
 
 
-def _top_count(body: dict, name: str) -> int:
-    value = _integer(body, name, 0, low=0)
-    if value > MAX_TOP_LOGPROBS:
-        raise ApiError(400, f"'{name}' must be <= {MAX_TOP_LOGPROBS}, got {value}", param=name)
-    return value
-
-
 def parse_completion(body: dict, served_model: str) -> GenerationParams:
     params = parse_common(body, served_model)
     if body.get("logprobs") is not None:  # the legacy form: an integer count of top alternatives
-        params.logprobs = _top_count(body, "logprobs")
+        params.logprobs = _integer(body, "logprobs", 0, low=0, high=MAX_TOP_LOGPROBS)
     params.echo = _boolean(body, "echo")
     if params.max_tokens == 0 and not params.echo:
         raise ApiError(400, "'max_tokens' must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
@@ -224,7 +218,7 @@ def parse_chat(body: dict, served_model: str) -> GenerationParams:
         raise ApiError(400, "'max_tokens' must be >= 1", param="max_tokens")
     if body.get("echo"):
         raise ApiError(400, "'echo' is a completions parameter, not a chat one", param="echo")
-    top = _top_count(body, "top_logprobs") if body.get("top_logprobs") is not None else None
+    top = _integer(body, "top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
     if _boolean(body, "logprobs"):
         params.logprobs = top or 0
     elif top:

@@ -5,6 +5,8 @@ from dataclasses import dataclass
 
 from shared.wire import Message, WireError, channel
 
+MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (the gateway checks, the engine enforces)
+
 
 @dataclass
 class SubmitRequest(Message):

@@ -13,10 +13,11 @@ import time
 
 import torch
 
+from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import ConfigError, RequestError
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.sampling import batch_sampling_probs, sample_from
-from verify_worker.logprobs import MAX_TOP_LOGPROBS, TokenLogprob, token_logprobs
+from verify_worker.logprobs import TokenLogprob, token_logprobs
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
 from verify_worker.scheduler import num_drafts, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation

@@ -5,8 +5,6 @@ from dataclasses import dataclass
 
 import torch
 
-MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for
-
 
 @dataclass
 class TokenLogprob:
