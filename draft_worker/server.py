@@ -21,6 +21,7 @@ from shared.checkpoint_io import load_tensors, read_config
 from shared.draft_codec import items_from_message, reply_message
 from shared.errors import DFlashError
 from shared.feature_transport import FrameTransport, add_transport_flags, make_transport
+from shared.proposals import DraftResult
 from shared.role import configure_process, run_worker
 from shared.wire import WireError, decode, encode
 from verify_worker.target_config import TargetConfig
@@ -95,13 +96,29 @@ class DraftServer:
             self.metrics.bad.labels("draft").inc()
             self.log.warning("rejected draft call %d: %s", message.call_id, exc)
             return None
-        results = self.proposer.propose(items)
+        try:
+            results = self.proposer.propose(items)
+        except Exception as exc:  # noqa: BLE001 - one request must not cost the others their drafts
+            self.log.warning("draft call %d failed (%s: %s): drafting its %d requests one by one", message.call_id,
+                             type(exc).__name__, exc, len(items))
+            results = [self._draft_alone(item) for item in items]
         elapsed = time.perf_counter() - started
         self.metrics.calls.inc()
         self.metrics.forward.observe(elapsed)
         self.metrics.resyncs.inc(sum(r.tokens is None for r in results))
         self.metrics.cached.set(len(self.proposer.slots))
         return reply_message(message.call_id, results, elapsed)
+
+
+    def _draft_alone(self, item) -> DraftResult:
+        """One request's drafts; a request that fails on its own gets none this step (and its context is
+        dropped, so it resends it), which costs it speed, never its output."""
+        try:
+            return self.proposer.propose([item])[0]
+        except Exception:  # noqa: BLE001
+            self.log.exception("request %s fails drafting on its own: no drafts for it this step", item.request_id)
+            self.proposer.release(item.request_id)
+            return DraftResult(tokens=torch.zeros(0, dtype=torch.long))
 
 
 def parse_args(argv):

@@ -98,7 +98,11 @@ def parse_args(argv):
                         help="Prometheus ports: N (verify worker), N+1 (draft worker); the gateway serves /metrics")
     parser.add_argument("--verify-threads", type=int, default=0)
     parser.add_argument("--draft-threads", type=int, default=0)
-    parser.add_argument("--draft-timeout", type=float, default=5.0)
+    parser.add_argument("--draft-timeout", type=float, default=5.0,
+                        help="the longest wait for a draft (a fresh drafter, a call catching up on a prompt); steady "
+                             "calls wait 8x their recent median, at least 0.25 s; a drafter that dies is noticed at once")
+    parser.add_argument("--stall-timeout", type=float, default=300.0,
+                        help="a verify worker whose loop makes no progress for this long is hung: it exits (0 = never)")
     parser.add_argument("--spec-policy", choices=["always", "adaptive"], default="always",
                         help="always: every step drafts; adaptive: the verify worker decodes plainly while drafting is "
                              "expected not to pay (one drafted step after 8 plain ones re-measures it)")
@@ -138,7 +142,7 @@ def build_children(args) -> dict[str, Child]:
     verify = ["--target", target, *common, "--draft-addr", drafts, "--metrics-port", str(args.metrics_base_port),
               "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting), "--device", args.device,
               "--dtype", args.dtype, "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout),
-              "--spec-policy", args.spec_policy]
+              "--stall-timeout", str(args.stall_timeout), "--spec-policy", args.spec_policy]
     gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
                "--max-pending", str(args.max_running + args.max_waiting), "--shutdown-timeout",
                str(args.shutdown_timeout)]

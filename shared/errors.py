@@ -15,3 +15,8 @@ class CheckpointError(DFlashError):
 
 class RequestError(DFlashError, ValueError):
     """A generation request is invalid (empty prompt, too long, bad sampling parameters)."""
+
+
+class WorkerFault(DFlashError):
+    """A fault of the worker itself (e.g. a lost tensor-parallel rank), not of any request: the engine does not
+    look for a request to blame, the worker stops."""

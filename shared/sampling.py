@@ -5,6 +5,7 @@ Every draw takes an explicit uniform number from the request's own generator, so
 the same random stream whether it runs alone or in a batch.
 """
 
+import math
 from dataclasses import dataclass
 
 import numpy as np
@@ -12,25 +13,36 @@ import torch
 
 from shared.errors import RequestError
 
+INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
+MIN_TEMPERATURE = 1e-5  # below it (and at 0) decoding is greedy, as in vLLM and SGLang: float32 logits / T overflow
+
+
+def is_int64(value) -> bool:
+    """A Python int (not a bool) that fits in int64, as every integer a request carries must."""
+    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+
 
 @dataclass(frozen=True)
 class SamplingParams:
-    temperature: float = 0.0  # 0 = greedy
+    temperature: float = 0.0  # 0 (or below MIN_TEMPERATURE) = greedy
     top_p: float = 1.0
     top_k: int = 0  # 0 = no top-k cut
     seed: int | None = None
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature!r}")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
+        if not finite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+        if not finite(self.top_p) or not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
-        if not isinstance(self.top_k, int) or isinstance(self.top_k, bool) or self.top_k < 0:
-            raise RequestError(f"top_k must be an integer >= 0, got {self.top_k!r}")
+        if not is_int64(self.top_k) or self.top_k < 0:
+            raise RequestError(f"top_k must be an integer from 0 to 2**63 - 1, got {self.top_k!r}")
+        if self.seed is not None and not is_int64(self.seed):
+            raise RequestError(f"seed must be an integer from -2**63 to 2**63 - 1, got {self.seed!r}")
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        return self.temperature < MIN_TEMPERATURE
 
 
 def sampling_probs(
@@ -65,7 +77,9 @@ def _cut_rows(probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torc
     sorted_probs = sorted_probs * (torch.arange(probs.shape[-1], device=probs.device) < k[:, None])
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     mass_before = sorted_probs.cumsum(-1) - sorted_probs
-    sorted_probs = sorted_probs * ((mass_before < top_p[:, None]) | (top_p[:, None] >= 1))  # top_p 1: no cut
+    keep = (mass_before < top_p[:, None]) | (top_p[:, None] >= 1)  # top_p 1: no cut
+    keep[:, 0] = True  # the most likely token always stays (a top_p below float32's range keeps it alone)
+    sorted_probs = sorted_probs * keep
     sorted_probs = sorted_probs / sorted_probs.sum(-1, keepdim=True)
     return torch.zeros_like(probs).scatter_(-1, order, sorted_probs)
 

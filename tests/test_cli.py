@@ -147,7 +147,7 @@ def test_hidden_size_mismatch_between_target_and_drafter(checkpoints, tmp_path, 
     [
         (["--block-size", "1"], "--block-size must be >= 2"),
         (["--max-tokens", "0"], "--max-tokens must be >= 1"),
-        (["--temperature", "-1"], "temperature must be >= 0"),
+        (["--temperature", "-1"], "temperature must be a finite number >= 0"),
         (["--top-p", "1.5"], "top_p must be in (0, 1]"),
         (["--prompt-ids", "1,999"], "prompt token id 999 is outside the vocabulary"),
         (["--prompt-ids", ""], "the prompt is empty"),

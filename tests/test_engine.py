@@ -1,11 +1,12 @@
 """Engine behaviour: stop tokens, max tokens, queueing, aborts, seeded reproducibility, request validation."""
 
 import pytest
+import torch
 
 from draft_worker.local_proposer import LocalProposer
 from greedy_check import assert_same_or_near_tie
 from shared.errors import RequestError
-from shared.sampling import SamplingParams
+from shared.sampling import SamplingParams, batch_sampling_probs
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
 
@@ -87,9 +88,26 @@ def test_invalid_requests_are_rejected(qwen3_pair, request_args, message):
     assert not engine.has_work()
 
 
-def test_invalid_sampling_params_are_rejected():
-    with pytest.raises(RequestError, match="top_k must be an integer >= 0"):
-        SamplingParams(top_k=-1)
+@pytest.mark.parametrize("kwargs, message", [
+    ({"top_k": -1}, "top_k must be an integer from 0"), ({"top_k": 2**63}, "top_k must be an integer from 0"),
+    ({"top_k": 10**30}, "top_k"), ({"seed": 2**64}, "seed must be an integer"), ({"seed": -2**63 - 1}, "seed"),
+    ({"temperature": float("nan")}, "temperature must be a finite"), ({"temperature": float("inf")}, "temperature"),
+    ({"temperature": -1e-300}, "temperature"), ({"top_p": float("nan")}, "top_p"), ({"top_p": -0.0}, "top_p"),
+    ({"top_p": 1e308}, "top_p"),
+])
+def test_invalid_sampling_params_are_rejected(kwargs, message):
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**kwargs)
+
+
+def test_edge_sampling_values_compute_a_distribution():
+    """A temperature below 1e-5 is greedy (float32 logits / T would overflow); a top_p below float32's range
+    keeps the most likely token alone; the whole int64 range of top_k and seed is usable."""
+    assert SamplingParams(temperature=5e-324).greedy and SamplingParams(temperature=-0.0).greedy
+    assert not SamplingParams(temperature=1e-5).greedy
+    logits = torch.tensor([[[0.5, 2.0, 1.0, -1.0]]])
+    probs = batch_sampling_probs(logits, [SamplingParams(1.0, top_p=5e-324, top_k=2**63 - 1, seed=-2**63)])
+    assert torch.equal(probs, torch.tensor([[[0.0, 1.0, 0.0, 0.0]]]))
 
 
 def test_chunked_prefill_gives_the_same_output_and_keeps_streams_running(qwen3_pair):

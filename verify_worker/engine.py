@@ -7,18 +7,24 @@ a step is plain decoding: the same code path with zero drafts.
 Continuous batching: requests may be added or aborted between steps. Each step prefills prompt chunks (at
 most max_prefill_tokens in all, so a long prompt does not stall running streams) in one target forward, then
 decodes every running request in one more.
+
+Fault isolation: a step that raises is undone (`RequestSnapshot`) and its requests are stepped again in
+halves, recursively, so that only a request that fails a step on its own is failed; every other request
+advances by exactly one step, each half being an ordinary step for its requests.
 """
 
+import logging
 import time
 
 import torch
 
 from shared.channel_gateway import MAX_TOP_LOGPROBS
-from shared.errors import ConfigError, RequestError
+from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
-from shared.sampling import batch_sampling_probs, sample_from
+from shared.sampling import SamplingParams, batch_sampling_probs, is_int64, sample_from
 from verify_worker.logprobs import TokenLogprob, token_logprobs
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
+from verify_worker.request_snapshot import RequestSnapshot
 from verify_worker.scheduler import num_drafts, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.target_model import TargetModel
@@ -60,7 +66,9 @@ class SpeculativeEngine:
         self.running: dict[str, RequestState] = {}  # request id -> decoding state, in admission order
         self.device = target.embed_weight.device
         self.last_report = StepReport()
+        self.last_reports: list[StepReport] = []  # one per ordinary step of the last step() (more after a fault)
         self.policy = policy if proposer is not None else None  # None: every step drafts what it may
+        self.log = logging.getLogger("dflash.engine")
 
     # ------------------------------------------------------------------ admission
     def add(self, request: GenerationRequest) -> RequestState:
@@ -86,8 +94,12 @@ class SpeculativeEngine:
                 f"maximum model length {self.max_model_len}"
             )
         spec = request.num_speculative_tokens
-        if spec is not None and (not isinstance(spec, int) or spec < 0):
-            raise RequestError(f"num_speculative_tokens must be an integer >= 0, got {spec!r}")
+        if spec is not None and (not is_int64(spec) or spec < 0):
+            raise RequestError(f"num_speculative_tokens must be an integer from 0 to 2**63 - 1, got {spec!r}")
+        if not all(is_int64(t) for t in request.stop_token_ids):
+            raise RequestError("stop token ids must be 64-bit integers")
+        if not isinstance(request.sampling, SamplingParams):
+            raise RequestError("sampling must be SamplingParams")
         top = request.logprobs
         if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS):
             raise RequestError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
@@ -117,27 +129,95 @@ class SpeculativeEngine:
     # ------------------------------------------------------------------ stepping
     @torch.inference_mode()
     def step(self) -> list[StepEvent]:
-        report = StepReport(seconds={"draft": 0.0, "transfer": 0.0, "verify": 0.0, "prefill": 0.0, "cache": 0.0})
-        started = time.perf_counter()
-        events: dict[str, StepEvent] = {}
+        """Admit what fits, then one step of every admitted request. A step that raises is undone and retried in
+        halves of its batch; a request that fails on its own ends with finish reason "error" (its event carries
+        the error), and the others advance as if nothing had happened."""
         while self.waiting and self.free_slots:
             state = self.waiting.pop(0)
             state.slot, state.status = self.free_slots.pop(), Status.PREFILLING
             self.prefilling.append(state)
-        chunks = plan_prefill(self.prefilling, self.max_prefill_tokens)
+        groups = [[s.request_id for s in self.prefilling] + list(self.running)]
+        events, self.last_reports = [], []
+        while groups:
+            group = groups.pop()
+            saved = self._save(group)
+            try:
+                events += self._step_group(set(group))
+                self.last_reports.append(self.last_report)
+            except WorkerFault:
+                raise
+            except Exception as exc:  # noqa: BLE001 - any fault of a step is looked for in its requests
+                self._restore(saved)
+                if len(group) == 1:
+                    events.append(self._fail(group[0], exc))
+                    continue
+                self.log.warning("a step of %d requests failed (%s: %s): stepping them in halves to find the "
+                                 "cause", len(group), type(exc).__name__, exc)
+                half = len(group) // 2
+                groups += [group[half:], group[:half]]
+        return events
+
+    def _step_group(self, group: set[str]) -> list[StepEvent]:
+        """One ordinary step of the admitted requests in group: their next prompt chunks, then their decode."""
+        report = StepReport(seconds={"draft": 0.0, "transfer": 0.0, "verify": 0.0, "prefill": 0.0, "cache": 0.0})
+        started = time.perf_counter()
+        events: dict[str, StepEvent] = {}
+        chunks = plan_prefill([s for s in self.prefilling if s.request_id in group], self.max_prefill_tokens)
         if chunks:
             self._prefill(chunks, events, report)
-        if self.running:
-            self._decode(list(self.running.values()), events, report)
+        decoding = [s for s in self.running.values() if s.request_id in group]
+        if decoding:
+            self._decode(decoding, events, report)
         measured = sum(report.seconds.values())
         report.seconds["scheduling"] = max(0.0, time.perf_counter() - started - measured)
         self.last_report = report
         return list(events.values())
 
+    def _save(self, group: list[str]) -> tuple[list[str], list[str], list[RequestSnapshot]]:
+        states = {s.request_id: s for s in self.prefilling} | self.running
+        return list(self.running), [s.request_id for s in self.prefilling], [RequestSnapshot.take(states[r])
+                                                                             for r in group]
+
+    def _restore(self, saved: tuple[list[str], list[str], list[RequestSnapshot]]) -> None:
+        """Undo a failed step for its requests: their fields, their queue (in its old order) and their slot."""
+        running_order, prefilling_order, snapshots = saved
+        for snapshot in snapshots:
+            state = snapshot.state
+            self.running.pop(state.request_id, None)
+            self.prefilling = [s for s in self.prefilling if s is not state]
+            if state.slot < 0 <= snapshot.slot:  # it finished in the failed step: take its slot back
+                self.free_slots.remove(snapshot.slot)
+            snapshot.restore()
+            if state.status == Status.RUNNING:
+                self.running[state.request_id] = state
+            else:
+                self.prefilling.append(state)
+        rank = {r: i for i, r in enumerate(running_order)}
+        self.running = dict(sorted(self.running.items(), key=lambda item: rank.get(item[0], len(rank))))
+        rank = {r: i for i, r in enumerate(prefilling_order)}
+        self.prefilling.sort(key=lambda state: rank.get(state.request_id, len(rank)))
+
+    def _fail(self, request_id: str, exc: Exception) -> StepEvent:
+        """A request that fails a step on its own: logged with its parameters and dropped, its slot freed."""
+        state = self.running.pop(request_id, None) or next(s for s in self.prefilling if s.request_id == request_id)
+        self.prefilling = [s for s in self.prefilling if s is not state]
+        request = state.request
+        self.log.error("request %s fails the step on its own and is dropped (%s: %s); prompt of %d tokens, "
+                       "max_tokens %d, %s, num_speculative_tokens %s, logprobs %s, at %d tokens generated",
+                       request_id, type(exc).__name__, exc, len(request.prompt_ids), request.max_tokens,
+                       request.sampling, request.num_speculative_tokens, request.logprobs, len(state.output_ids),
+                       exc_info=exc)
+        state.finish_reason, state.error = "error", f"{type(exc).__name__}: {exc}"
+        self._free(state, "error")
+        return StepEvent(request_id, [], "error", state.stats, error=state.error)
+
     def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
         states = [self.add(r) for r in requests]
         while self.has_work():
             self.step()
+        failed = next((s for s in states if s.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
         return [GenerationResult(s.request_id, s.output_ids, s.finish_reason, s.stats,
                                  s.logprobs if s.request.logprobs is not None else None,
                                  s.prompt_logprobs if s.request.prompt_logprobs else None) for s in states]
@@ -276,10 +356,13 @@ class SpeculativeEngine:
                 counts[r] = 0
                 continue
             state.mark_features_sent()
-            drafts[r, : counts[r]] = result.tokens.cpu()
+            counts[r] = k = min(counts[r], len(result.tokens))  # a proposer may draft fewer (none) for a request
+            if not k:
+                continue
+            drafts[r, :k] = result.tokens[:k].cpu()
             if not state.request.sampling.greedy:
-                q_probs, q_ids = (None if t is None else t.to(self.device) for t in (result.q_probs, result.q_ids))
-                q_rows[r] = dense_proposal(result.tokens.to(self.device), vocab, q_probs, q_ids)  # scattered there
+                q_probs, q_ids = (None if t is None else t[:k].to(self.device) for t in (result.q_probs, result.q_ids))
+                q_rows[r] = dense_proposal(result.tokens[:k].to(self.device), vocab, q_probs, q_ids)  # scattered there
         return drafts[:, : max(counts)], q_rows, counts
 
     def _no_features(self) -> torch.Tensor:

@@ -1,9 +1,15 @@
 """The Proposer that talks to a draft worker process over ZeroMQ (DEALER -> the worker's ROUTER).
 
-A call that gets no answer within the timeout marks the drafter unavailable: the engine then decodes without
-drafts, and every retry_interval one cheap ping checks whether the drafter is back. Replies are matched by
-call id, so a late answer to an abandoned call is dropped. The socket is rebuilt after a timeout so that
-requests queued for a dead peer are not delivered to its successor.
+A drafter fault costs speed, never a request, and is noticed fast:
+- a drafter that dies closes its connection: a monitor on the socket sees the disconnect while a call waits,
+  and the call gives up at once (milliseconds, not a timeout);
+- a drafter that hangs (stopped, stuck) misses its deadline, a multiple of its recent latency
+  (`DraftDeadline`), not a fixed number of seconds.
+Either way the drafter is marked unavailable: the engine decodes without drafts, and `tick()` (called by the
+verify worker's loop) sends a ping every retry interval without waiting for the answer; the first pong makes
+it available again. Replies are matched by call id, so a late answer to an abandoned call is dropped, and the
+socket is rebuilt when the drafter is marked down so that messages queued for a dead peer never reach its
+successor.
 """
 
 import itertools
@@ -11,6 +17,7 @@ import logging
 import time
 
 import zmq
+from zmq.utils.monitor import recv_monitor_message
 
 from draft_worker.draft_config import DraftConfig
 from shared.channel_draft import TO_VERIFIER, DraftReply, Ping, Pong, Release
@@ -18,12 +25,13 @@ from shared.draft_codec import request_message, results_from_message, stacked_fe
 from shared.feature_transport import FrameTransport, TransportError
 from shared.proposals import DraftItem, DraftResult, ProposerUnavailable
 from shared.wire import WireError, decode, encode
+from verify_worker.draft_deadline import DraftDeadline
 
 
 class RemoteProposer:
     def __init__(self, address: str, draft_config: DraftConfig, block_size: int | None = None,
-                 timeout_s: float = 5.0, ping_timeout_s: float = 0.2, retry_interval_s: float = 0.5,
-                 log: logging.Logger | None = None, transport=None):
+                 timeout_s: float = 5.0, retry_interval_s: float = 0.5, log: logging.Logger | None = None,
+                 transport=None, deadline: DraftDeadline | None = None):
         self.address = address
         self.transport = transport or FrameTransport()  # how the context features travel (frames or pair)
         self.block_size = block_size or draft_config.block_size
@@ -31,10 +39,11 @@ class RemoteProposer:
         self.num_target_layers = draft_config.num_target_layers
         self.feature_width = draft_config.num_taps * draft_config.hidden_size
         self.kind = draft_config.kind  # "dflash" or "dflash2"; the drafter's pong confirms it
-        self.timeout_s, self.ping_timeout_s, self.retry_interval_s = timeout_s, ping_timeout_s, retry_interval_s
+        self.deadline = deadline or DraftDeadline(cap_s=timeout_s)
+        self.retry_interval_s = retry_interval_s
         self.log = log or logging.getLogger("dflash.verify")
         self.context = zmq.Context.instance()
-        self.socket = None
+        self.socket = self.monitor = None
         self.call_ids = itertools.count(1)
         self.available = False
         self.next_probe = 0.0
@@ -44,71 +53,104 @@ class RemoteProposer:
 
     def _connect(self) -> None:
         if self.socket is not None:
+            self.socket.disable_monitor()
+            self.monitor.close(linger=0)
             self.socket.close(linger=0)
         self.socket = self.context.socket(zmq.DEALER)
         self.socket.setsockopt(zmq.LINGER, 0)
         self.socket.setsockopt(zmq.IMMEDIATE, 1)  # never queue for a peer that is not connected
+        self.monitor = self.socket.get_monitor_socket(zmq.EVENT_DISCONNECTED)
         self.socket.connect(self.address)
 
+    def _disconnected(self) -> bool:
+        """Whether the monitor reported a lost connection since the last look (drains its events)."""
+        lost = False
+        while self.monitor.poll(0):
+            lost |= recv_monitor_message(self.monitor)["event"] == zmq.EVENT_DISCONNECTED
+        return lost
+
+    def _receive(self):
+        """One decoded message from the drafter, or None for one that is rejected."""
+        frames = self.socket.recv_multipart(copy=False)
+        try:
+            return decode(frames, TO_VERIFIER)
+        except WireError as exc:
+            self.bad_messages += 1
+            self.log.warning("rejected drafter message: %s", exc)
+            return None
+
     def _exchange(self, message, timeout_s: float, after_send=None):
-        """Send one message (then run after_send) and wait for the reply carrying its call id; None on
-        timeout."""
+        """Send one message (then run after_send) and wait for the reply carrying its call id. Returns the
+        reply, or a string saying why there is none (timeout, connection lost)."""
+        self._disconnected()  # events of earlier connections say nothing about this call
         try:
             self.socket.send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
         except zmq.Again:
-            return None
+            return "not connected"
         if after_send is not None:
             after_send()
+        poller = zmq.Poller()
+        poller.register(self.socket, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
         deadline = time.monotonic() + timeout_s
         while (left := deadline - time.monotonic()) > 0:
-            if not self.socket.poll(int(left * 1000) + 1):
-                continue
-            frames = self.socket.recv_multipart(copy=False)
-            try:
-                reply = decode(frames, TO_VERIFIER)
-            except WireError as exc:
-                self.bad_messages += 1
-                self.log.warning("rejected drafter message: %s", exc)
-                continue
-            if reply.call_id == message.call_id:
-                return reply
-        return None
+            ready = dict(poller.poll(int(left * 1000) + 1))
+            if self.monitor in ready and self._disconnected():
+                return "the drafter closed its connection"
+            if self.socket in ready:
+                reply = self._receive()
+                if reply is not None and reply.call_id == message.call_id:
+                    return reply
+        return f"no answer within {timeout_s:.2f} s"
 
     def _mark_down(self, why: str) -> None:
         if self.available:
             self.log.warning("drafter unavailable (%s): decoding without speculation", why)
         self.available = False
         self.next_probe = time.monotonic() + self.retry_interval_s
+        self.deadline.reset()
         self.transport.reset()
         self._connect()
 
-    def probe(self) -> bool:
-        """One ping; True when the drafter answers with a matching block size."""
-        reply = self._exchange(Ping(call_id=next(self.call_ids)), self.ping_timeout_s)
-        if not isinstance(reply, Pong):
-            self._mark_down("no answer to ping")
-            return False
-        if not self.available:
-            self.log.info("drafter available (%s, block size %d)", reply.drafter_kind, reply.block_size)
-        self.available, self.kind = True, reply.drafter_kind
-        return True
+    def tick(self) -> None:
+        """While the drafter is unavailable: take any pong that arrived and send the next ping when it is due.
+        Never waits, so a hung drafter does not slow the verify worker's loop."""
+        if self.available:
+            return
+        while self.socket.poll(0):
+            reply = self._receive()
+            if isinstance(reply, Pong):
+                self.log.info("drafter available (%s, block size %d)", reply.drafter_kind, reply.block_size)
+                self.available, self.kind = True, reply.drafter_kind
+                return
+        if time.monotonic() >= self.next_probe:
+            self.next_probe = time.monotonic() + self.retry_interval_s
+            try:
+                self.socket.send_multipart(encode(Ping(call_id=next(self.call_ids))), flags=zmq.NOBLOCK)
+            except zmq.Again:  # not connected (yet): nothing is queued for it
+                pass
 
     def propose(self, items: list[DraftItem]) -> list[DraftResult]:
-        if not self.available and (time.monotonic() < self.next_probe or not self.probe()):
+        self.tick()
+        if not self.available:
             raise ProposerUnavailable("drafter unavailable")
         started = time.perf_counter()
+        catch_up = any(len(item.context_features) > self.block_size for item in items)
+        timeout_s = self.deadline.timeout(catch_up)
         features = stacked_features(items, self.feature_width)
         outgoing = self.transport.outgoing(features)
         message = request_message(next(self.call_ids), items, outgoing)
         try:
-            reply = self._exchange(message, self.timeout_s, lambda: self.transport.push(features, outgoing))
+            reply = self._exchange(message, timeout_s, lambda: self.transport.push(features, outgoing))
         except TransportError as exc:
             self._mark_down(str(exc))
             raise ProposerUnavailable("feature transport failed") from None
         if not isinstance(reply, DraftReply):
-            self._mark_down(f"no answer within {self.timeout_s:.1f} s")
-            raise ProposerUnavailable("drafter timed out")
-        self.last_timing = {"draft": reply.draft_seconds, "transfer": time.perf_counter() - started - reply.draft_seconds}
+            self._mark_down(reply)
+            raise ProposerUnavailable(f"drafter call failed: {reply}")
+        elapsed = time.perf_counter() - started
+        self.deadline.observe(elapsed, catch_up)
+        self.last_timing = {"draft": reply.draft_seconds, "transfer": elapsed - reply.draft_seconds}
         return results_from_message(reply)
 
     def release(self, request_id: str) -> None:

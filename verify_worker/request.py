@@ -84,6 +84,7 @@ class RequestState:
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked for
+    error: str | None = None  # why it failed (finish reason "error"): a step raised with it alone
 
     @classmethod
     def create(cls, request: GenerationRequest) -> "RequestState":
@@ -158,3 +159,4 @@ class StepEvent:
     stats: RequestStats | None = None  # the request's running totals
     logprobs: list[TokenLogprob] | None = None  # one per new token, when the request asked for them
     prompt_logprobs: list[TokenLogprob] | None = None  # on the first event: prompt tokens 1.., when asked for
+    error: str | None = None  # finish reason "error": this request failed a step on its own

@@ -9,6 +9,7 @@ import argparse
 import logging
 import os
 import sys
+import threading
 import time
 import traceback
 
@@ -27,7 +28,9 @@ from shared.feature_transport import add_transport_flags, make_transport
 from shared.role import configure_process, run_worker
 from shared.sampling import SamplingParams
 from shared.wire import WireError, decode, encode
+from verify_worker.draft_deadline import DraftDeadline
 from verify_worker.engine import SpeculativeEngine
+from verify_worker.liveness import HeartbeatThread
 from verify_worker.logprobs import TokenLogprob
 from verify_worker.parallel.driver import ParallelFailure, TargetLeader, follow
 from verify_worker.parallel.group import GroupSettings, join_group, leave_group
@@ -88,7 +91,8 @@ def _logprob_lists(logprobs: list[TokenLogprob] | None) -> tuple:
 
 class VerifyServer:
     def __init__(self, engine: SpeculativeEngine, requests_addr: str, events_addr: str, metrics: VerifyMetrics,
-                 max_waiting: int, log: logging.Logger, heartbeat_s: float = 0.25, keep_alive=None):
+                 max_waiting: int, log: logging.Logger, heartbeat_s: float = 0.25, keep_alive=None,
+                 stall_s: float = 300.0):
         self.engine, self.metrics, self.max_waiting, self.log = engine, metrics, max_waiting, log
         self.keep_alive = keep_alive  # pings the tensor-parallel followers while idle (None at TP 1)
         self.heartbeat_s = heartbeat_s
@@ -98,23 +102,34 @@ class VerifyServer:
         self.outbox = context.socket(zmq.PUSH)
         self.outbox.setsockopt(zmq.LINGER, 0)
         self.outbox.bind(events_addr)
-        self.next_heartbeat = 0.0
+        self.send_lock = threading.Lock()  # the loop and the heartbeat thread share the PUSH socket
+        self.heartbeats = HeartbeatThread(self._send, heartbeat_s, stall_s, self._stalled, log)
 
     def serve_forever(self) -> None:
+        self._report_state()
+        self.heartbeats.start()
         try:
             while True:
                 self._take_messages(block=not self.engine.has_work())
                 if self.engine.has_work():
                     self._step()
-                self._heartbeat()
+                self._report_state()
                 if self.keep_alive is not None:
                     self.keep_alive()
         except ParallelFailure as exc:  # a rank is gone: every request fails now, and the worker stops
+            self.heartbeats.stop()
             self.log.error("%s", exc)
             self._fail_all("internal", "the verify worker lost a tensor-parallel rank")
             self._send(WorkerStopping(str(exc)))
             time.sleep(0.2)  # let the PUSH socket flush before the process exits (LINGER is 0)
             raise
+
+    def _stalled(self, seconds: float) -> None:
+        """The heartbeat thread found the loop hung: tell the gateway (its requests fail at once) and exit, so
+        that a supervisor restarts the service rather than leaving it silent."""
+        self._send(WorkerStopping(f"the verify loop made no progress for {seconds:.0f} s"))
+        time.sleep(0.2)
+        os._exit(3)
 
     def _fail_all(self, code: str, message: str, waiting_too: bool = True) -> None:
         """Abort and fail every request holding a slot (and, with waiting_too, every queued one)."""
@@ -156,6 +171,9 @@ class VerifyServer:
             self._send(RequestFailed(message.request_id, "invalid_request", str(exc)))
         except _Rejected as exc:
             self._send(RequestFailed(message.request_id, exc.code, exc.message))
+        except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop that serves the others
+            self.log.error("cannot admit %s:\n%s", message.request_id, traceback.format_exc())
+            self._send(RequestFailed(message.request_id, "invalid_request", f"the request cannot be served: {exc}"))
 
     def _step(self) -> None:
         try:
@@ -167,6 +185,11 @@ class VerifyServer:
             self._fail_all("internal", "the verify worker failed on this step", waiting_too=False)
             return
         for event in events:
+            if event.error is not None:  # this request failed a step on its own; the others went on
+                self._send(RequestFailed(event.request_id, "internal",
+                                         f"this request failed in the verify worker ({event.error}); the requests "
+                                         "beside it were not affected"))
+                continue
             stats = event.stats
             values, top_ids, top_values = _logprob_lists(event.logprobs)
             prompt_values, prompt_top_ids, prompt_top_values = _logprob_lists(event.prompt_logprobs)
@@ -177,27 +200,28 @@ class VerifyServer:
                 top_logprobs=top_values, prompt_logprobs=prompt_values, prompt_top_ids=prompt_top_ids,
                 prompt_top_logprobs=prompt_top_values,
             ))
-        self.metrics.record(self.engine.last_report)
+        for report in self.engine.last_reports:
+            self.metrics.record(report)
 
-    def _heartbeat(self) -> None:
-        now = time.monotonic()
-        if now < self.next_heartbeat:
-            return
-        self.next_heartbeat = now + self.heartbeat_s
+    def _report_state(self) -> None:
+        """Once per loop: drafter upkeep (pings while it is unavailable, never waiting), gauges, and the state
+        the heartbeat thread reports."""
         proposer = self.engine.proposer
-        if proposer is not None and not proposer.available and now >= proposer.next_probe:
-            proposer.probe()  # notice a (re)started drafter even while idle
+        if proposer is not None and hasattr(proposer, "tick"):
+            proposer.tick()  # notice a (re)started drafter even while idle
         available = proposer is not None and proposer.available
         kind = proposer.kind if proposer is not None else "none"
         self.metrics.drafter.labels(kind).set(1 if available else 0)
         self.metrics.running.set(self.engine.num_running)
         self.metrics.waiting.set(len(self.engine.waiting))
-        self._send(Heartbeat(running=self.engine.num_running, waiting=len(self.engine.waiting),
-                             drafter_kind=kind, drafter_available=available))
+        self.heartbeats.progress(Heartbeat(running=self.engine.num_running, waiting=len(self.engine.waiting),
+                                           drafter_kind=kind, drafter_available=available))
 
     def _send(self, message) -> None:
+        frames = encode(message)
         try:
-            self.outbox.send_multipart(encode(message), flags=zmq.NOBLOCK)
+            with self.send_lock:
+                self.outbox.send_multipart(frames, flags=zmq.NOBLOCK)
         except zmq.Again:  # no gateway connected yet (heartbeats before it starts)
             if not isinstance(message, Heartbeat):
                 self.log.warning("gateway not connected: dropped %s", message.TYPE)
@@ -236,7 +260,15 @@ def parse_args(argv):
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")
     parser.add_argument("--kv-cache-budget-mb", type=float, default=None,
                         help="cap on KV-cache memory: max-running is lowered to fit (error if one slot does not)")
-    parser.add_argument("--draft-timeout", type=float, default=5.0, help="seconds to wait for a draft")
+    parser.add_argument("--draft-timeout", type=float, default=5.0,
+                        help="the longest wait for a draft, for calls whose latency is not known yet (a fresh "
+                             "drafter, a call catching up on a prompt); steady calls wait 8x their recent median, "
+                             "at least --draft-deadline-floor; a drafter that closes its connection is noticed at once")
+    parser.add_argument("--draft-deadline-floor", type=float, default=0.25,
+                        help="the shortest deadline of a steady draft call (seconds)")
+    parser.add_argument("--stall-timeout", type=float, default=float(env("DFLASH_STALL_TIMEOUT", "300")),
+                        help="a verify loop that makes no progress for this long is hung: the worker tells the "
+                             "gateway and exits (0 = never); heartbeats flow meanwhile, whatever a step takes")
     parser.add_argument("--spec-policy", choices=["always", "adaptive"], default=env("DFLASH_SPEC_POLICY", "always"),
                         help="always: every step drafts; adaptive: decode plainly while drafting is expected not to "
                              "pay (one drafted step after 8 plain ones re-measures it)")
@@ -302,6 +334,12 @@ def build_server(args, log) -> VerifyServer:
                              args.collective_timeout)
     if args.world_size < 1:
         raise DFlashError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.draft_timeout <= 0 or args.draft_deadline_floor <= 0:
+        raise DFlashError("--draft-timeout and --draft-deadline-floor must be > 0")
+    longest_wait = max(args.draft_timeout, args.collective_timeout)
+    if args.stall_timeout and args.stall_timeout <= 2 * longest_wait:
+        raise DFlashError(f"--stall-timeout ({args.stall_timeout:g} s) must exceed twice the longest wait of a step "
+                          f"(--draft-timeout / --collective-timeout: {longest_wait:g} s), or be 0")
     args.device = rank_device(args.device, args.rank, args.world_size)
     tp = join_group(settings, args.device)
     target = load_target(args.target, device=args.device, dtype=args.dtype, tp=tp)
@@ -322,8 +360,9 @@ def build_server(args, log) -> VerifyServer:
     if drafting and not local:
         transport = make_transport(args.feature_transport, args.feature_pair_addr, sender=True, device=args.device,
                                    backend=args.feature_pair_backend, timeout_s=args.feature_pair_timeout)
-        proposer = RemoteProposer(args.draft_addr, draft_cfg, args.block_size, timeout_s=args.draft_timeout, log=log,
-                                  transport=transport)
+        deadline = DraftDeadline(cap_s=args.draft_timeout, floor_s=args.draft_deadline_floor)
+        proposer = RemoteProposer(args.draft_addr, draft_cfg, args.block_size, log=log, transport=transport,
+                                  deadline=deadline)
     max_running = args.max_running
     if args.kv_cache_budget_mb is not None:
         cfg = target.config
@@ -349,7 +388,7 @@ def build_server(args, log) -> VerifyServer:
              target.config.num_layers, max_running, engine.cache.capacity, cache_mb)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")
     server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log,
-                          keep_alive=target.keep_alive if tp.parallel else None)
+                          keep_alive=target.keep_alive if tp.parallel else None, stall_s=args.stall_timeout)
     if args.metrics_port:
         start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
     return server

@@ -12,7 +12,7 @@ import time
 
 import torch
 
-from shared.errors import DFlashError
+from shared.errors import DFlashError, WorkerFault
 from shared.kv_cache import PositionalKVCache
 from verify_worker.target_model import TargetModel, TargetOutput
 
@@ -27,7 +27,7 @@ class Op(enum.IntEnum):
     STOP = 5
 
 
-class ParallelFailure(DFlashError):
+class ParallelFailure(WorkerFault):
     """A rank died, hung past the collective timeout, or the group broke: the verify worker must stop."""
 
 

@@ -1,0 +1,106 @@
+"""A step that raises fails only the request that causes it: the engine undoes the step and steps the batch
+in halves until the cause stands alone; every other request goes on, token for token as if served alone.
+
+The fault is injected around the real target (its forward still runs): a request whose prompt starts with
+POISON makes the target raise, at its prefill or later in its decode."""
+
+import pytest
+
+from draft_worker.local_proposer import LocalProposer
+from greedy_check import assert_same_or_near_tie
+from shared.errors import WorkerFault
+from shared.sampling import SamplingParams
+from verify_worker.engine import SpeculativeEngine
+from verify_worker.request import GenerationRequest
+
+POISON = 127  # the last id of the tiny vocabulary (128)
+
+
+class PoisonedTarget:
+    """The real target, raising for the slot of a POISON request: at once (prefill) or from position `after`."""
+
+    def __init__(self, target, after: int | None = None, error: type[Exception] = ValueError):
+        self.target, self.after, self.error = target, after, error
+        self.poisoned_slots: set[int] = set()
+        self.calls = 0
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def __call__(self, ids, positions, cache, slots, taps):
+        self.calls += 1
+        for row, slot in enumerate(slots.tolist()):
+            if ids[row, 0] == POISON and positions[row, 0] == 0:
+                self.poisoned_slots.add(slot)
+                if self.after is None:
+                    raise self.error("poisoned prefill")
+            if slot in self.poisoned_slots and self.after is not None and positions[row].max() >= self.after:
+                raise self.error("poisoned decode")
+        return self.target(ids, positions, cache, slots, taps)
+
+
+def engine_on(target, drafter, spec=True, max_requests=8):
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4,
+                             max_requests=max_requests, max_model_len=256) if spec else None
+    return SpeculativeEngine(target, proposer, max_requests=max_requests, max_model_len=256)
+
+
+def run(engine, requests):
+    """Steps until done; returns {request id: (tokens, finish reason, error)} from the step events."""
+    for request in requests:
+        engine.add(request)
+    out = {r.request_id: ([], None, None) for r in requests}
+    while engine.has_work():
+        for event in engine.step():
+            tokens, _, _ = out[event.request_id]
+            out[event.request_id] = (tokens + event.new_token_ids, event.finish_reason, event.error)
+    return out
+
+
+VICTIMS = [(5, 6, 7), (9, 9, 2, 4), (30, 31), (100, 3, 8, 1, 2), (44,), (7, 7, 7)]
+
+
+@pytest.mark.parametrize("after", [None, 12], ids=["at-prefill", "mid-decode"])
+@pytest.mark.parametrize("spec", [True, False], ids=["speculative", "plain"])
+def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(qwen3_pair, after, spec):
+    _, target, drafter, _ = qwen3_pair
+    alone = {p: run(engine_on(target, drafter, spec), [GenerationRequest(p, 40, request_id="x")])["x"][0]
+             for p in VICTIMS}
+    poisoned = PoisonedTarget(target, after=after)
+    engine = engine_on(poisoned, drafter, spec)
+    victims = [GenerationRequest(p, 40, request_id=f"v{i}") for i, p in enumerate(VICTIMS)]
+    sampled = GenerationRequest((3, 4), 40, SamplingParams(1.0, seed=5), request_id="sampled")
+    poison = GenerationRequest((POISON, 1, 2), 40, request_id="poison")
+    out = run(engine, victims[:3] + [poison, sampled] + victims[3:])
+    tokens, finish, error = out["poison"]
+    assert finish == "error" and "ValueError: poisoned" in error
+    assert (len(tokens) > 0) == (after is not None)  # mid-decode: it streamed tokens before it failed
+    for request in victims:
+        got, finish, error = out[request.request_id]
+        assert error is None and finish == "length" and len(got) == 40
+        assert_same_or_near_tie(target, list(request.prompt_ids), got, alone[request.prompt_ids])
+    assert out["sampled"][1] == "length" and len(out["sampled"][0]) == 40
+    assert sorted(engine.free_slots) == list(range(8)) and not engine.has_work()
+    if spec:
+        assert not engine.proposer.slots  # the drafter holds no context of the failed request either
+    again = run(engine, [GenerationRequest(VICTIMS[0], 40, request_id="again")])["again"]
+    assert again[2] is None and again[0] == alone[VICTIMS[0]]  # and the engine serves on
+
+
+def test_generate_raises_for_a_failed_request(qwen3_pair):
+    _, target, drafter, _ = qwen3_pair
+    with pytest.raises(RuntimeError, match="request poison failed: ValueError: poisoned prefill"):
+        engine_on(PoisonedTarget(target), drafter).generate([GenerationRequest((POISON, 1), 8, request_id="poison")])
+
+
+def test_a_worker_fault_is_not_blamed_on_a_request(qwen3_pair):
+    """A fault of the worker itself (a lost tensor-parallel rank) propagates at once, without retries."""
+    _, target, drafter, _ = qwen3_pair
+    poisoned = PoisonedTarget(target, error=WorkerFault)
+    engine = engine_on(poisoned, drafter)
+    for i, prompt in enumerate(VICTIMS):
+        engine.add(GenerationRequest(prompt, 8, request_id=f"v{i}"))
+    engine.add(GenerationRequest((POISON, 1), 8, request_id="poison"))
+    with pytest.raises(WorkerFault):
+        engine.step()
+    assert poisoned.calls == 1

@@ -1,0 +1,46 @@
+"""Liveness of the verify worker, independent of how long a step takes.
+
+The gateway takes a verify worker that stays silent for its limit (2 s) for dead. Heartbeats therefore come
+from their own thread, every interval, whatever the loop is doing: waiting for a drafter, prefilling a long
+prompt, compiling on a first GPU step. What the thread cannot tell apart from a long step is a loop that is
+stuck for good (a deadlock); so it also watches the loop's progress, and a loop that has not come round for
+stall_s (far longer than any wait the loop bounds itself) is declared hung: `on_stall` runs once and the
+heartbeats stop.
+"""
+
+import logging
+import threading
+import time
+from typing import Callable
+
+from shared.channel_gateway import Heartbeat
+
+
+class HeartbeatThread:
+    def __init__(self, send: Callable[[Heartbeat], None], interval_s: float, stall_s: float,
+                 on_stall: Callable[[float], None], log: logging.Logger):
+        self.send, self.interval_s, self.stall_s, self.on_stall, self.log = send, interval_s, stall_s, on_stall, log
+        self.latest: Heartbeat | None = None
+        self.last_progress = time.monotonic()
+        self.stopped = threading.Event()
+        self.thread = threading.Thread(target=self._run, name="heartbeat", daemon=True)
+
+    def start(self) -> None:
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.stopped.set()
+
+    def progress(self, heartbeat: Heartbeat) -> None:
+        """Called by the loop each time round: it is alive, and this is what it reports."""
+        self.latest, self.last_progress = heartbeat, time.monotonic()
+
+    def _run(self) -> None:
+        while not self.stopped.wait(self.interval_s):
+            silent = time.monotonic() - self.last_progress
+            if self.stall_s and silent > self.stall_s:
+                self.log.error("the verify loop made no progress for %.0f s: it is hung", silent)
+                self.on_stall(silent)
+                return
+            if self.latest is not None:
+                self.send(self.latest)
