@@ -13,14 +13,22 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.metrics import GatewayMetrics
+from gateway.request_fields import CHAT, COMPLETIONS, body_schema
 from gateway.schemas import (ApiError, GenerationParams, Prompt, choice_seed, parse_chat, parse_completion,
                              parse_json)
 from gateway.tokenization import StopMatcher, TextCodec
 from gateway.turn import Turn, event_logprobs, usage
-from gateway.verify_client import VerifyClient
+from gateway.verify_client import UnencodableRequest, VerifyClient
 from shared.channel_gateway import RequestFailed, SubmitRequest
 
 FAILURE_STATUS = {"invalid_request": 400, "queue_full": 429, "verify_worker_down": 503}
+# SubmitRequest fields named differently in the request (None: set by the server, not by the client)
+SUBMIT_FIELD_PARAMS = {"prompt_ids": "prompt", "prompt_logprobs": "echo", "stop_token_ids": None, "request_id": None}
+
+
+def documented_body(endpoint: str) -> dict:
+    """The OpenAPI requestBody of an endpoint (the route still reads the raw body, for OpenAI-style errors)."""
+    return {"requestBody": {"required": True, "content": {"application/json": {"schema": body_schema(endpoint)}}}}
 
 
 @dataclass
@@ -142,19 +150,19 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                         "available": bool(heartbeat and heartbeat.drafter_available)},
         }]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=documented_body(COMPLETIONS))
     async def completions(request: Request):
         authorize(request)
-        params = parse_completion(parse_json(await request.body()), settings.model_name)
+        params = parse_completion(parse_json(await request.body()), settings.model_name, settings.vocab_size)
         for prompt in params.prompts:
             if prompt.text is not None:
                 prompt.ids = codec.encode(prompt.text)
         return await generate(request, params, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=documented_body(CHAT))
     async def chat_completions(request: Request):
         authorize(request)
-        params = parse_chat(parse_json(await request.body()), settings.model_name)
+        params = parse_chat(parse_json(await request.body()), settings.model_name, settings.vocab_size)
         try:
             params.prompts = [Prompt(None, codec.encode(codec.render_chat(params.messages)))]
         except Exception as exc:  # jinja raises many types on a template the messages do not fit
@@ -220,6 +228,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                     await release(turns)
                     if isinstance(exc, ConnectionError):
                         raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
+                    if isinstance(exc, UnencodableRequest):
+                        raise ApiError(400, str(exc), param=SUBMIT_FIELD_PARAMS.get(exc.field, exc.field)) from None
                     raise
         metrics.prompt_tokens.inc(sum(len(prompt.ids) for prompt in params.prompts))
         early = await first_events(request, queue, turns)
@@ -412,6 +422,14 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         except _Disconnected:
             finished = True
             await release(turns)
+        except Exception:  # a bug here must end this stream with an error event, not a reset connection
+            finished = True
+            log.exception("stream %s failed", response_id)
+            await release(turns)
+            finish_request(turns, "error")
+            error = ApiError(500, "internal server error", kind="server_error", code="internal").body()
+            yield f"data: {json.dumps(error)}\n\n"
+            yield "data: [DONE]\n\n"
         finally:
             if not finished:  # the client went away while we were sending
                 await release(turns)

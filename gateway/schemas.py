@@ -1,12 +1,11 @@
 """Request validation for the OpenAI-compatible endpoints, with errors that name the offending field."""
 
 import json
+import math
 from dataclasses import dataclass, field
 
-from shared.channel_gateway import MAX_TOP_LOGPROBS
-
-MAX_STOP_STRINGS = 4
-MAX_CHOICES = 64  # n per prompt
+from gateway.request_fields import (CHAT, COMPLETIONS, MIN_TEMPERATURE, MAX_STOP_STRINGS, RequestField,
+                                    fields_of)
 
 
 class ApiError(Exception):
@@ -14,6 +13,7 @@ class ApiError(Exception):
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error", headers: dict | None = None):
+        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # no lone surrogates in the body
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}
@@ -55,48 +55,107 @@ class GenerationParams:
 
 
 def parse_json(raw: bytes) -> dict:
+    """The request body as a JSON object. NaN, Infinity and -Infinity (which Python's json reads, but JSON does
+    not have) are refused naming the field that holds them; so are integers too long to read and nesting too
+    deep to parse."""
+    literals = []
+
+    def non_finite(literal: str) -> float:
+        literals.append(literal)
+        return float(literal)
+
     try:
-        body = json.loads(raw)
+        body = json.loads(raw, parse_constant=non_finite)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
+    except ValueError:  # an integer of more digits than int() converts (sys.get_int_max_str_digits())
+        raise ApiError(400, "the request body is not valid JSON: a number in it has too many digits",
+                       code="invalid_json") from None
+    except RecursionError:
+        raise ApiError(400, "the request body is not valid JSON: it is nested too deeply", code="invalid_json") \
+            from None
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
+    if literals:
+        name = next((key for key, value in body.items() if _holds_non_finite(value)), None)
+        where = f"'{name}'" if name is not None else "the request body"
+        raise ApiError(400, f"{where} holds {literals[0]}: numbers must be finite (NaN, Infinity and -Infinity "
+                       "are not JSON)", param=name, code="invalid_json")
     return body
 
 
-def _number(body, name, default, low=None, high=None, low_open=False):
-    value = body.get(name, default)
-    if value is None:
-        return default
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise ApiError(400, f"'{name}' must be a number, got {json.dumps(value)}", param=name)
-    if low is not None and (value < low or (low_open and value == low)):
-        bound = f"> {low}" if low_open else f">= {low}"
-        raise ApiError(400, f"'{name}' must be {bound}{f' and <= {high}' if high is not None else ''}, got {value}",
-                       param=name)
-    if high is not None and value > high:
-        raise ApiError(400, f"'{name}' must be <= {high}, got {value}", param=name)
-    return value
+def _holds_non_finite(value) -> bool:
+    """Whether a parsed JSON value holds NaN or an infinity anywhere (without recursion: nesting may be deep)."""
+    pending = [value]
+    while pending:
+        item = pending.pop()
+        if isinstance(item, float) and not math.isfinite(item):
+            return True
+        if isinstance(item, list):
+            pending.extend(item)
+        elif isinstance(item, dict):
+            pending.extend(item.values())
+    return False
 
 
-def _integer(body, name, default=None, low=None, high=None):
-    value = body.get(name, default)
+def _shown(value) -> str:
+    """A client's value, short enough for an error message."""
+    if isinstance(value, (list, dict)):
+        return "an array" if isinstance(value, list) else "an object"
+    text = json.dumps(value)
+    return text if len(text) <= 40 else f"{text[:40]}... ({len(text)} characters)"
+
+
+def _invalid(spec: RequestField, requirement: str, value) -> ApiError:
+    return ApiError(400, f"'{spec.name}' must be {requirement}, got {_shown(value)}", param=spec.name)
+
+
+def _check_range(spec: RequestField, value: int | float) -> None:
+    low_ok = (spec.minimum is None or value >= spec.minimum) and \
+        (spec.exclusive_minimum is None or value > spec.exclusive_minimum)
+    if not low_ok or (spec.maximum is not None and value > spec.maximum):
+        raise _invalid(spec, spec.range_text(), value)
+    if spec.only is not None and value != spec.only:
+        raise ApiError(400, f"'{spec.name}' is not supported by this server (only {spec.only})", param=spec.name)
+
+
+def _integer(body: dict, spec: RequestField) -> int | None:
+    value = body.get(spec.name)
     if value is None:
-        return default
+        return spec.default
     if isinstance(value, bool) or not isinstance(value, int):
-        raise ApiError(400, f"'{name}' must be an integer, got {json.dumps(value)}", param=name)
-    if low is not None and value < low:
-        raise ApiError(400, f"'{name}' must be >= {low}, got {value}", param=name)
-    if high is not None and value > high:
-        raise ApiError(400, f"'{name}' must be <= {high}, got {value}", param=name)
+        raise _invalid(spec, "an integer", value)
+    _check_range(spec, value)
     return value
 
 
-def _seed(body) -> int | None:
-    seed = _integer(body, "seed", None)
-    if seed is not None and not -2**63 <= seed < 2**63:
-        raise ApiError(400, f"'seed' must fit in 64 bits (from -2**63 to 2**63 - 1), got {seed}", param="seed")
-    return seed
+def _number(body: dict, spec: RequestField) -> float:
+    value = body.get(spec.name)
+    if value is None:
+        return spec.default
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise _invalid(spec, "a number", value)
+    if isinstance(value, float) and not math.isfinite(value):
+        raise _invalid(spec, "a finite number", value)
+    _check_range(spec, value)
+    return value
+
+
+def _boolean(body: dict, spec: RequestField) -> bool:
+    value = body.get(spec.name)
+    if value is None:
+        return spec.default
+    if not isinstance(value, bool):
+        raise _invalid(spec, "a boolean", value)
+    return value
+
+
+def field_value(body: dict, spec: RequestField):
+    """A scalar field's value (its default when absent or null), checked against the field's type and bounds."""
+    readers = {"integer": _integer, "number": _number, "boolean": _boolean}
+    if spec.json_type not in readers:
+        raise TypeError(f"'{spec.name}' is a complex field: it is checked by hand")
+    return readers[spec.json_type](body, spec)
 
 
 def choice_seed(seed: int | None, index: int, choices: int) -> int | None:
@@ -107,64 +166,80 @@ def choice_seed(seed: int | None, index: int, choices: int) -> int | None:
     return (seed + index + 2**63) % 2**64 - 2**63
 
 
-def _boolean(body, name, default=False) -> bool:
-    value = body.get(name)
-    if value is None:
-        return default
-    if not isinstance(value, bool):
-        raise ApiError(400, f"'{name}' must be a boolean, got {json.dumps(value)}", param=name)
-    return value
+def _valid_text(text: str) -> bool:
+    """Whether a string is valid Unicode (JSON's \\ud800-style escapes can leave lone surrogates, which the
+    tokenizer cannot take)."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return True
 
 
-def parse_common(body: dict, served_model: str) -> GenerationParams:
-    model = body.get("model", served_model)
-    if not isinstance(model, str):
-        raise ApiError(400, "'model' must be a string", param="model")
-    if model != served_model:
-        raise ApiError(404, f"the model '{model}' does not exist; this server serves '{served_model}'",
-                       param="model", code="model_not_found")
-    n = _integer(body, "n", 1, low=1, high=MAX_CHOICES)
-    stream = _boolean(body, "stream")
-    options = body.get("stream_options") or {}
-    if not isinstance(options, dict):
-        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+def _stop(body: dict) -> list[str]:
     stop = body.get("stop") or []
     if isinstance(stop, str):
         stop = [stop]
     if not isinstance(stop, list) or not all(isinstance(s, str) for s in stop) or len(stop) > MAX_STOP_STRINGS:
         raise ApiError(400, f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", param="stop")
-    top_k = _integer(body, "top_k", 0)
-    if top_k is not None and top_k < -1:
-        raise ApiError(400, f"'top_k' must be -1 (off), 0 (off) or positive, got {top_k}", param="top_k")
-    reject_unsupported(body)
-    max_tokens = _integer(body, "max_completion_tokens", None, low=1)
-    max_tokens = _integer(body, "max_tokens", max_tokens, low=0)  # 0: with echo, to score the prompt only
+    return stop
+
+
+def _include_usage(body: dict) -> bool:
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise ApiError(400, "'stream_options' must be an object", param="stream_options")
+    include = options.get("include_usage")
+    if include is not None and not isinstance(include, bool):
+        raise ApiError(400, f"'stream_options.include_usage' must be a boolean, got {_shown(include)}",
+                       param="stream_options")
+    return bool(include)
+
+
+def parse_common(body: dict, served_model: str, vocab_size: int, endpoint: str) -> GenerationParams:
+    """The fields both endpoints share. vocab_size: a top_k this large or larger cuts nothing (sent as 0)."""
+    fields = fields_of(endpoint)
+    model = body.get("model", served_model)
+    if not isinstance(model, str):
+        raise ApiError(400, "'model' must be a string", param="model")
+    if model != served_model:
+        raise ApiError(404, f"the model {_shown(model)} does not exist; this server serves '{served_model}'",
+                       param="model", code="model_not_found")
+    for spec in fields.values():
+        if spec.required and spec.name not in body:
+            raise ApiError(400, f"'{spec.name}' is required", param=spec.name)
+    n = field_value(body, fields["n"])
+    stream = field_value(body, fields["stream"])
+    include_usage = _include_usage(body)
+    stop = _stop(body)
+    top_k = field_value(body, fields["top_k"])
+    reject_unsupported(body, fields)
+    newer_max_tokens = field_value(body, fields["max_completion_tokens"])
+    max_tokens = field_value(body, fields["max_tokens"])
+    temperature = float(field_value(body, fields["temperature"]))
     return GenerationParams(
         model=model,
         stream=stream,
-        include_usage=bool(options.get("include_usage", False)),
-        max_tokens=max_tokens,
-        temperature=float(_number(body, "temperature", 1.0, low=0, high=2)),
-        top_p=float(_number(body, "top_p", 1.0, low=0, high=1, low_open=True)),
-        top_k=max(top_k, 0),
-        seed=_seed(body),
+        include_usage=include_usage,
+        max_tokens=newer_max_tokens if max_tokens is None else max_tokens,
+        temperature=0.0 if temperature < MIN_TEMPERATURE else temperature,  # -0.0 too
+        top_p=float(field_value(body, fields["top_p"])),
+        top_k=0 if top_k == -1 or top_k >= vocab_size else top_k,
+        seed=field_value(body, fields["seed"]),
         stop=stop,
-        num_speculative_tokens=_integer(body, "num_speculative_tokens", None, low=0),
-        return_token_ids=_boolean(body, "return_token_ids"),
+        num_speculative_tokens=field_value(body, fields["num_speculative_tokens"]),
+        return_token_ids=field_value(body, fields["return_token_ids"]),
         n=n,
     )
 
 
-def reject_unsupported(body: dict) -> None:
+def reject_unsupported(body: dict, fields: dict[str, RequestField]) -> None:
     """OpenAI parameters that would change the output and that this server does not implement: a clear 400
     rather than an answer that silently ignores them (their neutral values are accepted)."""
-    for name in ("presence_penalty", "frequency_penalty"):
-        if _number(body, name, 0, low=-2, high=2) != 0:
-            raise ApiError(400, f"'{name}' is not supported by this server (only 0)", param=name)
+    for name in ("presence_penalty", "frequency_penalty", "best_of"):
+        field_value(body, fields[name])
     if body.get("logit_bias"):
         raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
-    if _integer(body, "best_of", 1) != 1:
-        raise ApiError(400, "only best_of=1 is supported", param="best_of")
     if body.get("tools") or body.get("functions"):
         raise ApiError(400, "tool calling is not supported by this server", param="tools" if body.get("tools")
                        else "functions")
@@ -180,15 +255,13 @@ def reject_unsupported(body: dict) -> None:
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
 
 
-def parse_completion(body: dict, served_model: str) -> GenerationParams:
-    params = parse_common(body, served_model)
-    if body.get("logprobs") is not None:  # the legacy form: an integer count of top alternatives
-        params.logprobs = _integer(body, "logprobs", 0, low=0, high=MAX_TOP_LOGPROBS)
-    params.echo = _boolean(body, "echo")
+def parse_completion(body: dict, served_model: str, vocab_size: int) -> GenerationParams:
+    params = parse_common(body, served_model, vocab_size, COMPLETIONS)
+    fields = fields_of(COMPLETIONS)
+    params.logprobs = field_value(body, fields["logprobs"])  # the legacy form: a count of top alternatives
+    params.echo = field_value(body, fields["echo"])
     if params.max_tokens == 0 and not params.echo:
         raise ApiError(400, "'max_tokens' must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
-    if "prompt" not in body:
-        raise ApiError(400, "'prompt' is required", param="prompt")
     params.prompts = parse_prompts(body["prompt"])
     return params
 
@@ -201,29 +274,38 @@ def _token_ids(value) -> bool:
 def parse_prompts(prompt) -> list[Prompt]:
     """A string, a list of token ids, or a batch: a non-empty list of strings or of token-id lists."""
     if isinstance(prompt, str):
-        return [Prompt(prompt)]
-    if _token_ids(prompt):
+        prompts = [Prompt(prompt)]
+    elif _token_ids(prompt):
         return [Prompt(None, list(prompt))]
-    if isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
-        return [Prompt(p) for p in prompt]
-    if isinstance(prompt, list) and prompt and all(_token_ids(p) for p in prompt):
+    elif isinstance(prompt, list) and prompt and all(isinstance(p, str) for p in prompt):
+        prompts = [Prompt(p) for p in prompt]
+    elif isinstance(prompt, list) and prompt and all(_token_ids(p) for p in prompt):
         return [Prompt(None, list(p)) for p in prompt]
-    raise ApiError(400, "'prompt' must be a string, a non-empty list of token ids, or a non-empty list of either "
-                   "(a batch of prompts)", param="prompt")
+    else:
+        raise ApiError(400, "'prompt' must be a string, a non-empty list of token ids, or a non-empty list of "
+                       "either (a batch of prompts)", param="prompt")
+    if not all(_valid_text(p.text) for p in prompts):
+        raise ApiError(400, "'prompt' is not valid Unicode (it holds a lone surrogate escape)", param="prompt")
+    return prompts
 
 
-def parse_chat(body: dict, served_model: str) -> GenerationParams:
-    params = parse_common(body, served_model)
-    if params.max_tokens == 0:
-        raise ApiError(400, "'max_tokens' must be >= 1", param="max_tokens")
-    if body.get("echo"):
+def parse_chat(body: dict, served_model: str, vocab_size: int) -> GenerationParams:
+    params = parse_common(body, served_model, vocab_size, CHAT)
+    fields = fields_of(CHAT)
+    if field_value(body, fields["echo"]):
         raise ApiError(400, "'echo' is a completions parameter, not a chat one", param="echo")
-    top = _integer(body, "top_logprobs", None, low=0, high=MAX_TOP_LOGPROBS)
-    if _boolean(body, "logprobs"):
+    top = field_value(body, fields["top_logprobs"])
+    if field_value(body, fields["logprobs"]):
         params.logprobs = top or 0
     elif top:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    messages = body.get("messages")
+    params.messages = parse_messages(body["messages"])
+    return params
+
+
+def parse_messages(messages) -> list[dict]:
+    """A non-empty list of {role, content} objects, content a string or a list of text parts; returns them
+    with string contents."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
     cleaned = []
@@ -232,11 +314,15 @@ def parse_chat(body: dict, served_model: str) -> GenerationParams:
             raise ApiError(400, f"messages[{i}] must be an object with a string 'role'", param="messages")
         content = message.get("content")
         if isinstance(content, list):  # the content-parts form: text parts only
-            if not all(isinstance(p, dict) and p.get("type") == "text" for p in content):
-                raise ApiError(400, f"messages[{i}].content: only text parts are supported", param="messages")
+            if not all(isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text", ""), str)
+                       for p in content):
+                raise ApiError(400, f"messages[{i}].content: only text parts (with a string 'text') are supported",
+                               param="messages")
             content = "".join(p.get("text", "") for p in content)
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
+        if not _valid_text(message["role"]) or not _valid_text(content):
+            raise ApiError(400, f"messages[{i}] is not valid Unicode (it holds a lone surrogate escape)",
+                           param="messages")
         cleaned.append({"role": message["role"], "content": content})
-    params.messages = cleaned
-    return params
+    return cleaned

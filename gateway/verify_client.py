@@ -5,15 +5,44 @@ for dead_after_s, it is considered dead: every open request gets a failure and n
 """
 
 import asyncio
+import dataclasses
 import logging
 import time
 
+import msgpack
 import zmq
 import zmq.asyncio
 
 from shared.channel_gateway import (TO_GATEWAY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent,
                                     WorkerStopping)
 from shared.wire import WireError, decode, encode
+
+
+class UnencodableRequest(ValueError):
+    """A request msgpack cannot encode (an integer beyond 64 bits, a value of no wire type); field names the
+    first SubmitRequest field at fault, or is None."""
+
+    def __init__(self, message: str, field: str | None):
+        super().__init__(message)
+        self.field = field
+
+
+def _packable(value) -> bool:
+    try:
+        msgpack.packb(value)
+    except (OverflowError, ValueError, TypeError):
+        return False
+    return True
+
+
+def encode_submit(message: SubmitRequest) -> list:
+    """The frames of a submit request; raises UnencodableRequest naming the field msgpack refuses."""
+    try:
+        return encode(message)
+    except (OverflowError, ValueError, TypeError) as exc:
+        field = next((f.name for f in dataclasses.fields(message) if not _packable(getattr(message, f.name))), None)
+        raise UnencodableRequest(f"the request cannot be sent to the verify worker: "
+                                 f"{f'{field!r}: ' if field else ''}{exc}", field) from None
 
 
 class VerifyClient:
@@ -52,7 +81,7 @@ class VerifyClient:
     async def submit(self, message: SubmitRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """Send a request; its events arrive on the returned queue (several requests may share one)."""
         queue = queue if queue is not None else asyncio.Queue()
-        frames = encode(message)  # before the queue is registered: a message that cannot be encoded leaves nothing
+        frames = encode_submit(message)  # before the queue is registered: an unencodable request leaves nothing
         self.queues[message.request_id] = queue
         try:
             await self.sender.send_multipart(frames, flags=zmq.NOBLOCK)

@@ -12,14 +12,7 @@ import numpy as np
 import torch
 
 from shared.errors import RequestError
-
-INT64_MIN, INT64_MAX = -2**63, 2**63 - 1
-MIN_TEMPERATURE = 1e-5  # below it (and at 0) decoding is greedy, as in vLLM and SGLang: float32 logits / T overflow
-
-
-def is_int64(value) -> bool:
-    """A Python int (not a bool) that fits in int64, as every integer a request carries must."""
-    return isinstance(value, int) and not isinstance(value, bool) and INT64_MIN <= value <= INT64_MAX
+from shared.request_limits import MIN_TEMPERATURE, is_int64
 
 
 @dataclass(frozen=True)

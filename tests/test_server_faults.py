@@ -70,11 +70,13 @@ def default_server(models):
     each of 16 prompts served alone, 400 tokens each."""
     target, draft, root = models
     server = Server(target, draft, log_dir=root)
-    server.wait_ready()
-    prompts = [f"for i in range({i}):" for i in range(16)]
-    alone = {p: completion_tokens(server.url, p, 400)["choices"][0]["token_ids"] for p in prompts}
-    yield server, alone
-    assert server.stop() == 0
+    try:
+        server.wait_ready()
+        prompts = [f"for i in range({i}):" for i in range(16)]
+        alone = {p: completion_tokens(server.url, p, 400)["choices"][0]["token_ids"] for p in prompts}
+        yield server, alone
+    finally:
+        assert server.stop() == 0
 
 
 def streams_through(server, alone: dict, fault, label: str) -> None:

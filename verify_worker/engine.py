@@ -21,7 +21,8 @@ import torch
 from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
-from shared.sampling import SamplingParams, batch_sampling_probs, is_int64, sample_from
+from shared.request_limits import is_int64
+from shared.sampling import SamplingParams, batch_sampling_probs, sample_from
 from verify_worker.logprobs import TokenLogprob, token_logprobs
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
 from verify_worker.request_snapshot import RequestSnapshot
