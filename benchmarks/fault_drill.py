@@ -110,29 +110,41 @@ def stream(server: Serve, prompt: str, max_tokens: int, started: threading.Event
     return tokens, error
 
 
-def streams_with(server: Serve, alone: dict, max_tokens: int, fault) -> dict:
-    """Every prompt of `alone` streamed at once; `fault()` runs when each has its first token."""
+def streams_with(server: Serve, alone: dict, max_tokens: int, fault, repeat: bool = False) -> dict:
+    """Every prompt of `alone` streamed at once; `fault()` runs when each has its first token. With repeat,
+    each prompt streams again and again until fault() has returned (victims beside a long drill)."""
     started = [threading.Event() for _ in alone]
     times = [[] for _ in alone]
+    fault_done = threading.Event()
+
+    def victim(prompt: str, first: threading.Event, arrivals: list) -> list:
+        runs = [stream(server, prompt, max_tokens, first, arrivals)]
+        while repeat and not fault_done.is_set():
+            runs.append(stream(server, prompt, max_tokens, threading.Event(), arrivals))
+        return runs
+
     with ThreadPoolExecutor(len(alone)) as pool:
-        futures = [pool.submit(stream, server, p, max_tokens, e, t) for p, e, t in zip(alone, started, times)]
+        futures = [pool.submit(victim, p, e, t) for p, e, t in zip(alone, started, times)]
         for event in started:
             event.wait(120)
         fault_at = time.monotonic()
-        fault()
-        results = [f.result() for f in futures]
+        try:
+            fault()
+        finally:
+            fault_done.set()
+        results = [(p, run) for p, f in zip(alone, futures) for run in f.result()]
     gaps = []
     for t in times:
         after = [fault_at] + [x for x in t if x > fault_at]
         gaps.append(max((b - a for a, b in zip(after, after[1:])), default=0.0))
     return {
-        "complete": sum(error is None for _, error in results),
-        "identical": sum(error is None and tokens == alone[p] for p, (tokens, error) in zip(alone, results)),
-        "streams": len(alone),
-        "tokens": sum(len(tokens) for tokens, _ in results),
+        "complete": sum(error is None for _, (_, error) in results),
+        "identical": sum(error is None and tokens == alone[p] for p, (tokens, error) in results),
+        "streams": len(results),
+        "tokens": sum(len(tokens) for _, (tokens, _) in results),
         "longest_gap_s": round(max(gaps), 3),
         "median_stream_longest_gap_s": round(sorted(gaps)[len(gaps) // 2], 3),
-        "errors": [error for _, error in results if error is not None][:3],
+        "errors": [error for _, (_, error) in results if error is not None][:3],
     }
 
 
@@ -173,7 +185,7 @@ def drill_poison(server: Serve, args) -> None:
             body = {"model": server.model, "prompt": "x", "max_tokens": 4, "temperature": 1.0, field: value}
             codes[f"{field}={name}"] = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).status_code
 
-    result = streams_with(server, alone, 200, poison_all)
+    result = streams_with(server, alone, 200, poison_all, repeat=True)
     print(f"poison requests: {json.dumps(codes)}")
     print(f"  4xx: {sum(400 <= c < 500 for c in codes.values())} of {len(codes)}; >= 500: "
           f"{sum(c >= 500 for c in codes.values())}; 200: {sum(c == 200 for c in codes.values())}")
@@ -190,7 +202,7 @@ def drill_fuzz(server: Serve, args) -> None:
     def run_fuzz():
         outcome.update(fuzz(server.url, server.model, args.bodies, seed_value=args.seed))
 
-    result = streams_with(server, alone, 300, run_fuzz)
+    result = streams_with(server, alone, 300, run_fuzz, repeat=True)
     print(f"fuzz: {args.bodies} bodies: status codes {dict(sorted(outcome['codes'].items()))}; >= 500: "
           f"{outcome['server_errors']}; connection errors: {outcome['connection_errors']}")
     print(f"  /ready afterwards: {httpx.get(f'{server.url}/ready', timeout=10).status_code}")

@@ -12,7 +12,12 @@ from shared.errors import ConfigError
 from shared.proposals import DraftItem, DraftResult
 from shared.sampling import batch_sampling_probs, request_generator, sample_from
 
-DRAFT_STREAM = 1  # random stream id of the drafter's draws (the verifier uses 0)
+DRAFT_STREAM = 1  # random stream ids of the drafter's draws are odd (the verifier uses 0)
+
+
+def draft_stream(item: DraftItem) -> int:
+    """The random stream of a request's drafts from this call on: one per context length it starts at."""
+    return DRAFT_STREAM + 2 * (item.context_start + len(item.context_features))
 
 
 class DraftSampling(Enum):
@@ -95,7 +100,9 @@ class LocalProposer:
                 self._evict_least_recent(protect)
             self.slots[item.request_id] = self.free_slots.pop()
             self.lengths[item.request_id] = 0
-            self.generators[item.request_id] = request_generator(item.seed, DRAFT_STREAM)
+            # a stream of its own for every start: a request whose context is rebuilt after a restart or an
+            # eviction must not draw again the numbers that drew its earlier drafts
+            self.generators[item.request_id] = request_generator(item.seed, draft_stream(item))
         # A context that restarts earlier simply rewrites those positions (the cache is positional).
         return item.context_start <= self.lengths[item.request_id]
 

@@ -111,14 +111,14 @@ class DraftServer:
 
 
     def _draft_alone(self, item) -> DraftResult:
-        """One request's drafts; a request that fails on its own gets none this step (and its context is
-        dropped, so it resends it), which costs it speed, never its output."""
+        """One request's drafts; a request that fails on its own gets none this step and its context is
+        dropped (it is asked to resend it), which costs it speed, never its output."""
         try:
             return self.proposer.propose([item])[0]
         except Exception:  # noqa: BLE001
             self.log.exception("request %s fails drafting on its own: no drafts for it this step", item.request_id)
             self.proposer.release(item.request_id)
-            return DraftResult(tokens=torch.zeros(0, dtype=torch.long))
+            return DraftResult(tokens=None)
 
 
 def parse_args(argv):

@@ -8,12 +8,18 @@ from gateway.request_fields import (CHAT, COMPLETIONS, MIN_TEMPERATURE, MAX_STOP
                                     fields_of)
 
 
+def _printable(text: str) -> str:
+    """text with any lone surrogate escaped, so that it encodes as UTF-8."""
+    return text.encode("utf-8", "backslashreplace").decode("utf-8")
+
+
 class ApiError(Exception):
     """An HTTP error with an OpenAI-style body."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
                  kind: str = "invalid_request_error", headers: dict | None = None):
-        message = message.encode("utf-8", "backslashreplace").decode("utf-8")  # no lone surrogates in the body
+        message = _printable(message)  # no lone surrogates in the body (a JSON escape can carry them)
+        param = None if param is None else _printable(param)
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.kind = status, message, param, code, kind
         self.headers = headers or {}

@@ -1,7 +1,8 @@
 """The gateway's side of the gateway <-> verify channel (asyncio ZeroMQ).
 
 Events are routed to one asyncio.Queue per request. The verify worker sends heartbeats; when none arrives
-for dead_after_s, it is considered dead: every open request gets a failure and new requests are refused.
+for dead_after_s, or its connection closes (a socket monitor sees that at once), it is considered dead: every
+open request gets a failure and new requests are refused.
 """
 
 import asyncio
@@ -12,6 +13,7 @@ import time
 import msgpack
 import zmq
 import zmq.asyncio
+from zmq.utils.monitor import parse_monitor_message
 
 from shared.channel_gateway import (TO_GATEWAY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent,
                                     WorkerStopping)
@@ -54,6 +56,7 @@ class VerifyClient:
         self.sender.setsockopt(zmq.IMMEDIATE, 1)
         self.sender.connect(requests_addr)
         self.receiver = self.context.socket(zmq.PULL)
+        self.monitor = self.receiver.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # a dead worker's socket closes
         self.receiver.connect(events_addr)
         self.dead_after_s = dead_after_s
         self.log = log or logging.getLogger("dflash.gateway")
@@ -75,6 +78,8 @@ class VerifyClient:
         if self.task:
             self.task.cancel()
         self.sender.close(0)
+        self.receiver.disable_monitor()
+        self.monitor.close(0)
         self.receiver.close(0)
         self.context.term()
 
@@ -101,30 +106,43 @@ class VerifyClient:
         self.queues.pop(request_id, None)
 
     async def _receive_loop(self) -> None:
+        poller = zmq.asyncio.Poller()
+        poller.register(self.receiver, zmq.POLLIN)
+        poller.register(self.monitor, zmq.POLLIN)
+        why = f"silent for {self.dead_after_s:.1f} s"
         while True:
-            if await self.receiver.poll(250):
-                frames = await self.receiver.recv_multipart(copy=False)
-                try:
-                    message = decode(frames, TO_GATEWAY)
-                except WireError as exc:
-                    self.on_bad_message()
-                    self.log.warning("rejected message: %s", exc)
-                    continue
-                self.last_seen = time.monotonic()
-                if isinstance(message, Heartbeat):
-                    self.last_heartbeat = message
-                elif isinstance(message, WorkerStopping):
-                    self.log.error("the verify worker is stopping: %s", message.reason)
-                    self.last_seen = 0.0  # down now, not after the heartbeat timeout
-                elif isinstance(message, (TokenEvent, RequestFailed)):
-                    queue = self.queues.get(message.request_id)
-                    if queue is not None:
-                        queue.put_nowait(message)
+            ready = dict(await poller.poll(250))
+            if self.receiver in ready:
+                self._take(await self.receiver.recv_multipart(copy=False))
+            elif self.monitor in ready:  # after every message that arrived before it
+                event = parse_monitor_message(await self.monitor.recv_multipart())
+                if event["event"] == zmq.EVENT_DISCONNECTED and self.last_seen:
+                    self.log.error("the verify worker closed its connection")
+                    self.last_seen, why = 0.0, "gone (connection closed)"
             alive = self.alive
             if self.was_alive and not alive:
-                self.log.error("verify worker silent for %.1f s: failing %d open requests",
-                               self.dead_after_s, len(self.queues))
+                self.log.error("verify worker %s: failing %d open requests", why, len(self.queues))
                 for request_id, queue in list(self.queues.items()):
                     queue.put_nowait(RequestFailed(request_id, "verify_worker_down", "the verify worker stopped responding"))
                 self.queues.clear()
+            if alive:
+                why = f"silent for {self.dead_after_s:.1f} s"
             self.was_alive = alive
+
+    def _take(self, frames) -> None:
+        try:
+            message = decode(frames, TO_GATEWAY)
+        except WireError as exc:
+            self.on_bad_message()
+            self.log.warning("rejected message: %s", exc)
+            return
+        self.last_seen = time.monotonic()
+        if isinstance(message, Heartbeat):
+            self.last_heartbeat = message
+        elif isinstance(message, WorkerStopping):
+            self.log.error("the verify worker is stopping: %s", message.reason)
+            self.last_seen = 0.0  # down now, not after the heartbeat timeout
+        elif isinstance(message, (TokenEvent, RequestFailed)):
+            queue = self.queues.get(message.request_id)
+            if queue is not None:
+                queue.put_nowait(message)

@@ -149,6 +149,7 @@ class SpeculativeEngine:
                 raise
             except Exception as exc:  # noqa: BLE001 - any fault of a step is looked for in its requests
                 self._restore(saved)
+                self._check_device(exc)
                 if len(group) == 1:
                     events.append(self._fail(group[0], exc))
                     continue
@@ -197,6 +198,15 @@ class SpeculativeEngine:
         self.running = dict(sorted(self.running.items(), key=lambda item: rank.get(item[0], len(rank))))
         rank = {r: i for i, r in enumerate(prefilling_order)}
         self.prefilling.sort(key=lambda state: rank.get(state.request_id, len(rank)))
+
+    def _check_device(self, exc: Exception) -> None:
+        """A device error (a CUDA assert) is sticky: every later step would fail too, so it is the worker's
+        fault, not the request's."""
+        if self.device.type == "cuda":
+            try:
+                torch.cuda.synchronize(self.device)
+            except RuntimeError as device_error:
+                raise WorkerFault(f"the device failed ({device_error}) after {type(exc).__name__}: {exc}") from exc
 
     def _fail(self, request_id: str, exc: Exception) -> StepEvent:
         """A request that fails a step on its own: logged with its parameters and dropped, its slot freed."""

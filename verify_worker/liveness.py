@@ -29,7 +29,10 @@ class HeartbeatThread:
         self.thread.start()
 
     def stop(self) -> None:
+        """No heartbeat is sent after this returns (unless called from the thread itself)."""
         self.stopped.set()
+        if self.thread.is_alive() and threading.current_thread() is not self.thread:
+            self.thread.join()
 
     def progress(self, heartbeat: Heartbeat) -> None:
         """Called by the loop each time round: it is alive, and this is what it reports."""

@@ -39,6 +39,7 @@ class RemoteProposer:
         self.num_target_layers = draft_config.num_target_layers
         self.feature_width = draft_config.num_taps * draft_config.hidden_size
         self.kind = draft_config.kind  # "dflash" or "dflash2"; the drafter's pong confirms it
+        self.vocab_size = draft_config.vocab_size
         self.deadline = deadline or DraftDeadline(cap_s=timeout_s)
         self.retry_interval_s = retry_interval_s
         self.log = log or logging.getLogger("dflash.verify")
@@ -116,6 +117,8 @@ class RemoteProposer:
         """While the drafter is unavailable: take any pong that arrived and send the next ping when it is due.
         Never waits, so a hung drafter does not slow the verify worker's loop."""
         if self.available:
+            if self._disconnected():  # it died between calls: say so now, not at the next call
+                self._mark_down("the drafter closed its connection")
             return
         while self.socket.poll(0):
             reply = self._receive()
@@ -148,10 +151,36 @@ class RemoteProposer:
         if not isinstance(reply, DraftReply):
             self._mark_down(reply)
             raise ProposerUnavailable(f"drafter call failed: {reply}")
+        results = results_from_message(reply)
+        problem = self._implausible(items, results)
+        if problem:  # a drafter's output is checked like any peer's message: a bad one costs drafts, not requests
+            self.bad_messages += 1
+            self._mark_down(f"bad proposals: {problem}")
+            raise ProposerUnavailable(f"bad proposals: {problem}")
         elapsed = time.perf_counter() - started
         self.deadline.observe(elapsed, catch_up)
         self.last_timing = {"draft": reply.draft_seconds, "transfer": elapsed - reply.draft_seconds}
-        return results_from_message(reply)
+        return results
+
+    def _implausible(self, items: list[DraftItem], results: list[DraftResult]) -> str:
+        """Why these proposals cannot be verified ("" when they can): more tokens than asked, ids outside the
+        vocabulary, q of the wrong shape."""
+        for item, result in zip(items, results):
+            if result.tokens is None:
+                continue
+            n = len(result.tokens)
+            if n > item.num_draft:
+                return f"{n} tokens for {item.request_id}, {item.num_draft} asked"
+            if n and not (0 <= int(result.tokens.min()) and int(result.tokens.max()) < self.vocab_size):
+                return f"a token id outside the vocabulary ({self.vocab_size}) for {item.request_id}"
+            if result.q_probs is not None:
+                width = self.vocab_size if result.q_ids is None else result.q_probs.shape[-1]
+                if result.q_probs.dim() != 2 or tuple(result.q_probs.shape) != (n, width):
+                    return f"q of shape {tuple(result.q_probs.shape)} for {n} tokens of {item.request_id}"
+                if result.q_ids is not None and n and not (0 <= int(result.q_ids.min())
+                                                           and int(result.q_ids.max()) < self.vocab_size):
+                    return f"a candidate id outside the vocabulary for {item.request_id}"
+        return ""
 
     def release(self, request_id: str) -> None:
         if not self.available:

@@ -4,11 +4,13 @@ Everything a step changes on a request only grows (outputs, feature chunks, log-
 scalar, so a snapshot is a handful of lengths and values, cheap enough to take every step. The KV cache needs
 nothing: it is written by absolute position, and positions past the restored cache length are never attended
 and are simply written again. The drafter's copy of the context is not restored: the request resends it
-from position 0 with its next draft call.
+from position 0 with its next draft call (the drafter's own random stream goes on: its draws stay fresh).
 """
 
 import dataclasses
 from dataclasses import dataclass
+
+import torch
 
 from verify_worker.request import RequestState, RequestStats, Status
 
@@ -26,14 +28,17 @@ class RequestSnapshot:
     logprobs: int
     prompt_logprobs: int
     stats: RequestStats
+    generator_state: torch.Tensor | None  # the verifier's random stream (sampled requests only): draws of an
+    # undone step are drawn again, so plain decoding of a seeded request is the same whatever failed beside it
 
     @classmethod
     def take(cls, state: RequestState) -> "RequestSnapshot":
         stats = dataclasses.replace(state.stats, drafted_at=list(state.stats.drafted_at),
                                     accepted_at=list(state.stats.accepted_at))
+        generator = None if state.request.sampling.greedy else state.generator.get_state()
         return cls(state, state.status, state.slot, state.cache_len, len(state.output_ids), state.finish_reason,
                    state.feature_chunks, len(state.feature_chunks), len(state.logprobs), len(state.prompt_logprobs),
-                   stats)
+                   stats, generator)
 
     def restore(self) -> None:
         """Put the request's own fields back (the engine puts it back into its queues and its slot)."""
@@ -46,4 +51,6 @@ class RequestSnapshot:
         del state.logprobs[self.logprobs:]
         del state.prompt_logprobs[self.prompt_logprobs:]
         state.stats = self.stats
+        if self.generator_state is not None:
+            state.generator.set_state(self.generator_state)
         state.resend_features()  # the drafter may hold part of the undone step: send it everything again

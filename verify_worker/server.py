@@ -117,7 +117,7 @@ class VerifyServer:
                 if self.keep_alive is not None:
                     self.keep_alive()
         except ParallelFailure as exc:  # a rank is gone: every request fails now, and the worker stops
-            self.heartbeats.stop()
+            self.heartbeats.stop()  # and joined: no heartbeat may follow WorkerStopping
             self.log.error("%s", exc)
             self._fail_all("internal", "the verify worker lost a tensor-parallel rank")
             self._send(WorkerStopping(str(exc)))

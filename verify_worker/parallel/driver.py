@@ -66,10 +66,13 @@ class TargetLeader:
         self.last_command = time.monotonic()
 
     def _run(self, call):
+        """A call already announced to the followers: whatever it raises, the ranks may now be out of step
+        (some inside the call's collectives), so no retry may follow: any exception stops the worker."""
         try:
             return call()
-        except RuntimeError as exc:
-            raise ParallelFailure(f"tensor-parallel group failed: {exc}") from None
+        except Exception as exc:  # noqa: BLE001
+            raise ParallelFailure(f"tensor-parallel call failed ({type(exc).__name__}: {exc}): the ranks may be "
+                                  "out of step") from None
 
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
         self._announce(_header(Op.NEW_CACHE, num_slots, capacity))
