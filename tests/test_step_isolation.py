@@ -5,6 +5,7 @@ The fault is injected around the real target (its forward still runs): a request
 POISON makes the target raise, at its prefill or later in its decode."""
 
 import pytest
+import torch
 
 from draft_worker.local_proposer import LocalProposer
 from greedy_check import assert_same_or_near_tie
@@ -12,6 +13,7 @@ from shared.errors import WorkerFault
 from shared.sampling import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
+from verify_worker.request_snapshot import RequestSnapshot
 
 POISON = 127  # the last id of the tiny vocabulary (128)
 
@@ -80,6 +82,9 @@ def test_a_poisoned_request_fails_alone_and_the_batch_goes_on(qwen3_pair, after,
         assert error is None and finish == "length" and len(got) == 40
         assert_same_or_near_tie(target, list(request.prompt_ids), got, alone[request.prompt_ids])
     assert out["sampled"][1] == "length" and len(out["sampled"][0]) == 40
+    if not spec:  # the undone step's draws are drawn again: a seeded sampled request is as when served alone
+        solo = run(engine_on(target, drafter, spec), [GenerationRequest((3, 4), 40, SamplingParams(1.0, seed=5))])
+        assert out["sampled"][0] == next(iter(solo.values()))[0]
     assert sorted(engine.free_slots) == list(range(8)) and not engine.has_work()
     if spec:
         assert not engine.proposer.slots  # the drafter holds no context of the failed request either
@@ -104,3 +109,25 @@ def test_a_worker_fault_is_not_blamed_on_a_request(qwen3_pair):
     with pytest.raises(WorkerFault):
         engine.step()
     assert poisoned.calls == 1
+
+
+def test_a_snapshot_puts_a_request_back(qwen3_pair):
+    """What a step changes on a sampled request (outputs, cache length, features, stats, its random stream) is
+    put back by the snapshot taken before it, so an undone step leaves no trace."""
+    _, target, drafter, _ = qwen3_pair
+    engine = engine_on(target, drafter)
+    state = engine.add(GenerationRequest((3, 4, 5), 40, SamplingParams(1.0, seed=11), logprobs=2))
+    for _ in range(3):
+        engine.step()
+    before = (list(state.output_ids), state.cache_len, len(state.feature_chunks), len(state.logprobs),
+              state.stats.as_dict(), state.generator.get_state().clone())
+    snapshot = RequestSnapshot.take(state)
+    next_draws = state.uniforms(4)
+    state.generator.set_state(before[-1])
+    engine.step()
+    assert len(state.output_ids) > len(before[0])  # the step did change it
+    snapshot.restore()
+    assert (list(state.output_ids), state.cache_len, len(state.feature_chunks), len(state.logprobs),
+            state.stats.as_dict()) == before[:-1]
+    assert torch.equal(state.uniforms(4), next_draws)
+    assert state.sent_chunks == 0 and state.drafter_context_len == 0  # its context goes to the drafter again
