@@ -24,6 +24,7 @@ from shared.channel_draft import TO_VERIFIER, DraftReply, Ping, Pong, Release
 from shared.draft_codec import request_message, results_from_message, stacked_features
 from shared.feature_transport import FrameTransport, TransportError
 from shared.proposals import DraftItem, DraftResult, ProposerUnavailable
+from shared.tensor_frames import from_raw
 from shared.wire import WireError, decode, encode
 from verify_worker.draft_deadline import DraftDeadline
 
@@ -151,8 +152,7 @@ class RemoteProposer:
         if not isinstance(reply, DraftReply):
             self._mark_down(reply)
             raise ProposerUnavailable(f"drafter call failed: {reply}")
-        results = results_from_message(reply)
-        problem = self._implausible(items, results)
+        problem = self._implausible(items, reply)
         if problem:  # a drafter's output is checked like any peer's message: a bad one costs drafts, not requests
             self.bad_messages += 1
             self._mark_down(f"bad proposals: {problem}")
@@ -160,26 +160,23 @@ class RemoteProposer:
         elapsed = time.perf_counter() - started
         self.deadline.observe(elapsed, catch_up)
         self.last_timing = {"draft": reply.draft_seconds, "transfer": elapsed - reply.draft_seconds}
-        return results
+        return results_from_message(reply)
 
-    def _implausible(self, items: list[DraftItem], results: list[DraftResult]) -> str:
-        """Why these proposals cannot be verified ("" when they can): more tokens than asked, ids outside the
-        vocabulary, q of the wrong shape."""
-        for item, result in zip(items, results):
-            if result.tokens is None:
-                continue
-            n = len(result.tokens)
-            if n > item.num_draft:
-                return f"{n} tokens for {item.request_id}, {item.num_draft} asked"
-            if n and not (0 <= int(result.tokens.min()) and int(result.tokens.max()) < self.vocab_size):
-                return f"a token id outside the vocabulary ({self.vocab_size}) for {item.request_id}"
-            if result.q_probs is not None:
-                width = self.vocab_size if result.q_ids is None else result.q_probs.shape[-1]
-                if result.q_probs.dim() != 2 or tuple(result.q_probs.shape) != (n, width):
-                    return f"q of shape {tuple(result.q_probs.shape)} for {n} tokens of {item.request_id}"
-                if result.q_ids is not None and n and not (0 <= int(result.q_ids.min())
-                                                           and int(result.q_ids.max()) < self.vocab_size):
-                    return f"a candidate id outside the vocabulary for {item.request_id}"
+    def _implausible(self, items: list[DraftItem], reply: DraftReply) -> str:
+        """Why these proposals cannot be verified ("" when they can): more tokens than asked, token or candidate
+        ids outside the vocabulary, dense q of another width (the wire format checked the other shapes)."""
+        if len(reply.counts) != len(items):
+            return f"{len(reply.counts)} results for {len(items)} requests"
+        over = next((i.request_id for i, n in zip(items, reply.counts) if n > i.num_draft), None)
+        if over is not None:
+            return f"more tokens than asked for {over}"
+        for name, raw in (("token", reply.tokens), ("candidate", reply.q_ids)):
+            ids = None if raw is None else from_raw(raw)
+            if ids is not None and ids.numel() and not (0 <= int(ids.min()) and int(ids.max()) < self.vocab_size):
+                return f"a {name} id outside the vocabulary ({self.vocab_size})"
+        dense = "dense" in reply.q_kinds
+        if dense and reply.q_probs.shape[-1] != self.vocab_size:
+            return f"dense q of width {reply.q_probs.shape[-1]}, vocabulary {self.vocab_size}"
         return ""
 
     def release(self, request_id: str) -> None:

@@ -1,0 +1,139 @@
+"""RemoteProposer against a scripted drafter on a real ZeroMQ socket: proposals it cannot verify (ids outside
+the vocabulary, more tokens than asked) cost drafts, never a request; a drafter whose connection closes
+mid-call is given up on at once, and one that stops answering is given up on at its measured deadline. The
+deadline itself: pure."""
+
+import threading
+import time
+
+import pytest
+import torch
+import zmq
+
+from conftest import tiny_draft_config
+from server_harness import free_port_block
+from shared.channel_draft import TO_DRAFTER, DraftRequest, Ping, Pong
+from shared.draft_codec import reply_message
+from shared.proposals import DraftItem, DraftResult, ProposerUnavailable
+from shared.sampling import SamplingParams
+from shared.wire import decode, encode
+from verify_worker.draft_deadline import DraftDeadline
+from verify_worker.remote_proposer import RemoteProposer
+
+VOCAB = 128
+
+
+class ScriptedDrafter:
+    """A ROUTER that answers pings, and each draft call with the next behaviour of its script: "good" (the
+    drafts asked for), "bad_ids", "too_many", "silent" (no answer) or "close" (the socket closes)."""
+
+    def __init__(self, address: str, script: list[str]):
+        self.address, self.script = address, list(script)
+        self.context = zmq.Context()
+        self.socket = self.context.socket(zmq.ROUTER)
+        self.socket.setsockopt(zmq.LINGER, 0)
+        self.socket.bind(address)
+        self.stopping = threading.Event()
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopping.is_set():
+            if not self.socket.poll(20):
+                continue
+            identity, *frames = self.socket.recv_multipart()
+            message = decode(frames, TO_DRAFTER)
+            if isinstance(message, Ping):
+                self.socket.send_multipart([identity, *encode(Pong(message.call_id, "dflash", 8))])
+                continue
+            if not isinstance(message, DraftRequest):
+                continue
+            action = self.script.pop(0) if self.script else "good"
+            if action == "close":
+                self.socket.close(linger=0)
+                return
+            if action == "silent":
+                continue
+            counts = [n + (action == "too_many") for n in message.num_drafts]
+            token = VOCAB + 5 if action == "bad_ids" else 1
+            results = [DraftResult(tokens=torch.full((n,), token, dtype=torch.long)) for n in counts]
+            self.socket.send_multipart([identity, *encode(reply_message(message.call_id, results, 0.001))])
+        self.socket.close(linger=0)
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.thread.join(5)
+        self.context.term()
+
+
+def items(n_features: int = 2) -> list[DraftItem]:
+    return [DraftItem(f"r{i}", 0, torch.zeros(n_features, 2 * 64), 1, 3, SamplingParams(), 0) for i in range(2)]
+
+
+def connected(script: list[str], **deadline) -> tuple[RemoteProposer, ScriptedDrafter]:
+    address = f"tcp://127.0.0.1:{free_port_block(1)}"
+    drafter = ScriptedDrafter(address, script)
+    proposer = RemoteProposer(address, tiny_draft_config(vocab=VOCAB), deadline=DraftDeadline(**deadline))
+    give_up = time.monotonic() + 10
+    while not proposer.available and time.monotonic() < give_up:  # pings go out from tick(), never waiting
+        proposer.tick()
+        time.sleep(0.01)
+    assert proposer.available
+    return proposer, drafter
+
+
+@pytest.mark.parametrize("bad", ["bad_ids", "too_many"])
+def test_proposals_that_cannot_be_verified_cost_drafts_not_requests(bad):
+    proposer, drafter = connected(["good", bad], cap_s=5.0)
+    try:
+        assert [len(r.tokens) for r in proposer.propose(items())] == [3, 3]
+        with pytest.raises(ProposerUnavailable, match="bad proposals"):
+            proposer.propose(items())
+        assert not proposer.available and proposer.bad_messages == 1
+    finally:
+        drafter.stop()
+
+
+def test_a_drafter_that_closes_its_connection_is_given_up_on_at_once():
+    proposer, drafter = connected(["close"], cap_s=5.0)
+    try:
+        began = time.monotonic()
+        with pytest.raises(ProposerUnavailable, match="closed its connection"):
+            proposer.propose(items())
+        assert time.monotonic() - began < 2.0  # not the 5 s cap
+    finally:
+        drafter.stop()
+
+
+def test_a_silent_drafter_is_given_up_on_at_its_measured_deadline():
+    """Steady calls (little context each) set the deadline: 8x their median, at least the floor; a call that
+    catches up on more context than a step commits may wait up to the cap."""
+    proposer, drafter = connected(["good"] * 4 + ["silent"], cap_s=5.0, floor_s=0.3)
+    try:
+        for _ in range(4):
+            proposer.propose(items())
+        assert proposer.deadline.timeout(catch_up=False) == pytest.approx(0.3)
+        began = time.monotonic()
+        with pytest.raises(ProposerUnavailable, match="no answer within 0.30 s"):
+            proposer.propose(items())
+        assert time.monotonic() - began < 2.0
+    finally:
+        drafter.stop()
+
+
+def test_draft_deadline():
+    deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
+    assert deadline.timeout(catch_up=False) == 5.0  # nothing measured yet
+    for seconds in (0.01, 0.05, 0.02, 0.03):
+        deadline.observe(seconds, catch_up=False)
+    deadline.observe(3.0, catch_up=True)  # a catch-up call says nothing about steady ones
+    assert deadline.timeout(catch_up=False) == 0.25  # 8 x 0.025 is under the floor
+    assert deadline.timeout(catch_up=True) == 5.0
+    for _ in range(8):
+        deadline.observe(0.1, catch_up=False)
+    assert deadline.timeout(catch_up=False) == pytest.approx(0.8)
+    for _ in range(32):
+        deadline.observe(2.0, catch_up=False)
+    assert deadline.timeout(catch_up=False) == 5.0  # never past the cap
+    deadline.reset()
+    assert deadline.timeout(catch_up=False) == 5.0
