@@ -46,7 +46,8 @@ def write_random_target(folder: Path, cfg: TargetConfig, seed: int = 0, std: flo
             tensors[name] = torch.randn(shape, generator=generator) * std
     write_checkpoint(folder, cfg.to_dict(), tensors)
     write_byte_tokenizer(folder)
-    (folder / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT, "mask_token": MASK}) + "\n")
+    config = {"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": END_OF_TEXT, "mask_token": MASK}
+    (folder / "tokenizer_config.json").write_text(json.dumps(config) + "\n")  # tokenizer.json as it is, everywhere
 
 
 def ensure_random_pair(root: Path | None = None) -> tuple[Path, Path]:

@@ -95,3 +95,18 @@ def test_dflash_serve_without_arguments_wires_the_demo_target_and_its_dflash2_dr
     assert _flag(mine["draft"].argv, "--draft") == str(DEMO_DIR / "draft")
     plain = launcher.build_children(launcher.parse_args(["--no-draft"]))
     assert "draft" not in plain and "--no-draft" in plain["verify"].argv
+
+
+def test_other_engines_tokenize_the_demo_target_as_we_do():
+    """vLLM, SGLang and HF load tokenizers with transformers' AutoTokenizer; its ids must equal ours on the
+    benchmark's held-out prompts, or text prompts would give other outputs there (a qwen3 model_type alone made it
+    Qwen2Tokenizer, which split 46 of the 48 prompts differently)."""
+    from transformers import AutoTokenizer
+
+    folder = DEMO_DIR / "target"
+    ours = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    theirs = AutoTokenizer.from_pretrained(str(folder))
+    prompts = [p["prompt"] for p in json.loads(PROMPTS.read_text())]
+    for prompt in prompts + ["<|endoftext|>x<|mask|>", "naïve 日本 \t\n  end"]:
+        assert theirs(prompt, add_special_tokens=False)["input_ids"] == ours.encode(prompt, add_special_tokens=False).ids
+    assert theirs.eos_token == "<|endoftext|>"
