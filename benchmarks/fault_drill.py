@@ -25,6 +25,9 @@ from pathlib import Path
 import httpx
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT / "tests"))  # the test suite's helpers: process lookup, request fuzzing
+
+from processes import child_pid  # noqa: E402
 POISON_INTEGERS = {"2**63": 2**63, "2**64": 2**64, "10**30": 10**30, "-2**63": -2**63}
 POISON_FLOATS = {"1e308": 1e308, "5e-324": 5e-324, "-0.0": -0.0}
 INTEGER_FIELDS = ("top_k", "seed", "num_speculative_tokens", "n", "logprobs", "max_tokens")
@@ -57,15 +60,7 @@ class Serve:
         raise SystemExit(f"not ready: {httpx.get(f'{self.url}/ready', timeout=5).text}")
 
     def child_pid(self, role: str) -> int:
-        for entry in Path("/proc").iterdir():
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                parent = int((entry / "stat").read_text().split()[3])
-            except (OSError, ValueError, IndexError):
-                continue
-            if parent == self.process.pid and b"--role" in argv and argv[argv.index(b"--role") + 1] == role.encode():
-                return int(entry.name)
-        raise LookupError(role)
+        return child_pid(self.process.pid, role)
 
     def stop(self) -> None:
         if self.process.poll() is None:
@@ -193,7 +188,6 @@ def drill_poison(server: Serve, args) -> None:
 
 
 def drill_fuzz(server: Serve, args) -> None:
-    sys.path.insert(0, str(ROOT / "tests"))
     from request_fuzz import fuzz  # the test suite's hypothesis strategies for request bodies
 
     alone = {p: complete(server, p, 300) for p in prompts(4)}

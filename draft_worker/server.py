@@ -109,7 +109,6 @@ class DraftServer:
         self.metrics.cached.set(len(self.proposer.slots))
         return reply_message(message.call_id, results, elapsed)
 
-
     def _draft_alone(self, item) -> DraftResult:
         """One request's drafts; a request that fails on its own gets none this step and its context is
         dropped (it is asked to resend it), which costs it speed, never its output."""

@@ -15,6 +15,10 @@ from shared.errors import RequestError
 from shared.request_limits import MIN_TEMPERATURE, is_int64
 
 
+def _finite(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool) and math.isfinite(value)
+
+
 @dataclass(frozen=True)
 class SamplingParams:
     temperature: float = 0.0  # 0 (or below MIN_TEMPERATURE) = greedy
@@ -23,10 +27,9 @@ class SamplingParams:
     seed: int | None = None
 
     def __post_init__(self):
-        finite = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v)  # noqa: E731
-        if not finite(self.temperature) or self.temperature < 0:
+        if not _finite(self.temperature) or self.temperature < 0:
             raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
-        if not finite(self.top_p) or not 0 < self.top_p <= 1:
+        if not _finite(self.top_p) or not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
         if not is_int64(self.top_k) or self.top_k < 0:
             raise RequestError(f"top_k must be an integer from 0 to 2**63 - 1, got {self.top_k!r}")

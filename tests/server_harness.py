@@ -1,7 +1,6 @@
 """Starts a real dflash-serve (three processes) on loopback with tiny random checkpoints, for end-to-end tests."""
 
 import json
-import os
 import random
 import signal
 import socket
@@ -16,6 +15,7 @@ from tokenizers import Tokenizer
 from conftest import tiny_draft_config, write_hf_checkpoint
 from draft_worker.draft_checkpoint import random_drafter, save_drafter
 from greedy_check import assert_same_or_near_tie
+from processes import child_pid
 from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
 from verify_worker.target_loader import load_target
 
@@ -69,22 +69,7 @@ class Server:
         self.url = f"http://127.0.0.1:{self.port}"
 
     def child_pid(self, role: str, rank: int = 0) -> int:
-        """The pid of the child whose command line names this role (and rank, for a tensor-parallel verify
-        worker)."""
-        for entry in Path("/proc").iterdir():
-            if not entry.name.isdigit():
-                continue
-            try:
-                argv = (entry / "cmdline").read_bytes().split(b"\0")
-                if int((entry / "stat").read_text().split()[3]) != self.process.pid:
-                    continue
-            except (OSError, ValueError, IndexError):
-                continue
-            if b"--role" in argv and argv[argv.index(b"--role") + 1].decode() == role:
-                own_rank = int(argv[argv.index(b"--rank") + 1]) if b"--rank" in argv else 0
-                if own_rank == rank:
-                    return int(entry.name)
-        raise LookupError(role)
+        return child_pid(self.process.pid, role, rank)
 
     def reference(self) -> tuple:
         """(TargetModel, Tokenizer) of this server's target, loaded here (once) for reference computations."""
@@ -142,12 +127,3 @@ def metric_value(text: str, name: str, labels: dict | None = None) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
                 total += sample.value
     return total
-
-
-def process_alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    stat = Path(f"/proc/{pid}/stat")
-    return stat.exists() and stat.read_text().split()[2] != "Z"

@@ -13,7 +13,8 @@ import msgpack
 import pytest
 import zmq
 
-from server_harness import Server, metric_value, process_alive, write_server_models
+from processes import process_alive
+from server_harness import Server, metric_value, write_server_models
 from shared.wire import SCHEMA_VERSION
 
 
