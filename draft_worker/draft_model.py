@@ -11,6 +11,7 @@ from draft_worker.draft_config import DraftConfig
 from shared.attention import cached_attention, visibility_mask
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows
+from shared.packed_linear import PackedLinear, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
@@ -28,12 +29,27 @@ class DraftAttention(nn.Module):
         self.o_proj = nn.Linear(cfg.num_heads * cfg.head_dim, h, bias=bias)
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
+        self.kv_proj = None  # set by pack()
+
+    def pack(self, layout: str) -> None:
+        """Inference: k and v as one GEMM (context rows need only those), q and o in the same layout."""
+        self.kv_proj = PackedLinear.of(self.k_proj, self.v_proj, layout=layout)
+        self.q_proj = PackedLinear.of(self.q_proj, layout=layout)
+        self.o_proj = PackedLinear.of(self.o_proj, layout=layout)
+        del self.k_proj, self.v_proj
+
+    def _keys_values_raw(self, rows: torch.Tensor):
+        """rows [b, s, hidden] -> k, v [b, s, kv_heads * dim] before the norm and rotary."""
+        if self.kv_proj is None:
+            return self.k_proj(rows), self.v_proj(rows)
+        return self.kv_proj(rows).chunk(2, -1)
 
     def keys_values(self, rows: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
         """rows [b, s, hidden] -> rotated keys and values [b, s, kv_heads, dim]."""
         b, s, _ = rows.shape
-        k = self.k_norm(self.k_proj(rows).view(b, s, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(rows).view(b, s, self.num_kv_heads, self.head_dim)
+        k, v = self._keys_values_raw(rows)
+        k = self.k_norm(k.view(b, s, self.num_kv_heads, self.head_dim))
+        v = v.view(b, s, self.num_kv_heads, self.head_dim)
         k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
         return k, v
 
@@ -94,6 +110,19 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
+
+    def pack(self) -> "DFlashDraftModel":
+        """For inference (the proposers call it): fuse k/v and gate/up and store the projections in the layout
+        this device and dtype multiply fastest (shared.packed_linear). Idempotent; the module then no longer
+        has the checkpoint's names, so save or train a drafter before packing it."""
+        layout = packing_layout(self.fc.weight)
+        if layout is None or isinstance(self.fc, PackedLinear):
+            return self
+        self.fc = PackedLinear.of(self.fc, layout=layout)
+        for layer in self.layers:
+            layer.self_attn.pack(layout)
+            layer.mlp.pack(layout)
+        return self
 
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
         cfg, weight = self.config, self.fc.weight

@@ -52,7 +52,7 @@ class LocalProposer:
         self.block_size = block_size or cfg.block_size
         if self.block_size < 2:
             raise ConfigError(f"block size must be >= 2, got {self.block_size}")
-        self.drafter = drafter
+        self.drafter = drafter.pack()  # the proposer owns it from here: packed for inference
         self.target_layer_ids = cfg.target_layer_ids
         self.num_target_layers = cfg.num_target_layers
         dtype = next(drafter.parameters()).dtype  # the target's head may be shared in another dtype

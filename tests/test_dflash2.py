@@ -130,6 +130,7 @@ def test_proposer_walks_greedy_rows_over_top_k_and_sampled_rows_over_sample_top_
     drafter = random_drafter(tiny_draft_config(block_size=8, dflash2=settings), seed=3, std=0.2)
     with torch.no_grad():  # a pair term strong enough that the candidate count changes the walk
         drafter.candidate_selector.predecessor_codebook.mul_(20)
+    weights = {name: t.clone() for name, t in drafter.state_dict().items()}  # the proposer packs the drafter
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=4, max_model_len=64)
     out = target(torch.tensor([PROMPTS[0]]), torch.arange(7)[None], None, None, drafter.config.target_layer_ids)
     items = [DraftItem(request_id=f"r{i}", context_start=0, context_features=out.taps[0], anchor_token=5,
@@ -151,7 +152,7 @@ def test_proposer_walks_greedy_rows_over_top_k_and_sampled_rows_over_sample_top_
         cfg = drafter.config
         twin = random_drafter(dataclasses.replace(cfg, dflash2=dataclasses.replace(
             cfg.dflash2, selector_top_k=top_k, selector_sample_top_k=sample_top_k)), seed=3, std=0.2)
-        twin.load_state_dict(drafter.state_dict())
+        twin.load_state_dict(weights)
         return LocalProposer(twin, target.embed_weight, target.lm_head_weight, max_requests=1,
                              max_model_len=64).propose([items[0]])[0].tokens
 

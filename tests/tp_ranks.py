@@ -34,16 +34,17 @@ def _start(rank, entry, world_size, port, args):
     os._exit(0)
 
 
-def _joined_target(rank, world_size, port, folder):
+def _joined_target(rank, world_size, port, folder, pack=True):
     tp = join_group(GroupSettings(rank, world_size, "127.0.0.1", port, "gloo", timeout_s=60), "cpu")
-    return load_target(folder, dtype="float32", tp=tp)
+    return load_target(folder, dtype="float32", tp=tp, pack=pack)
 
 
 def logits_and_shards(rank, world_size, port, folder, out_path):
     """A batched prefill of two prompts of different lengths, then one incremental step; rank 0 saves the
     logits, and every rank the shapes of what it loaded."""
-    target = _joined_target(rank, world_size, port, folder)
-    shapes = {name: tuple(t.shape) for name, t in target.state_dict().items()}
+    target = _joined_target(rank, world_size, port, folder, pack=False)
+    shapes = {name: tuple(t.shape) for name, t in target.state_dict().items()}  # the checkpoint's names
+    target.pack()  # then the served layout: packed row-parallel layers all-reduce too
     if rank > 0:
         follow(target)
         torch.save(shapes, f"{out_path}.rank{rank}")

@@ -36,9 +36,10 @@ def native_cpu_bfloat16() -> bool:
 
 
 def load_target(folder: str | Path, device: str = "cpu", dtype: str = "auto",
-                tp: TensorParallel = TensorParallel()) -> TargetModel:
+                tp: TensorParallel = TensorParallel(), pack: bool = True) -> TargetModel:
     """Load a Qwen3/Llama HF checkpoint (at TP N, only this rank's slice of each sharded tensor); any missing,
-    unexpected or mis-shaped tensor is a CheckpointError, a shape TP N cannot split a ConfigError."""
+    unexpected or mis-shaped tensor is a CheckpointError, a shape TP N cannot split a ConfigError. pack: fuse
+    the projections for inference (TargetModel.pack); False keeps the checkpoint's modules and names."""
     cfg = TargetConfig.from_dict(read_config(folder))
     optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
     check_tensor_names(folder, cfg.tensor_shapes(), optional)
@@ -51,4 +52,5 @@ def load_target(folder: str | Path, device: str = "cpu", dtype: str = "auto",
         model = TargetModel(cfg, tp)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)  # buffers are not in the checkpoint
-    return model.eval().requires_grad_(False)
+    model = model.eval().requires_grad_(False)
+    return model.pack() if pack else model

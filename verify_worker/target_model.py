@@ -11,6 +11,7 @@ from torch import nn
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows
+from shared.packed_linear import PackedLinear, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits
@@ -20,6 +21,11 @@ from verify_worker.target_config import TargetConfig
 
 def _row_linear(in_local: int, out: int, tp: TensorParallel, bias: bool) -> nn.Linear:
     return RowParallelLinear(in_local, out, tp, bias) if tp.parallel else nn.Linear(in_local, out, bias=bias)
+
+
+def _reduce_of(linear: nn.Module):
+    """The all-reduce a packed copy of this layer must apply (a row-parallel layer's), else None."""
+    return linear.tp.all_reduce if isinstance(linear, RowParallelLinear) else None
 
 
 def invariant_attention(x: torch.Tensor) -> bool:
@@ -45,12 +51,27 @@ class TargetAttention(nn.Module):
             self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         else:
             self.q_norm = self.k_norm = None
+        self.qkv_proj = None  # set by pack()
+
+    def pack(self, layout: str) -> None:
+        """Inference: q, k and v as one GEMM, o_proj in the same layout (see shared.packed_linear)."""
+        self.qkv_proj = PackedLinear.of(self.q_proj, self.k_proj, self.v_proj, layout=layout)
+        self.o_proj = PackedLinear.of(self.o_proj, layout=layout, reduce=_reduce_of(self.o_proj))
+        del self.q_proj, self.k_proj, self.v_proj
+
+    def _project(self, x: torch.Tensor):
+        """x [b, s, hidden] -> q [b, s, heads * dim], k and v [b, s, kv_heads * dim]."""
+        if self.qkv_proj is None:
+            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
+        kv_width = self.num_kv_heads * self.head_dim
+        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
 
     def forward(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask, attend):
         batch, seq, _ = x.shape
-        q = self.q_proj(x).view(batch, seq, self.num_heads, self.head_dim)  # [b, s, heads, dim]
-        k = self.k_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)  # [b, s, kv_heads, dim]
-        v = self.v_proj(x).view(batch, seq, self.num_kv_heads, self.head_dim)
+        q, k, v = self._project(x)
+        q = q.view(batch, seq, self.num_heads, self.head_dim)  # [b, s, heads, dim]
+        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)  # [b, s, kv_heads, dim]
+        v = v.view(batch, seq, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
         q = apply_rotary(q.transpose(1, 2), cos, sin)  # [b, heads, s, dim]
@@ -152,6 +173,17 @@ class TargetModel(nn.Module):
                 taps[index] = x
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None  # in the drafter's order
         return TargetOutput(hidden=self.model.norm(x), taps=tapped)
+
+    def pack(self) -> "TargetModel":
+        """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections in the layout
+        this device and dtype multiply fastest (shared.packed_linear; reduced precision on CPU stays as loaded).
+        The loaded tensors are released; the module then no longer has the checkpoint's names."""
+        layout = packing_layout(self.embed_weight)
+        if layout is not None:
+            for layer in self.model.layers:
+                layer.self_attn.pack(layout)
+                layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj))
+        return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
