@@ -16,12 +16,17 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:  # the same maths without the two dtype round trips (two ops fewer)
-            return self.weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps))
-        input_dtype = x.dtype
-        x32 = x.float()
-        x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x32.to(input_dtype)
+        return rms_normalize(x, self.weight, self.eps)
+
+
+def rms_normalize(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """weight * x / rms(x) over the last dimension, the rms in float32 (HF Qwen3/Llama); weight broadcasts
+    against x's trailing dimensions (a [heads, dim] weight normalizes each head row with its own)."""
+    if x.dtype == torch.float32:  # the same maths without the two dtype round trips (two ops fewer)
+        return weight * (x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps))
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
 
 
 class GatedMLP(nn.Module):

@@ -10,7 +10,7 @@ from torch import nn
 
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
 from shared.kv_cache import PositionalKVCache, slot_selector
-from shared.layers import GatedMLP, RMSNorm, project_rows
+from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
 from shared.packed_linear import PackedLinear, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.parallel.group import TensorParallel
@@ -58,24 +58,33 @@ class TargetAttention(nn.Module):
         self.qkv_proj = PackedLinear.of(self.q_proj, self.k_proj, self.v_proj, layout=layout)
         self.o_proj = PackedLinear.of(self.o_proj, layout=layout, reduce=_reduce_of(self.o_proj))
         del self.q_proj, self.k_proj, self.v_proj
+        if self.q_norm is not None:  # q's and k's heads normalized in one go: each head row with its norm's weight
+            dim = self.head_dim
+            self.register_buffer("qk_norm_weight", torch.cat([self.q_norm.weight.detach().expand(self.num_heads, dim),
+                                                              self.k_norm.weight.detach().expand(self.num_kv_heads, dim)]))
 
-    def _project(self, x: torch.Tensor):
-        """x [b, s, hidden] -> q [b, s, heads * dim], k and v [b, s, kv_heads * dim]."""
-        if self.qkv_proj is None:
-            return self.q_proj(x), self.k_proj(x), self.v_proj(x)
-        kv_width = self.num_kv_heads * self.head_dim
-        return self.qkv_proj(x).split([self.num_heads * self.head_dim, kv_width, kv_width], -1)
-
-    def forward(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask, attend):
+    def _queries_keys_values(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor):
+        """x [b, s, hidden] -> normalized, rotated q [b, heads, s, dim] and k [b, kv_heads, s, dim]; v
+        [b, s, kv_heads, dim]."""
         batch, seq, _ = x.shape
-        q, k, v = self._project(x)
-        q = q.view(batch, seq, self.num_heads, self.head_dim)  # [b, s, heads, dim]
-        k = k.view(batch, seq, self.num_kv_heads, self.head_dim)  # [b, s, kv_heads, dim]
-        v = v.view(batch, seq, self.num_kv_heads, self.head_dim)
+        heads, kv_heads, dim = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:  # packed: q and k heads side by side through the norm and the rotary
+            qkv = self.qkv_proj(x)  # [b, s, (heads + 2 kv_heads) * dim]
+            qk = qkv[..., : (heads + kv_heads) * dim].view(batch, seq, heads + kv_heads, dim)
+            if self.q_norm is not None:
+                qk = rms_normalize(qk, self.qk_norm_weight, self.q_norm.eps)
+            qk = apply_rotary(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, s, dim]
+            v = qkv[..., (heads + kv_heads) * dim:].view(batch, seq, kv_heads, dim)
+            return qk[:, :heads], qk[:, heads:], v
+        q = self.q_proj(x).view(batch, seq, heads, dim)  # [b, s, heads, dim]
+        k = self.k_proj(x).view(batch, seq, kv_heads, dim)  # [b, s, kv_heads, dim]
+        v = self.v_proj(x).view(batch, seq, kv_heads, dim)
         if self.q_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [b, heads, s, dim]
-        k = apply_rotary(k.transpose(1, 2), cos, sin)  # [b, kv_heads, s, dim]
+        return apply_rotary(q.transpose(1, 2), cos, sin), apply_rotary(k.transpose(1, 2), cos, sin), v
+
+    def forward(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask, attend):
+        q, k, v = self._queries_keys_values(x, cos, sin)  # [b, heads, s, dim], [b, kv_heads, s, dim], [b, s, kv_heads, dim]
         if cache is None:  # training / scoring: the tokens attend to themselves only
             keys, values = k, v.transpose(1, 2)
         else:
