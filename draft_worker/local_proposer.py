@@ -98,7 +98,8 @@ class LocalProposer:
                 return False
             if not self.free_slots:
                 self._evict_least_recent(protect)
-            self.slots[item.request_id] = self.free_slots.pop()
+            self.slots[item.request_id] = slot = min(self.free_slots)  # low slots: see _draft
+            self.free_slots.remove(slot)
             self.lengths[item.request_id] = 0
             # a stream of its own for every start: a request whose context is rebuilt after a restart or an
             # eviction must not draw again the numbers that drew its earlier drafts
@@ -116,6 +117,8 @@ class LocalProposer:
             self.last_used[item.request_id] = self.clock
         results = {item.request_id: DraftResult(tokens=None) for item in items}
         if synced:
+            # in slot order: consecutive slots are read from the cache as a view, other sets as a gathered copy
+            synced.sort(key=lambda item: self.slots[item.request_id])
             results.update(zip((i.request_id for i in synced), self._draft(synced)))
         self.last_timing = {"draft": time.perf_counter() - started, "transfer": 0.0}
         return [results[item.request_id] for item in items]

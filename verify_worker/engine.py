@@ -135,7 +135,7 @@ class SpeculativeEngine:
         the error), and the others advance as if nothing had happened."""
         while self.waiting and self.free_slots:
             state = self.waiting.pop(0)
-            state.slot, state.status = self.free_slots.pop(), Status.PREFILLING
+            state.slot, state.status = self._take_slot(), Status.PREFILLING
             self.prefilling.append(state)
         groups = [[s.request_id for s in self.prefilling] + list(self.running)]
         events, self.last_reports = [], []
@@ -159,6 +159,14 @@ class SpeculativeEngine:
                 groups += [group[half:], group[:half]]
         return events
 
+    def _take_slot(self) -> int:
+        """The lowest free cache slot: running requests then hold few, low slots, so that a batch sorted by slot
+        is often a consecutive run, whose cache rows attention reads as a view (other batches gather a copy of
+        every layer's keys and values: 39 MB per step for 16 demo requests at 300 positions)."""
+        slot = min(self.free_slots)
+        self.free_slots.remove(slot)
+        return slot
+
     def _step_group(self, group: set[str]) -> list[StepEvent]:
         """One ordinary step of the admitted requests in group: their next prompt chunks, then their decode."""
         report = StepReport(seconds={"draft": 0.0, "transfer": 0.0, "verify": 0.0, "prefill": 0.0, "cache": 0.0})
@@ -167,7 +175,7 @@ class SpeculativeEngine:
         chunks = plan_prefill([s for s in self.prefilling if s.request_id in group], self.max_prefill_tokens)
         if chunks:
             self._prefill(chunks, events, report)
-        decoding = [s for s in self.running.values() if s.request_id in group]
+        decoding = sorted((s for s in self.running.values() if s.request_id in group), key=lambda s: s.slot)
         if decoding:
             self._decode(decoding, events, report)
         measured = sum(report.seconds.values())
