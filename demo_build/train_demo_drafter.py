@@ -16,7 +16,7 @@ from verify_worker.target_loader import load_target
 def train_demo_drafter(target_dir: Path, work: Path, out: Path, minutes: float, log=print) -> None:
     from tokenizers import Tokenizer
 
-    target = load_target(target_dir, dtype="float32")
+    target = load_target(target_dir, dtype="float32", pack=False)  # init_from_target reads the checkpoint names
     mask_id = Tokenizer.from_file(str(target_dir / "tokenizer.json")).token_to_id(MASK)
     examples = examples_from(generated_sequences(work))
     checkpoint = work / "drafter"

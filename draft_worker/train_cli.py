@@ -37,7 +37,8 @@ def new_drafter_config(target: TargetModel, layers: int, block_size: int, taps: 
 
 
 def init_from_target(drafter: DFlashDraftModel, target: TargetModel) -> None:
-    """Start every drafter layer from the target's top layers (same shapes), the final norm from the target's."""
+    """Start every drafter layer from the target's top layers (same shapes), the final norm from the target's. The
+    target must be unpacked (load_target(pack=False)): the layers are matched by their checkpoint names."""
     top = target.model.layers[-len(drafter.layers):]
     with torch.no_grad():
         for mine, theirs in zip(drafter.layers, top):
@@ -153,7 +154,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(args.target, dtype="float32")  # training computes in float32 (the drafter's dtype)
+    target = load_target(args.target, dtype="float32", pack=False)  # float32 (the drafter's dtype); unpacked: init_from_target reads its names
     tokenizer_path = Path(args.target) / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise ConfigError(f"{str(tokenizer_path)!r} is missing: the corpus must be tokenized with the target's tokenizer")
