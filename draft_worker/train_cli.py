@@ -154,7 +154,7 @@ def run(args) -> int:
         torch.set_num_threads(args.threads)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    target = load_target(args.target, dtype="float32", pack=False)  # float32 (the drafter's dtype); unpacked: init_from_target reads its names
+    target = load_target(args.target, dtype="float32", pack=False)  # float32; unpacked for init_from_target
     tokenizer_path = Path(args.target) / "tokenizer.json"
     if not tokenizer_path.is_file():
         raise ConfigError(f"{str(tokenizer_path)!r} is missing: the corpus must be tokenized with the target's tokenizer")
