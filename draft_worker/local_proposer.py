@@ -1,6 +1,7 @@
 """The in-process proposer: a DFlash drafter with a per-request context cache, all requests drafted in one
 batched forward. Used by dflash-generate and tests; the draft worker process serves the same logic remotely."""
 
+import heapq
 import time
 from enum import Enum
 
@@ -61,7 +62,7 @@ class LocalProposer:
         self.draft_sampling = draft_sampling
         self.sparse_top_k = sparse_top_k
         self.cache = drafter.new_cache(max_requests, max_model_len + self.block_size)
-        self.free_slots = list(range(max_requests - 1, -1, -1))
+        self.free_slots = list(range(max_requests))  # a heap
         self.slots: dict[str, int] = {}
         self.lengths: dict[str, int] = {}
         self.generators: dict[str, torch.Generator] = {}
@@ -77,7 +78,7 @@ class LocalProposer:
     def release(self, request_id: str) -> None:
         slot = self.slots.pop(request_id, None)
         if slot is not None:
-            self.free_slots.append(slot)
+            heapq.heappush(self.free_slots, slot)
         self.lengths.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.last_used.pop(request_id, None)
@@ -98,8 +99,7 @@ class LocalProposer:
                 return False
             if not self.free_slots:
                 self._evict_least_recent(protect)
-            self.slots[item.request_id] = slot = min(self.free_slots)  # low slots: see _draft
-            self.free_slots.remove(slot)
+            self.slots[item.request_id] = heapq.heappop(self.free_slots)  # low slots first: see propose
             self.lengths[item.request_id] = 0
             # a stream of its own for every start: a request whose context is rebuilt after a restart or an
             # eviction must not draw again the numbers that drew its earlier drafts

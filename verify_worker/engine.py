@@ -13,6 +13,7 @@ halves, recursively, so that only a request that fails a step on its own is fail
 advances by exactly one step, each half being an ordinary step for its requests.
 """
 
+import heapq
 import logging
 import time
 
@@ -61,7 +62,7 @@ class SpeculativeEngine:
         self.max_prefill_tokens = max_prefill_tokens
         self.max_requests = max_requests
         self.cache = target.new_cache(max_requests, self.max_model_len + max(self.block_size, 1))
-        self.free_slots = list(range(max_requests - 1, -1, -1))
+        self.free_slots = list(range(max_requests))  # a heap (see _take_slot)
         self.waiting: list[RequestState] = []
         self.prefilling: list[RequestState] = []
         self.running: dict[str, RequestState] = {}  # request id -> decoding state, in admission order
@@ -163,9 +164,7 @@ class SpeculativeEngine:
         """The lowest free cache slot: running requests then hold few, low slots, so that a batch sorted by slot
         is often a consecutive run, whose cache rows attention reads as a view (other batches gather a copy of
         every layer's keys and values: 39 MB per step for 16 demo requests at 300 positions)."""
-        slot = min(self.free_slots)
-        self.free_slots.remove(slot)
-        return slot
+        return heapq.heappop(self.free_slots)  # free_slots is a heap: an engine may hold thousands of slots
 
     def _step_group(self, group: set[str]) -> list[StepEvent]:
         """One ordinary step of the admitted requests in group: their next prompt chunks, then their decode."""
@@ -197,6 +196,7 @@ class SpeculativeEngine:
             self.prefilling = [s for s in self.prefilling if s is not state]
             if state.slot < 0 <= snapshot.slot:  # it finished in the failed step: take its slot back
                 self.free_slots.remove(snapshot.slot)
+                heapq.heapify(self.free_slots)
             snapshot.restore()
             if state.status == Status.RUNNING:
                 self.running[state.request_id] = state
@@ -472,7 +472,7 @@ class SpeculativeEngine:
         state.finish_reason = state.finish_reason or reason
         state.feature_chunks = []
         if state.slot >= 0:
-            self.free_slots.append(state.slot)
+            heapq.heappush(self.free_slots, state.slot)
             state.slot = -1
         if self.policy is not None:
             self.policy.forget(state.request_id)
