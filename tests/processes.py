@@ -1,6 +1,8 @@
 """Finding and checking the processes dflash-serve starts (no third-party imports: benchmarks use it too)."""
 
 import os
+import signal
+import subprocess
 from pathlib import Path
 
 
@@ -30,3 +32,14 @@ def process_alive(pid: int) -> bool:
         return False
     stat = Path(f"/proc/{pid}/stat")
     return stat.exists() and stat.read_text().split()[2] != "Z"
+
+
+def stop_process(process: subprocess.Popen, timeout_s: float) -> int | None:
+    """SIGTERM (dflash-serve's graceful stop), then SIGKILL if it has not exited within timeout_s; the exit code."""
+    if process.poll() is None:
+        process.send_signal(signal.SIGTERM)
+        try:
+            process.wait(timeout_s)
+        except subprocess.TimeoutExpired:
+            process.kill()
+    return process.returncode

@@ -2,7 +2,6 @@
 
 import json
 import random
-import signal
 import socket
 import subprocess
 import sys
@@ -15,7 +14,7 @@ from tokenizers import Tokenizer
 from conftest import tiny_draft_config, write_hf_checkpoint
 from draft_worker.draft_checkpoint import random_drafter, save_drafter
 from greedy_check import assert_same_or_near_tie
-from processes import child_pid
+from processes import child_pid, stop_process
 from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
 from verify_worker.target_loader import load_target
 
@@ -98,14 +97,9 @@ class Server:
         raise TimeoutError(httpx.get(f"{self.url}/ready", timeout=5).json())
 
     def stop(self) -> int:
-        if self.process.poll() is None:
-            self.process.send_signal(signal.SIGTERM)
-            try:
-                self.process.wait(30)
-            except subprocess.TimeoutExpired:
-                self.process.kill()
+        code = stop_process(self.process, 30)
         self.stderr.close()
-        return self.process.returncode
+        return code
 
 
 def serving(root: Path, *extra: str):
