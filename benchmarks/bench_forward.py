@@ -1,6 +1,8 @@
 """The bare target forward (with its lm_head), as loaded (the checkpoint's modules) against packed for inference
 (TargetModel.pack: fused q/k/v and gate/up, the device's fastest weight layout, q and k heads normalized and
-rotated together), measured in interleaved rounds in one process; prints medians and ratios.
+rotated together), measured in interleaved rounds in one process; prints medians and ratios. For float32 on
+CPU it times both packed layouts: "transposed" (PyTorch's GEMM on [in, out] weights) and "bf16" (the C++
+kernel on the checkpoint's bfloat16 weights, the default where it builds).
 
     python benchmarks/bench_forward.py                         # demo target, float32, 1 thread
     python benchmarks/bench_forward.py --dtype bfloat16 --threads 2
@@ -18,6 +20,7 @@ import time
 import torch
 
 from shared.demo_models import default_pair
+from shared.packed_linear import packing_layout
 from verify_worker.target_loader import load_target
 
 
@@ -47,11 +50,16 @@ def main(argv=None) -> int:
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     folder = args.target or default_pair().target
-    models = {"as loaded": load_target(folder, dtype=args.dtype, pack=False),
-              "packed": load_target(folder, dtype=args.dtype)}
-    vocab = models["packed"].config.vocab_size
-    print(f"target {folder}, {args.dtype}, {args.threads} thread(s), context {args.context}")
-    print(f"{'shape':>6} {'as loaded ms':>13} {'packed ms':>10} {'ratio':>6}  max |logit diff|  same argmax")
+    models = {"as loaded": load_target(folder, dtype=args.dtype, pack=False)}
+    default = packing_layout(models["as loaded"].embed_weight)
+    layouts = [default] if default in (None, "fused", "transposed") else ["transposed", default]
+    for layout in layouts:  # float32 on CPU: PyTorch's GEMM on [in, out] weights, then the default (C++ bf16)
+        models[f"packed {layout}"] = load_target(folder, dtype=args.dtype, pack=False).pack(layout)
+    vocab = models["as loaded"].config.vocab_size
+    names = list(models)
+    print(f"target {folder}, {args.dtype}, {args.threads} thread(s), context {args.context}; ms per forward, "
+          f"ratios against {names[0]!r}; max |logit diff| and same argmax against it too")
+    print(f"{'shape':>6} " + " ".join(f"{name:>18}" for name in names) + "  ratios    max|diff|  same argmax")
     for shape in args.shapes.split(","):
         batch, tokens = (int(n) for n in shape.split("x"))
         ids = torch.randint(0, vocab, (batch, tokens), generator=torch.Generator().manual_seed(0))
@@ -68,10 +76,11 @@ def main(argv=None) -> int:
                 for name, model in models.items():
                     median, logits[name] = time_forward(model, caches[name], ids, positions, slots, args.calls)
                     seconds[name].append(median)
-        loaded, packed = (statistics.median(seconds[n]) * 1e3 for n in models)
-        diff = (logits["as loaded"] - logits["packed"]).abs().max().item()
-        same = torch.equal(logits["as loaded"].argmax(-1), logits["packed"].argmax(-1))
-        print(f"{shape:>6} {loaded:13.2f} {packed:10.2f} {loaded / packed:5.2f}x  {diff:16.2e}  {same}")
+        ms = [statistics.median(seconds[n]) * 1e3 for n in names]
+        ratios = " ".join(f"{ms[0] / m:.2f}x" for m in ms[1:])
+        diff = max((logits[names[0]] - logits[n]).abs().max().item() for n in names[1:])
+        same = all(torch.equal(logits[names[0]].argmax(-1), logits[n].argmax(-1)) for n in names[1:])
+        print(f"{shape:>6} " + " ".join(f"{m:18.2f}" for m in ms) + f"  {ratios}  {diff:.2e}  {same}")
     return 0
 
 

@@ -111,11 +111,13 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
 
-    def pack(self) -> "DFlashDraftModel":
-        """For inference (the proposers call it): fuse k/v and gate/up and store the projections in the layout
-        this device and dtype multiply fastest (shared.packed_linear). Idempotent; the module then no longer
-        has the checkpoint's names, so save or train a drafter before packing it."""
-        layout = packing_layout(self.fc.weight)
+    def pack(self, layout: str | None = "auto") -> "DFlashDraftModel":
+        """For inference (the proposers call it): fuse k/v and gate/up and store the projections in `layout`
+        ("auto": the one this device and dtype multiply fastest, see shared.packed_linear; None keeps the
+        loaded modules). Idempotent; the module then no longer has the checkpoint's names, so save or train a
+        drafter before packing it."""
+        if layout == "auto":
+            layout = packing_layout(self.fc.weight)
         if layout is None or isinstance(self.fc, PackedLinear):
             return self
         self.fc = PackedLinear.of(self.fc, layout=layout)
@@ -125,7 +127,7 @@ class DFlashDraftModel(nn.Module):
         return self
 
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
-        cfg, weight = self.config, self.fc.weight
+        cfg, weight = self.config, self.hidden_norm.weight  # never packed: the activations' dtype
         return PositionalKVCache(
             cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype, weight.device
         )
@@ -134,7 +136,7 @@ class DFlashDraftModel(nn.Module):
                        features: torch.Tensor) -> None:
         """Cache every layer's keys/values of context rows: features [rows, taps * hidden] of the target,
         for cache slots [rows] at positions [rows]. Context rows are the same in every layer."""
-        context = self.hidden_norm(self.fc(features.to(self.fc.weight.dtype)))[:, None]  # [rows, 1, hidden]
+        context = self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))[:, None]  # [rows, 1, hidden]
         cos, sin = rotary_cos_sin(self.inv_freq, positions[:, None], context.dtype)
         for index, layer in enumerate(self.layers):
             k, v = layer.self_attn.keys_values(context, cos, sin)  # [rows, 1, kv_heads, dim]
@@ -171,9 +173,10 @@ class DFlashDraftModel(nn.Module):
             x = layer.forward_rows(x, cos, sin, context_k, context_v, mask[None, None], self.config.block_size)
         return self.norm(x)[0]
 
-    def logits(self, hidden: torch.Tensor, lm_head_weight: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> float32 [..., vocab], with the published output multiplier and soft-capping."""
-        logits = project_rows(hidden, lm_head_weight).float() * self.config.output_multiplier
+    def logits(self, hidden: torch.Tensor, lm_head: "torch.Tensor | PackedLinear") -> torch.Tensor:
+        """[..., hidden] through the target's lm_head (its weight [vocab, hidden], or packed) -> float32
+        [..., vocab], with the published output multiplier and soft-capping."""
+        logits = project_rows(hidden, lm_head).float() * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

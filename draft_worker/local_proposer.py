@@ -10,6 +10,7 @@ import torch
 from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
 from shared.errors import ConfigError
+from shared.packed_linear import packed_head
 from shared.proposals import DraftItem, DraftResult
 from shared.sampling import batch_sampling_probs, request_generator, sample_from
 
@@ -59,6 +60,7 @@ class LocalProposer:
         dtype = next(drafter.parameters()).dtype  # the target's head may be shared in another dtype
         self.embed_weight = embed_weight.to(dtype)
         self.lm_head_weight = self.embed_weight if lm_head_weight is embed_weight else lm_head_weight.to(dtype)
+        self.lm_head = packed_head(self.lm_head_weight)  # the drafter's logits go through the target's head
         self.draft_sampling = draft_sampling
         self.sparse_top_k = sparse_top_k
         self.cache = drafter.new_cache(max_requests, max_model_len + self.block_size)
@@ -136,7 +138,7 @@ class LocalProposer:
         block_ids[:, 0] = anchors  # [b, block]: anchor then masks
         embeds = self.embed_weight[block_ids] * self.drafter.config.input_embedding_scale
         hidden = self.drafter.block_hidden(self.cache, slots, starts, embeds)  # [b, B, hidden]
-        logits = self.drafter.logits(hidden[:, 1:], self.lm_head_weight)  # [b, B-1, vocab]
+        logits = self.drafter.logits(hidden[:, 1:], self.lm_head)  # [b, B-1, vocab]
         if isinstance(self.drafter, DFlash2DraftModel):
             return self._walk(items, hidden[:, 1:], logits, anchors)
         return self._choose(items, logits)

@@ -53,10 +53,13 @@ class GatedMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)
 
 
-def project_rows(hidden: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """[..., in] @ weight[out, in].T -> [..., out] as one 2-D linear over the rows (an lm_head): torch copies the
-    whole weight per batch row when a strided 3-D input goes through a batched matmul."""
-    rows = F.linear(hidden.reshape(-1, hidden.shape[-1]), weight)  # [rows, out]
+def project_rows(hidden: torch.Tensor, head: "torch.Tensor | PackedLinear") -> torch.Tensor:
+    """[..., in] through an lm_head -> [..., out]: a packed one (PackedLinear), or a weight [out, in] as one 2-D
+    linear over the rows (torch copies the whole weight per batch row when a strided 3-D input goes through a
+    batched matmul)."""
+    if isinstance(head, PackedLinear):
+        return head(hidden)
+    rows = F.linear(hidden.reshape(-1, hidden.shape[-1]), head)  # [rows, out]
     return rows.view(*hidden.shape[:-1], -1)
 
 

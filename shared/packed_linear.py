@@ -15,15 +15,24 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from shared.cpu_kernels.library import bf16_exact, cpu_kernels
+
 
 def packing_layout(weight: torch.Tensor) -> str | None:
-    """How to pack weights like this one: "transposed" ([in, out], x @ W) for float32 on CPU, "fused" (the
-    [out, in] layout, F.linear) on accelerators, None (leave the layers as loaded) for reduced precision on CPU,
-    whose oneDNN GEMMs give the row invariance bfloat16 verification relies on (see batch_invariant_attention)
-    in the layout it was checked in."""
+    """How to pack weights like this one:
+    - "bf16" for float32 on CPU where the C++ kernels run (shared.cpu_kernels) and torch uses one thread: each
+      weight kept as the bfloat16 it came from (when it round-trips exactly; otherwise "transposed") and
+      multiplied by a row-invariant float32 kernel reading half the bytes (single-threaded, hence one thread);
+    - "transposed" ([in, out], x @ W) for float32 on CPU otherwise;
+    - "fused" (the [out, in] layout, F.linear) on accelerators;
+    - None (leave the layers as loaded) for reduced precision on CPU, whose oneDNN GEMMs give the row
+      invariance bfloat16 verification relies on (see batch_invariant_attention) in the layout it was checked in.
+    """
     if weight.device.type != "cpu":
         return "fused"
-    return "transposed" if weight.dtype == torch.float32 else None
+    if weight.dtype != torch.float32:
+        return None
+    return "bf16" if torch.get_num_threads() == 1 and cpu_kernels() is not None else "transposed"
 
 
 class PackedLinear(nn.Module):
@@ -34,9 +43,18 @@ class PackedLinear(nn.Module):
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str,
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
+        """weight [out, in] as nn.Linear holds it; layout as packing_layout names it."""
         super().__init__()
-        self.transposed = layout == "transposed"
-        self.register_buffer("weight", weight.t().contiguous() if self.transposed else weight.contiguous())
+        self.kernels = cpu_kernels() if layout == "bf16" and bf16_exact(weight) else None
+        self.layout = "bf16" if self.kernels is not None else "transposed" if layout == "bf16" else layout
+        self.transposed = self.layout == "transposed"
+        self.out_features = weight.shape[0]
+        self.dtype = weight.dtype  # of the activations in and out
+        if self.kernels is not None:
+            stored = self.kernels.bf16_tiles(weight)  # [tiles, in, 16] bfloat16
+        else:
+            stored = weight.t().contiguous() if self.transposed else weight.contiguous()
+        self.register_buffer("weight", stored)
         self.register_buffer("bias", bias)
         self.reduce = reduce
 
@@ -50,15 +68,23 @@ class PackedLinear(nn.Module):
         bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
         return cls(weight, bias, layout, reduce)
 
-    @property
-    def out_features(self) -> int:
-        return self.weight.shape[1] if self.transposed else self.weight.shape[0]
-
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
-        if self.reduce is None and not self.transposed:
+        if self.reduce is None and self.layout == "fused":
             return F.linear(x, self.weight, self.bias)
-        out = torch.matmul(x, self.weight) if self.transposed else F.linear(x, self.weight)
+        if self.kernels is not None:
+            out = self.kernels.bf16_matmul(x, self.weight, self.out_features)
+        elif self.transposed:
+            out = torch.matmul(x, self.weight)
+        else:
+            out = F.linear(x, self.weight)
         if self.reduce is not None:
             out = self.reduce(out)
         return out if self.bias is None else out + self.bias
+
+
+def packed_head(weight: torch.Tensor) -> "torch.Tensor | PackedLinear":
+    """An lm_head weight [vocab, hidden] packed for inference like the layers (shared.layers.project_rows takes
+    either), or the weight itself where packing_layout leaves weights as loaded."""
+    layout = packing_layout(weight)
+    return weight if layout is None else PackedLinear(weight.detach(), None, layout)

@@ -8,9 +8,11 @@ import torch
 from torch.nn import functional as F
 
 from conftest import write_hf_checkpoint
+from greedy_check import assert_same_or_near_tie
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import LocalProposer
 from shared.attention import batch_invariant_attention, visibility_mask
+from shared.cpu_kernels.library import cpu_kernels
 from shared.demo_models import DEMO_DIR
 from verify_worker.engine import GenerationRequest, SpeculativeEngine
 from verify_worker.target_loader import load_target, native_cpu_bfloat16, resolve_dtype
@@ -101,3 +103,25 @@ def test_auto_dtype_is_bfloat16_on_cpu_only_where_it_is_native():
     assert resolve_dtype("auto", "float32", "cpu") == torch.float32
     assert resolve_dtype("auto", "bfloat16", "cuda:0") == torch.bfloat16
     assert resolve_dtype("float32", "bfloat16", "cpu") == torch.float32
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+def test_the_demo_pair_in_float32_on_the_bf16_kernel_speculates_the_plain_tokens():
+    """The demo's default where bfloat16 is not native: float32 with the checkpoint's bfloat16 weights in the C++
+    kernel (what the verify and draft workers use with their one thread). Its GEMM rows are computed alike
+    whatever the row count; float32 attention is not (MKL), so a divergence is allowed at a near-tie only."""
+    target_dir = DEMO_DIR / "target"
+    from tokenizers import Tokenizer
+
+    target = load_target(target_dir, dtype="float32", pack=False).pack("bf16")
+    assert target.model.layers[0].mlp.gate_up_proj.layout == "bf16"
+    drafter = load_drafter(DEMO_DIR / "draft2", dtype=torch.float32).pack("bf16")
+    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
+    prompts = [tuple(tokenizer.encode(p["prompt"]).ids) for p in json.loads(PROMPTS.read_text())[3:7]]
+    requests = [GenerationRequest(p, 64) for p in prompts]
+    plain = SpeculativeEngine(target, None, max_requests=4, max_model_len=1024).generate(requests)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=8, max_requests=4,
+                             max_model_len=1024)
+    spec = SpeculativeEngine(target, proposer, max_requests=4, max_model_len=1024).generate(requests)
+    for prompt, got, want in zip(prompts, spec, plain):
+        assert_same_or_near_tie(target, prompt, got.token_ids, want.token_ids)

@@ -5,6 +5,7 @@ import torch
 from torch import nn
 
 from conftest import write_hf_checkpoint
+from shared.cpu_kernels.library import cpu_kernels
 from shared.packed_linear import PackedLinear, packing_layout
 from verify_worker.target_loader import load_target
 
@@ -44,7 +45,8 @@ def test_layers_with_and_without_bias_do_not_pack_together():
 
 
 def test_layout_per_device_and_dtype():
-    assert packing_layout(torch.zeros(1)) == "transposed"
+    kernels = torch.get_num_threads() == 1 and cpu_kernels() is not None
+    assert packing_layout(torch.zeros(1)) == ("bf16" if kernels else "transposed")
     assert packing_layout(torch.zeros(1, dtype=torch.bfloat16)) is None  # oneDNN's checked layout stays
 
 
@@ -68,3 +70,35 @@ def test_bfloat16_on_cpu_stays_as_loaded(tmp_path):
     write_hf_checkpoint(tmp_path, "qwen3", seed=3)
     target = load_target(tmp_path, dtype="bfloat16")
     assert target.model.layers[0].self_attn.qkv_proj is None and target.model.layers[0].mlp.gate_up_proj is None
+
+
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+
+
+@needs_kernels
+def test_bf16_layout_only_for_weights_that_round_trip():
+    """A weight that is not exactly bfloat16 keeps float32 ([in, out], PyTorch's GEMM): packing never rounds."""
+    exact, inexact = _linears(False)[0], _linears(False, seed=1)[0]
+    with torch.no_grad():
+        exact.weight.copy_(exact.weight.to(torch.bfloat16).float())
+    assert PackedLinear.of(exact, layout="bf16").layout == "bf16"
+    assert PackedLinear.of(inexact, layout="bf16").layout == "transposed"
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+def test_packed_target_bf16_layout_equals_transposed(tmp_path, dtype):
+    """The demo's case: a bfloat16 checkpoint run in float32. The kernel layout (bfloat16 weights, float32
+    sums) computes the same function as PyTorch's float32 GEMM, to rounding; a float32 checkpoint whose
+    weights do not round-trip keeps PyTorch's GEMM."""
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4, attention_bias=True, dtype=dtype)
+    kernel = load_target(tmp_path, dtype="float32", pack=False).pack("bf16")
+    reference = load_target(tmp_path, dtype="float32", pack=False).pack("transposed")
+    layouts = {kernel.model.layers[0].self_attn.qkv_proj.layout, kernel.head.layout}
+    assert layouts == ({"bf16"} if dtype is torch.bfloat16 else {"transposed"})
+    ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
+    positions = torch.arange(9)[None].expand(2, -1)
+    with torch.inference_mode():
+        got, want = (target.logits(target(ids, positions, target.new_cache(2, 32), torch.arange(2), (0, 1)).hidden)
+                     for target in (kernel, reference))
+    assert torch.allclose(got, want, atol=1e-4)

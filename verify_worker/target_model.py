@@ -135,6 +135,7 @@ class TargetModel(nn.Module):
         self.model = DecoderStack(cfg, self.local, tp)
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.local.vocab_shard, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
+        self.head = None  # the lm_head packed for inference (set by pack())
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -183,12 +184,15 @@ class TargetModel(nn.Module):
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None  # in the drafter's order
         return TargetOutput(hidden=self.model.norm(x), taps=tapped)
 
-    def pack(self) -> "TargetModel":
-        """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections in the layout
-        this device and dtype multiply fastest (shared.packed_linear; reduced precision on CPU stays as loaded).
-        The loaded tensors are released; the module then no longer has the checkpoint's names."""
-        layout = packing_layout(self.embed_weight)
+    def pack(self, layout: str | None = "auto") -> "TargetModel":
+        """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
+        in `layout` ("auto": the one this device and dtype multiply fastest, see shared.packed_linear; None
+        keeps the loaded modules). The loaded tensors are released; the module then no longer has the
+        checkpoint's names."""
+        if layout == "auto":
+            layout = packing_layout(self.embed_weight)
         if layout is not None:
+            self.head = PackedLinear(self.lm_head_weight.detach(), None, layout)
             for layer in self.model.layers:
                 layer.self_attn.pack(layout)
                 layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj))
@@ -196,5 +200,5 @@ class TargetModel(nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
-        local = project_rows(hidden, self.lm_head_weight).float()  # [..., vocab shard]
+        local = project_rows(hidden, self.head if self.head is not None else self.lm_head_weight).float()  # [..., vocab shard]
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local

@@ -1,0 +1,81 @@
+"""The C++ CPU kernels (shared/cpu_kernels): built here with the system compiler, checked against PyTorch."""
+
+import pytest
+import torch
+
+from shared.cpu_kernels import library
+from shared.cpu_kernels.library import CpuKernels, bf16_exact, cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+
+
+def _bf16_weight(out_features: int, in_features: int, seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randn(out_features, in_features, generator=generator).to(torch.bfloat16).float()  # [out, in]
+
+
+@pytest.mark.parametrize("rows", [1, 2, 5, 6, 7, 13, 64])
+@pytest.mark.parametrize("out_features,in_features", [(16, 8), (40, 37), (512, 256), (7, 300)])
+def test_bf16_matmul_equals_the_float64_product(rows, out_features, in_features):
+    weight = _bf16_weight(out_features, in_features, seed=rows)
+    x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(1))
+    kernels = cpu_kernels()
+    got = kernels.bf16_matmul(x, kernels.bf16_tiles(weight), out_features)  # [rows, out]
+    want = (x.double() @ weight.double().t()).float()
+    assert got.shape == (rows, out_features) and got.dtype == torch.float32
+    assert torch.allclose(got, want, rtol=1e-5, atol=1e-4 * in_features ** 0.5)
+
+
+def test_each_row_is_computed_alone():
+    """A row's result does not depend on the other rows of the call: rows of every count (the kernel's 6-row
+    blocks, their remainders, the widened-tile path past 6 rows) equal the same row multiplied alone, bit for bit.
+    This is what makes a verify block's rows equal one-token rows."""
+    weight = _bf16_weight(72, 200, seed=0)
+    kernels = cpu_kernels()
+    tiles = kernels.bf16_tiles(weight)
+    x = torch.randn(40, 200, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([kernels.bf16_matmul(x[i:i + 1], tiles, 72) for i in range(40)])  # [40, 72]
+    for rows in (2, 3, 6, 7, 12, 17, 40):
+        for start in (0, 40 - rows):
+            assert torch.equal(kernels.bf16_matmul(x[start:start + rows], tiles, 72), alone[start:start + rows])
+
+
+def test_leading_dimensions_and_no_rows():
+    weight = _bf16_weight(24, 16, seed=3)
+    kernels = cpu_kernels()
+    tiles = kernels.bf16_tiles(weight)
+    x = torch.randn(2, 3, 16)
+    assert torch.allclose(kernels.bf16_matmul(x, tiles, 24), x @ weight.t(), atol=1e-5)
+    assert kernels.bf16_matmul(torch.zeros(0, 16), tiles, 24).shape == (0, 24)
+    strided = torch.randn(16, 5).t()  # [5, 16], not contiguous
+    assert torch.allclose(kernels.bf16_matmul(strided, tiles, 24), strided @ weight.t(), atol=1e-5)
+
+
+def test_bf16_exact():
+    assert bf16_exact(_bf16_weight(4, 4, seed=0))
+    assert not bf16_exact(torch.tensor([1.0 + 2.0 ** -10]))
+
+
+def test_builds_into_the_cache_folder(tmp_path, monkeypatch):
+    """A fresh cache folder gets a build keyed by the source; a second load reuses it."""
+    monkeypatch.setenv("DFLASH_KERNEL_CACHE", str(tmp_path))
+    library.cpu_kernels.cache_clear()
+    try:
+        kernels = library.cpu_kernels()
+        built = list(tmp_path.glob("*/libdflash_cpu.so"))
+        assert isinstance(kernels, CpuKernels) and len(built) == 1
+        stamp = built[0].stat().st_mtime_ns
+        library.cpu_kernels.cache_clear()
+        assert library.cpu_kernels() is not None and built[0].stat().st_mtime_ns == stamp
+    finally:
+        library.cpu_kernels.cache_clear()
+
+
+def test_switched_off_by_the_environment(monkeypatch):
+    monkeypatch.setenv("DFLASH_CPU_KERNELS", "off")
+    library.cpu_kernels.cache_clear()
+    try:
+        assert library.cpu_kernels() is None
+    finally:
+        monkeypatch.delenv("DFLASH_CPU_KERNELS")
+        library.cpu_kernels.cache_clear()
