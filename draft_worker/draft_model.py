@@ -30,13 +30,17 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.kv_proj = None  # set by pack()
+        self.attend = cached_attention  # pack() may switch it to the C++ CPU kernel
 
     def pack(self, layout: str) -> None:
-        """Inference: k and v as one GEMM (context rows need only those), q and o in the same layout."""
+        """Inference: k and v as one GEMM (context rows need only those), q and o in the same layout; with the
+        C++ kernels' layout, their attention too."""
         self.kv_proj = PackedLinear.of(self.k_proj, self.v_proj, layout=layout)
         self.q_proj = PackedLinear.of(self.q_proj, layout=layout)
         self.o_proj = PackedLinear.of(self.o_proj, layout=layout)
         del self.k_proj, self.v_proj
+        if self.kv_proj.kernels is not None:
+            self.attend = self.kv_proj.kernels.attention
 
     def _keys_values_raw(self, rows: torch.Tensor):
         """rows [b, s, hidden] -> k, v [b, s, kv_heads * dim] before the norm and rotary."""
@@ -65,7 +69,7 @@ class DraftAttention(nn.Module):
             mask = visibility_mask(positions, kv_len, sliding_window=self.window)
         else:
             mask = visibility_mask(positions, kv_len, visible_end=block_end, sliding_window=self.window)
-        return self.o_proj(cached_attention(q, keys, values, mask, self.head_dim**-0.5))
+        return self.o_proj(self.attend(q, keys, values, mask, self.head_dim**-0.5))
 
 
     def forward_rows(self, x, cos, sin, context_k, context_v, mask):

@@ -1,5 +1,9 @@
-"""bfloat16 on CPU: a verify block's rows are bitwise the rows one-token decoding computes, so speculative
-greedy output is exactly plain greedy output (no near-tie allowance), and the attention is still attention."""
+"""The row-invariant setups on CPU: a verify block's rows are bitwise the rows one-token decoding computes, so
+speculative greedy output is exactly plain greedy output (no near-tie allowance), and the attention is still
+attention. Two setups have this property:
+- bfloat16 where the CPU has native bfloat16 (oneDNN GEMMs, batch_invariant_attention);
+- float32 on a bfloat16 checkpoint with the C++ CPU kernels (the "bf16" layout: row-invariant GEMM and
+  attention), the demo's default where bfloat16 is not native."""
 
 import json
 
@@ -8,7 +12,6 @@ import torch
 from torch.nn import functional as F
 
 from conftest import write_hf_checkpoint
-from greedy_check import assert_same_or_near_tie
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import LocalProposer
 from shared.attention import batch_invariant_attention, visibility_mask
@@ -19,13 +22,25 @@ from verify_worker.target_loader import load_target, native_cpu_bfloat16, resolv
 
 PROMPTS = DEMO_DIR.parent.parent / "benchmarks" / "prompts_heldout.json"
 needs_native_bf16 = pytest.mark.skipif(not native_cpu_bfloat16(), reason="this CPU has no native bfloat16 matmul")
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+SETUPS = [pytest.param("bfloat16", marks=needs_native_bf16), pytest.param("float32 kernels", marks=needs_kernels)]
 
 
-@pytest.fixture(scope="module")
-def bf16_target(tmp_path_factory):
+def _invariant_target(folder, setup: str):
+    """The target as the setup runs it."""
+    if setup == "bfloat16":
+        return load_target(folder, dtype="bfloat16")
+    target = load_target(folder, dtype="float32", pack=False).pack("bf16")
+    assert target.kernel_attention is not None and target.model.layers[0].mlp.gate_up_proj.layout == "bf16"
+    return target
+
+
+@pytest.fixture(scope="module", params=SETUPS)
+def bf16_target(tmp_path_factory, request):
+    """A bfloat16 checkpoint in one of the row-invariant setups."""
     folder = tmp_path_factory.mktemp("bf16")
     write_hf_checkpoint(folder, "qwen3", seed=3, dtype=torch.bfloat16, max_position_embeddings=1024)
-    return load_target(folder, dtype="bfloat16")
+    return _invariant_target(folder, request.param)
 
 
 def _prefilled(target, ids: torch.Tensor, slots: int = 1):
@@ -35,7 +50,6 @@ def _prefilled(target, ids: torch.Tensor, slots: int = 1):
     return cache
 
 
-@needs_native_bf16
 @pytest.mark.parametrize("context", [37, 64, 250])
 def test_a_verify_block_computes_the_rows_of_one_token_steps_bit_for_bit(bf16_target, context):
     target, taps = bf16_target, (1, 3)
@@ -50,7 +64,6 @@ def test_a_verify_block_computes_the_rows_of_one_token_steps_bit_for_bit(bf16_ta
         assert torch.equal(target.logits(step.hidden[0, 0]), target.logits(block.hidden[0, i])), f"row {i}"
 
 
-@needs_native_bf16
 def test_a_requests_rows_do_not_depend_on_its_batch_neighbours(bf16_target):
     """A block verified next to a longer request (more keys, other positions) equals the block verified alone."""
     target = bf16_target
@@ -65,13 +78,13 @@ def test_a_requests_rows_do_not_depend_on_its_batch_neighbours(bf16_target):
     assert torch.equal(target.logits(alone.hidden[0]), target.logits(both.hidden[0]))
 
 
-@needs_native_bf16
-def test_the_demo_pair_in_bfloat16_speculates_exactly_the_plain_tokens():
+@pytest.mark.parametrize("setup", SETUPS)
+def test_the_demo_pair_speculates_exactly_the_plain_tokens(setup):
     target_dir = DEMO_DIR / "target"
     from tokenizers import Tokenizer
 
-    target = load_target(target_dir, dtype="bfloat16")
-    drafter = load_drafter(DEMO_DIR / "draft2", dtype=torch.bfloat16)
+    target = _invariant_target(target_dir, setup)
+    drafter = load_drafter(DEMO_DIR / "draft2", dtype=target.embed_weight.dtype)
     tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
     prompts = [p["prompt"] for p in json.loads(PROMPTS.read_text())[3:7]]
     requests = [GenerationRequest(tuple(tokenizer.encode(p).ids), 64) for p in prompts]
@@ -103,25 +116,3 @@ def test_auto_dtype_is_bfloat16_on_cpu_only_where_it_is_native():
     assert resolve_dtype("auto", "float32", "cpu") == torch.float32
     assert resolve_dtype("auto", "bfloat16", "cuda:0") == torch.bfloat16
     assert resolve_dtype("float32", "bfloat16", "cpu") == torch.float32
-
-
-@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
-def test_the_demo_pair_in_float32_on_the_bf16_kernel_speculates_the_plain_tokens():
-    """The demo's default where bfloat16 is not native: float32 with the checkpoint's bfloat16 weights in the C++
-    kernel (what the verify and draft workers use with their one thread). Its GEMM rows are computed alike
-    whatever the row count; float32 attention is not (MKL), so a divergence is allowed at a near-tie only."""
-    target_dir = DEMO_DIR / "target"
-    from tokenizers import Tokenizer
-
-    target = load_target(target_dir, dtype="float32", pack=False).pack("bf16")
-    assert target.model.layers[0].mlp.gate_up_proj.layout == "bf16"
-    drafter = load_drafter(DEMO_DIR / "draft2", dtype=torch.float32).pack("bf16")
-    tokenizer = Tokenizer.from_file(str(target_dir / "tokenizer.json"))
-    prompts = [tuple(tokenizer.encode(p["prompt"]).ids) for p in json.loads(PROMPTS.read_text())[3:7]]
-    requests = [GenerationRequest(p, 64) for p in prompts]
-    plain = SpeculativeEngine(target, None, max_requests=4, max_model_len=1024).generate(requests)
-    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=8, max_requests=4,
-                             max_model_len=1024)
-    spec = SpeculativeEngine(target, proposer, max_requests=4, max_model_len=1024).generate(requests)
-    for prompt, got, want in zip(prompts, spec, plain):
-        assert_same_or_near_tie(target, prompt, got.token_ids, want.token_ids)

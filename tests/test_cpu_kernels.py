@@ -79,3 +79,61 @@ def test_switched_off_by_the_environment(monkeypatch):
     finally:
         monkeypatch.delenv("DFLASH_CPU_KERNELS")
         library.cpu_kernels.cache_clear()
+
+
+def _attention_inputs(batch, heads, kv_heads, queries, keys, dim, seed):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(batch, heads, queries, dim, generator=gen)
+    cache_k = torch.randn(batch + 1, kv_heads, keys + 9, dim, generator=gen)  # a cache: slots x capacity
+    cache_v = torch.randn(batch + 1, kv_heads, keys + 9, dim, generator=gen)
+    return q, cache_k[1:, :, :keys], cache_v[1:, :, :keys]  # views with the cache's strides
+
+
+@pytest.mark.parametrize("heads,kv_heads,dim", [(4, 2, 64), (4, 4, 16), (8, 1, 128)])
+@pytest.mark.parametrize("queries,keys", [(1, 1), (1, 200), (8, 70), (3, 128)])
+def test_attention_equals_torch(heads, kv_heads, dim, queries, keys):
+    """Grouped-query attention over a cache view, causal by position and non-causal within a block (the
+    drafter's), equal to torch's fused kernel to float32 rounding."""
+    from shared.attention import cached_attention, visibility_mask
+
+    q, k, v = _attention_inputs(3, heads, kv_heads, queries, keys, dim, seed=queries * keys + dim)
+    positions = torch.arange(keys - queries, keys)[None].expand(3, -1)
+    for mask in (visibility_mask(positions, keys),
+                 visibility_mask(positions, keys, visible_end=torch.tensor([keys, keys - 1, keys]))):
+        got = cpu_kernels().attention(q, k, v, mask, dim ** -0.5)  # [b, queries, heads * dim]
+        want = cached_attention(q, k, v, mask, dim ** -0.5)
+        assert got.shape == want.shape == (3, queries, heads * dim)
+        assert (got - want).abs().max() < 1e-5
+
+
+def test_attention_rows_depend_only_on_their_own_keys():
+    """A query row's output is bit for bit the same alone or in a block, and whatever follows its visible keys
+    (more masked keys, holding garbage, even NaN)."""
+    from shared.attention import visibility_mask
+
+    kernels = cpu_kernels()
+    q, k, v = _attention_inputs(1, 4, 2, 8, 60, 64, seed=5)
+    positions = torch.arange(52, 60)[None]
+    block = kernels.attention(q, k, v, visibility_mask(positions, 60), 0.125)  # [1, 8, 256]
+    longer_k, longer_v = torch.cat([k, torch.full((1, 2, 30, 64), float("nan"))], 2), torch.cat([v, k[:, :, :30]], 2)
+    longer = kernels.attention(q, longer_k, longer_v, visibility_mask(positions, 90), 0.125)
+    assert torch.equal(block, longer)
+    for i in range(8):
+        keys = 53 + i
+        alone = kernels.attention(q[:, :, i:i + 1], k[:, :, :keys], v[:, :, :keys],
+                                  visibility_mask(positions[:, i:i + 1], keys), 0.125)
+        assert torch.equal(alone[0, 0], block[0, i]), f"row {i}"
+
+
+def test_attention_row_without_visible_keys_is_zero_and_odd_head_sizes_fall_back():
+    from shared.attention import cached_attention, visibility_mask
+
+    kernels = cpu_kernels()
+    q, k, v = _attention_inputs(1, 2, 1, 2, 10, 8, seed=6)
+    mask = visibility_mask(torch.tensor([[3, 4]]), 10)
+    mask[0, 0, 1] = False  # a padding row
+    out = kernels.attention(q, k, v, mask, 0.3)
+    assert torch.equal(out[0, 1], torch.zeros(16)) and torch.isfinite(out).all()
+    q, k, v = _attention_inputs(1, 2, 1, 2, 10, 12, seed=7)  # head size 12: not a multiple of 8
+    mask = visibility_mask(torch.tensor([[3, 4]]), 10)
+    assert torch.allclose(kernels.attention(q, k, v, mask, 0.3), cached_attention(q, k, v, mask, 0.3), atol=1e-6)

@@ -136,6 +136,7 @@ class TargetModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.local.vocab_shard, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.head = None  # the lm_head packed for inference (set by pack())
+        self.kernel_attention = None  # the C++ CPU attention, with the "bf16" layout (set by pack())
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -170,7 +171,7 @@ class TargetModel(nn.Module):
         kv_len = input_ids.shape[1] if cache is None else int(positions.max()) + 1
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         invariant = invariant_attention(x)
-        attend = batch_invariant_attention if invariant else cached_attention
+        attend = batch_invariant_attention if invariant else self.kernel_attention or cached_attention
         if cache is not None and invariant:  # whole key chunks: see batch_invariant_attention
             kv_len = invariant_key_length(kv_len, cache.capacity)
         mask = visibility_mask(positions, kv_len)  # [b, 1, s, kv_len]
@@ -193,6 +194,8 @@ class TargetModel(nn.Module):
             layout = packing_layout(self.embed_weight)
         if layout is not None:
             self.head = PackedLinear(self.lm_head_weight.detach(), None, layout)
+            if self.head.kernels is not None:  # the C++ kernels run here: their row-by-row attention too
+                self.kernel_attention = self.head.kernels.attention
             for layer in self.model.layers:
                 layer.self_attn.pack(layout)
                 layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj))

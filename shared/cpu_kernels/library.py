@@ -1,4 +1,4 @@
-"""Building and loading the C++ CPU kernels (bf16_gemm.cpp): compiled on first use with the system's C++
+"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp): compiled on first use with the system's C++
 compiler (about a second; no torch headers) into a cache folder keyed by the source and flags, loaded with
 ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with DFLASH_CPU_KERNELS=off, `cpu_kernels()` is
 None and every caller keeps its PyTorch path.
@@ -19,7 +19,9 @@ from pathlib import Path
 
 import torch
 
-SOURCE = Path(__file__).with_name("bf16_gemm.cpp")
+from shared.attention import cached_attention
+
+SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 
@@ -32,6 +34,13 @@ class CpuKernels:
         self._gemm.restype = None
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_void_p]
+        self._attention = library.dflash_attention
+        self._attention.restype = ctypes.c_int
+        self._attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] + \
+            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+
+    def __deepcopy__(self, memo) -> "CpuKernels":
+        return self  # the loaded library is shared (ctypes functions cannot be copied)
 
     @staticmethod
     def bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
@@ -51,6 +60,26 @@ class CpuKernels:
             self._gemm(rows.data_ptr(), rows.shape[0], rows.shape[1], tiles.data_ptr(), out_features,
                        out.data_ptr())
         return out.view(*x.shape[:-1], out_features)
+
+
+    def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
+        """shared.attention.cached_attention's contract, computed row by row (see attention.cpp): q [batch, heads,
+        queries, dim]; k, v [batch, kv_heads, keys, dim] (cache views: only the last two dims need be dense);
+        mask [batch, 1, queries, keys]. Returns [batch, queries, heads * dim]. Float32 only; other head sizes
+        (not a multiple of 8, or over 256) take cached_attention."""
+        batch, heads, queries, dim = q.shape
+        kv_heads, keys = k.shape[1], k.shape[2]
+        if q.dtype != torch.float32 or dim % 8 or dim > 256:
+            return cached_attention(q, k, v, mask, scale)
+        q = q.contiguous()
+        k, v = (t if t.stride(-1) == 1 and t.stride(-2) == dim else t.contiguous() for t in (k, v))
+        visible = mask.expand(batch, 1, queries, keys)[:, 0].contiguous().view(torch.uint8)  # [batch, queries, keys]
+        out = torch.empty(batch, queries, heads * dim, dtype=torch.float32, device=q.device)
+        if out.numel():
+            self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0),
+                            v.stride(1), visible.data_ptr(), batch, heads, kv_heads, queries, keys, dim, scale,
+                            out.data_ptr())
+        return out
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -81,7 +110,7 @@ def _build(compiler: str, target: Path) -> None:
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
         built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), str(SOURCE)], check=True, capture_output=True,
+        subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], check=True, capture_output=True,
                        text=True, timeout=120)
         os.replace(built, target)
 
@@ -95,7 +124,8 @@ def cpu_kernels() -> CpuKernels | None:
     if why:
         log.info("C++ CPU kernels off (%s): float32 projections use PyTorch's GEMM", why)
         return None
-    key = hashlib.sha256(SOURCE.read_bytes() + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
+    sources = b"".join(source.read_bytes() for source in SOURCES)
+    key = hashlib.sha256(sources + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
     target = cache_folder() / key / "libdflash_cpu.so"
     try:
         if not target.exists():
