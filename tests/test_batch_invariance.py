@@ -31,7 +31,7 @@ def _invariant_target(folder, setup: str):
     if setup == "bfloat16":
         return load_target(folder, dtype="bfloat16")
     target = load_target(folder, dtype="float32", pack=False).pack("bf16")
-    assert target.kernel_attention is not None and target.model.layers[0].mlp.gate_up_proj.layout == "bf16"
+    assert target.kernels is not None and target.model.layers[0].mlp.gate_up_proj.layout == "bf16"
     return target
 
 

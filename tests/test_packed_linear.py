@@ -86,19 +86,30 @@ def test_bf16_layout_only_for_weights_that_round_trip():
 
 
 @needs_kernels
-@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
-def test_packed_target_bf16_layout_equals_transposed(tmp_path, dtype):
+@pytest.mark.parametrize("family,dtype", [("qwen3", None), ("qwen3", torch.bfloat16), ("llama", torch.bfloat16)])
+def test_packed_target_bf16_layout_equals_transposed(tmp_path, family, dtype):
     """The demo's case: a bfloat16 checkpoint run in float32. The kernel layout (bfloat16 weights, float32
-    sums) computes the same function as PyTorch's float32 GEMM, to rounding; a float32 checkpoint whose
-    weights do not round-trip keeps PyTorch's GEMM."""
-    write_hf_checkpoint(tmp_path, "qwen3", seed=4, attention_bias=True, dtype=dtype)
+    sums; the fused layer ops and attention of shared.cpu_kernels) computes the same function as PyTorch, to
+    rounding, with and without q/k norms; a float32 checkpoint whose weights do not round-trip keeps PyTorch's
+    GEMM (and still the fused ops)."""
+    write_hf_checkpoint(tmp_path, family, seed=4, attention_bias=True, dtype=dtype)
     kernel = load_target(tmp_path, dtype="float32", pack=False).pack("bf16")
     reference = load_target(tmp_path, dtype="float32", pack=False).pack("transposed")
     layouts = {kernel.model.layers[0].self_attn.qkv_proj.layout, kernel.head.layout}
     assert layouts == ({"bf16"} if dtype is torch.bfloat16 else {"transposed"})
     ids = torch.randint(0, 128, (2, 9), generator=torch.Generator().manual_seed(0))
     positions = torch.arange(9)[None].expand(2, -1)
+    assert kernel.kernels is not None and reference.kernels is None
     with torch.inference_mode():
-        got, want = (target.logits(target(ids, positions, target.new_cache(2, 32), torch.arange(2), (0, 1)).hidden)
-                     for target in (kernel, reference))
-    assert torch.allclose(got, want, atol=1e-4)
+        outputs = [target(ids, positions, target.new_cache(2, 32), torch.arange(2), (0, 1)) for target in (kernel, reference)]
+        (got, got_taps), (want, want_taps) = ((target.logits(out.hidden), out.taps)
+                                              for target, out in zip((kernel, reference), outputs))
+    assert torch.allclose(got, want, atol=1e-4) and torch.allclose(got_taps, want_taps, atol=1e-4)
+
+
+@needs_kernels
+def test_a_cache_write_outside_the_cache_is_refused(tmp_path):
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4, dtype=torch.bfloat16)
+    target = load_target(tmp_path, dtype="float32", pack=False).pack("bf16")
+    with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):
+        target(torch.tensor([[1, 2]]), torch.tensor([[7, 8]]), target.new_cache(1, 8), torch.tensor([0]))

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
+from shared.cpu_kernels.library import cpu_kernels
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
 from shared.packed_linear import PackedLinear, packing_layout
@@ -93,6 +94,17 @@ class TargetAttention(nn.Module):
         out = attend(q, keys, values, mask, self.head_dim**-0.5)  # [b, s, heads * dim]
         return self.o_proj(out)
 
+    def forward_fused(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask,
+                      kernels):
+        """forward() of a packed layer with a cache, through the C++ CPU kernels (shared.cpu_kernels)."""
+        qkv = self.qkv_proj(x)  # [b, s, (heads + 2 kv_heads) * dim]
+        norm = getattr(self, "qk_norm_weight", None)
+        eps = self.q_norm.eps if self.q_norm is not None else 0.0
+        q = kernels.qk_rotary_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, norm, eps, cos, sin,
+                                    cache.keys[self.layer_index], cache.values[self.layer_index], slots, positions)
+        keys, values = cache.read(self.layer_index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
+        return self.o_proj(kernels.attention(q, keys, values, mask, self.head_dim**-0.5))  # [b, s, hidden]
+
 
 class TargetDecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
@@ -136,7 +148,7 @@ class TargetModel(nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.local.vocab_shard, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.head = None  # the lm_head packed for inference (set by pack())
-        self.kernel_attention = None  # the C++ CPU attention, with the "bf16" layout (set by pack())
+        self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
 
     @property
     def embed_weight(self) -> torch.Tensor:
@@ -171,12 +183,14 @@ class TargetModel(nn.Module):
         kv_len = input_ids.shape[1] if cache is None else int(positions.max()) + 1
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         invariant = invariant_attention(x)
-        attend = batch_invariant_attention if invariant else self.kernel_attention or cached_attention
+        attend = batch_invariant_attention if invariant else cached_attention
         if cache is not None and invariant:  # whole key chunks: see batch_invariant_attention
             kv_len = invariant_key_length(kv_len, cache.capacity)
         mask = visibility_mask(positions, kv_len)  # [b, 1, s, kv_len]
         read_slots = None if cache is None else slot_selector(slots)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        if self.kernels is not None and cache is not None and x.dtype == torch.float32 and x.device.type == "cpu":
+            return self._forward_fused(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask, tap_layers)
         taps = {}
         for index, layer in enumerate(self.model.layers):
             x = layer(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask, attend)
@@ -184,6 +198,25 @@ class TargetModel(nn.Module):
                 taps[index] = x
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None  # in the drafter's order
         return TargetOutput(hidden=self.model.norm(x), taps=tapped)
+
+    def _forward_fused(self, x, cos, sin, cache, slots, read_slots, positions, kv_len, mask,
+                       tap_layers) -> TargetOutput:
+        """The same layers through the C++ CPU kernels (float32, a cache): each residual add fused with the
+        next norm, q/k norms + rotary + cache write in one call, row-by-row attention."""
+        kernels, layers = self.kernels, self.model.layers
+        h = kernels.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)  # [b, s, hidden]
+        taps = {}
+        for index, layer in enumerate(layers):
+            attention = layer.self_attn.forward_fused(h, cos, sin, cache, slots, read_slots, positions, kv_len, mask,
+                                                      kernels)
+            post = layer.post_attention_layernorm
+            x, h = kernels.add_rms_norm(x, attention, post.weight, post.eps)
+            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
+            x, h = kernels.add_rms_norm(x, layer.mlp(h), following.weight, following.eps)
+            if index in tap_layers:
+                taps[index] = x
+        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
+        return TargetOutput(hidden=h, taps=tapped)
 
     def pack(self, layout: str | None = "auto") -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
@@ -194,8 +227,7 @@ class TargetModel(nn.Module):
             layout = packing_layout(self.embed_weight)
         if layout is not None:
             self.head = PackedLinear(self.lm_head_weight.detach(), None, layout)
-            if self.head.kernels is not None:  # the C++ kernels run here: their row-by-row attention too
-                self.kernel_attention = self.head.kernels.attention
+            self.kernels = cpu_kernels() if layout == "bf16" else None  # their fused layer ops and attention too
             for layer in self.model.layers:
                 layer.self_attn.pack(layout)
                 layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj))

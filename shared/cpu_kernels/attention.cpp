@@ -14,18 +14,6 @@
 
 namespace {
 
-inline float horizontal_sum(__m256 v) {
-  const __m128 pair = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  const __m128 two = _mm_add_ps(pair, _mm_movehl_ps(pair, pair));
-  return _mm_cvtss_f32(_mm_add_ss(two, _mm_shuffle_ps(two, two, 1)));
-}
-
-inline float dot(const float* a, const float* b, int64_t dim) {
-  __m256 acc = _mm256_mul_ps(_mm256_loadu_ps(a), _mm256_loadu_ps(b));
-  for (int64_t d = 8; d < dim; d += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + d), _mm256_loadu_ps(b + d), acc);
-  return horizontal_sum(acc);
-}
-
 // exp(x) for x <= 0 to float32 accuracy (Cephes' polynomial on a power-of-two range reduction); each lane
 // alike, so a value's result never depends on its neighbours.
 inline __m256 exp_nonpositive(__m256 x) {
@@ -45,44 +33,115 @@ inline __m256 exp_nonpositive(__m256 x) {
   return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
 }
 
-// One (row, head): scores of the visible keys, their softmax weights, the weighted sum of values.
-void attend_row(const float* q, const float* k, const float* v, const uint8_t* visible, int64_t keys,
-                int64_t dim, float scale, float* weights, float* out) {
-  float top = -INFINITY;
-  for (int64_t j = 0; j < keys; ++j) {
-    if (!visible[j]) continue;
-    weights[j] = dot(q, k + j * dim, dim) * scale;
-    top = weights[j] > top ? weights[j] : top;
+// Eight dot products at once: q [dim] against keys k[0..7] (rows of dim). Each key's lanes are summed by the
+// same tree ((0+1)+(2+3))+((4+5)+(6+7)) whatever its place among the eight, so a score is the same number in
+// every call that computes it; a NaN in one key (cache garbage) stays in that key's score.
+inline __m256 dot8(const float* q, const float* k, int64_t dim) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+  for (int64_t d = 0; d < dim; d += 8) {
+    const __m256 qd = _mm256_loadu_ps(q + d);
+    a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
+    a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + dim + d), a1);
+    a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * dim + d), a2);
+    a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * dim + d), a3);
+    a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 4 * dim + d), a4);
+    a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 5 * dim + d), a5);
+    a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 6 * dim + d), a6);
+    a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 7 * dim + d), a7);
   }
-  for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(out + d, _mm256_setzero_ps());
-  if (top == -INFINITY) return;  // no visible key (a padding row): zeros, never read
-  const __m256 top8 = _mm256_set1_ps(top);
-  int64_t j = 0;
-  for (; j + 8 <= keys; j += 8) {  // masked keys' weights are garbage here and skipped below
-    _mm256_storeu_ps(weights + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(weights + j), top8)));
+  // hadd pairs lanes within each 128-bit half: after three rounds, lane i of each half holds a partial of key i.
+  const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
+  const __m256 h45 = _mm256_hadd_ps(a4, a5), h67 = _mm256_hadd_ps(a6, a7);
+  const __m256 h0123 = _mm256_hadd_ps(h01, h23), h4567 = _mm256_hadd_ps(h45, h67);
+  // h0123 = [k0 lo, k1 lo, k2 lo, k3 lo | k0 hi, k1 hi, k2 hi, k3 hi] (each a sum of four lanes), same for 4..7
+  const __m256 lows = _mm256_permute2f128_ps(h0123, h4567, 0x20), highs = _mm256_permute2f128_ps(h0123, h4567, 0x31);
+  return _mm256_add_ps(lows, highs);  // [s0 .. s7]
+}
+
+constexpr int64_t kKeyBlock = 64;  // keys per block: a block's keys and values stay in L1 across the rows
+
+// out[0 .. 8 LANES) += sum over visible keys j in [begin, end), in order, of w[j] * v[j][0 .. 8 LANES)
+// (v rows of stride dim). The accumulators are registers (LANES is a compile-time count).
+template <int LANES>
+inline void accumulate(const float* w, const uint8_t* seen, const float* v, int64_t dim, int64_t begin, int64_t end,
+                       float* out) {
+  __m256 acc[LANES];
+  for (int d = 0; d < LANES; ++d) acc[d] = _mm256_loadu_ps(out + 8 * d);
+  for (int64_t j = begin; j < end; ++j) {
+    if (!seen[j]) continue;
+    const __m256 p = _mm256_set1_ps(w[j]);
+    const float* vj = v + j * dim;
+    for (int d = 0; d < LANES; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * d), acc[d]);
   }
-  if (j < keys) {
-    float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-    for (int64_t t = j; t < keys; ++t) tail[t - j] = visible[t] ? weights[t] - top : 0.0f;
-    _mm256_storeu_ps(tail, exp_nonpositive(_mm256_loadu_ps(tail)));
-    for (int64_t t = j; t < keys; ++t) weights[t] = tail[t - j];
+  for (int d = 0; d < LANES; ++d) _mm256_storeu_ps(out + 8 * d, acc[d]);
+}  // keys per block: a block's keys and values stay in L1 across the rows
+
+// All query rows of one (batch entry, KV head): the group's heads x the call's rows, each against the keys its
+// mask row shows. Keys and values are read block by block and reused by every row (not re-read per row); each
+// row's arithmetic is still its own, in key order (its accumulators are stored and reloaded between blocks,
+// which is exact), so its result is the one it would get alone.
+//   q: rows_total row pointers (dim each); visible: a mask row per row; out: a row of dim per row.
+void attend_rows(const float* const* q, const uint8_t* const* visible, float* const* out, int64_t rows_total,
+                 const float* k, const float* v, int64_t keys, int64_t dim, float scale, float* scores,
+                 float* padded_keys) {
+  const int64_t full = keys / 8 * 8;
+  if (full < keys) {  // the last partial chunk of 8 keys, zero-padded, so that every key goes through dot8
+    for (int64_t i = 0; i < 8 * dim; ++i) padded_keys[i] = 0.0f;
+    for (int64_t i = 0; i < (keys - full) * dim; ++i) padded_keys[i] = k[full * dim + i];
   }
-  float total = 0.0f;
-  for (int64_t t = 0; t < keys; ++t) {
-    if (visible[t]) total += weights[t];
+  const int64_t stride = (keys + 7) / 8 * 8;  // scores row length
+  const __m256 scale8 = _mm256_set1_ps(scale);
+  for (int64_t block = 0; block < keys; block += kKeyBlock) {
+    const int64_t end = block + kKeyBlock < keys ? block + kKeyBlock : keys;
+    for (int64_t r = 0; r < rows_total; ++r) {
+      for (int64_t j = block; j < end; j += 8) {
+        const float* chunk = j < full ? k + j * dim : padded_keys;
+        _mm256_storeu_ps(scores + r * stride + j, _mm256_mul_ps(dot8(q[r], chunk, dim), scale8));
+      }
+    }
   }
-  constexpr int kMaxDim = 256;
-  __m256 acc[kMaxDim / 8];
-  const int64_t lanes = dim / 8;
-  for (int64_t d = 0; d < lanes; ++d) acc[d] = _mm256_setzero_ps();
-  for (int64_t t = 0; t < keys; ++t) {
-    if (!visible[t]) continue;
-    const __m256 p = _mm256_set1_ps(weights[t]);
-    const float* vt = v + t * dim;
-    for (int64_t d = 0; d < lanes; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vt + 8 * d), acc[d]);
+  std::vector<float> inverse_total(rows_total, 0.0f);
+  for (int64_t r = 0; r < rows_total; ++r) {
+    float* w = scores + r * stride;
+    const uint8_t* seen = visible[r];
+    float top = -INFINITY;
+    for (int64_t j = 0; j < keys; ++j) {
+      if (seen[j]) top = w[j] > top ? w[j] : top;
+    }
+    for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(out[r] + d, _mm256_setzero_ps());
+    if (top == -INFINITY) continue;  // no visible key (a padding row): zeros, never read
+    const __m256 top8 = _mm256_set1_ps(top);
+    for (int64_t j = 0; j < stride; j += 8) {  // masked keys' weights are garbage here and skipped below
+      _mm256_storeu_ps(w + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(w + j), top8)));
+    }
+    float total = 0.0f;
+    for (int64_t j = 0; j < keys; ++j) {
+      if (seen[j]) total += w[j];
+    }
+    inverse_total[r] = 1.0f / total;
   }
-  const __m256 inverse = _mm256_set1_ps(1.0f / total);
-  for (int64_t d = 0; d < lanes; ++d) _mm256_storeu_ps(out + 8 * d, _mm256_mul_ps(acc[d], inverse));
+  for (int64_t block = 0; block < keys; block += kKeyBlock) {
+    const int64_t end = block + kKeyBlock < keys ? block + kKeyBlock : keys;
+    for (int64_t r = 0; r < rows_total; ++r) {
+      if (inverse_total[r] == 0.0f) continue;
+      for (int64_t d = 0; d < dim; d += 64) {  // 64 columns at a time: their accumulators fit in registers
+        switch ((dim - d) / 8 < 8 ? (dim - d) / 8 : 8) {
+          case 8: accumulate<8>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+          case 7: accumulate<7>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+          case 6: accumulate<6>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+          case 5: accumulate<5>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+          case 4: accumulate<4>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+          case 3: accumulate<3>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+          case 2: accumulate<2>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+          default: accumulate<1>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+        }
+      }
+    }
+  }
+  for (int64_t r = 0; r < rows_total; ++r) {
+    const __m256 inverse = _mm256_set1_ps(inverse_total[r]);
+    for (int64_t d = 0; d < dim; d += 8) _mm256_storeu_ps(out[r] + d, _mm256_mul_ps(_mm256_loadu_ps(out[r] + d), inverse));
+  }
 }
 
 }  // namespace
@@ -97,16 +156,22 @@ int dflash_attention(const float* q, const float* k, const float* v, int64_t k_b
                      int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale,
                      float* out) {
   if (dim % 8 != 0 || dim > 256 || heads % kv_heads != 0) return -1;
-  const int64_t group = heads / kv_heads;
-  std::vector<float> weights(keys + 8);
+  const int64_t group = heads / kv_heads, rows_total = group * rows;
+  std::vector<float> scores(rows_total * ((keys + 7) / 8 * 8)), padded_keys(8 * dim);
+  std::vector<const float*> q_rows(rows_total);
+  std::vector<const uint8_t*> mask_rows(rows_total);
+  std::vector<float*> out_rows(rows_total);
   for (int64_t b = 0; b < batch; ++b) {
-    for (int64_t h = 0; h < heads; ++h) {
-      const float* kh = k + b * k_batch_stride + (h / group) * k_head_stride;
-      const float* vh = v + b * v_batch_stride + (h / group) * v_head_stride;
-      for (int64_t i = 0; i < rows; ++i) {
-        attend_row(q + ((b * heads + h) * rows + i) * dim, kh, vh, visible + (b * rows + i) * keys, keys, dim,
-                   scale, weights.data(), out + ((b * rows + i) * heads + h) * dim);
+    for (int64_t g = 0; g < kv_heads; ++g) {
+      for (int64_t h = g * group, r = 0; h < (g + 1) * group; ++h) {
+        for (int64_t i = 0; i < rows; ++i, ++r) {
+          q_rows[r] = q + ((b * heads + h) * rows + i) * dim;
+          mask_rows[r] = visible + (b * rows + i) * keys;
+          out_rows[r] = out + ((b * rows + i) * heads + h) * dim;
+        }
       }
+      attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, k + b * k_batch_stride + g * k_head_stride,
+                  v + b * v_batch_stride + g * v_head_stride, keys, dim, scale, scores.data(), padded_keys.data());
     }
   }
   return 0;

@@ -1,4 +1,4 @@
-"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp): compiled on first use with the system's C++
+"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp): compiled on first use with the system's C++
 compiler (about a second; no torch headers) into a cache folder keyed by the source and flags, loaded with
 ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with DFLASH_CPU_KERNELS=off, `cpu_kernels()` is
 None and every caller keeps its PyTorch path.
@@ -21,7 +21,7 @@ import torch
 
 from shared.attention import cached_attention
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp", "layer_ops.cpp")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 
@@ -38,6 +38,17 @@ class CpuKernels:
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] + \
             [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        pointer, count, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+        self._rms_norm = library.dflash_rms_norm
+        self._rms_norm.restype = None
+        self._rms_norm.argtypes = [pointer, count, count, pointer, real, pointer]
+        self._add_rms_norm = library.dflash_add_rms_norm
+        self._add_rms_norm.restype = None
+        self._add_rms_norm.argtypes = [pointer, pointer, count, count, pointer, real, pointer, pointer]
+        self._qk_rotary_cache = library.dflash_qk_rotary_cache
+        self._qk_rotary_cache.restype = ctypes.c_int
+        self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] * 2 + \
+            [pointer]
 
     def __deepcopy__(self, memo) -> "CpuKernels":
         return self  # the loaded library is shared (ctypes functions cannot be copied)
@@ -80,6 +91,45 @@ class CpuKernels:
                             v.stride(1), visible.data_ptr(), batch, heads, kv_heads, queries, keys, dim, scale,
                             out.data_ptr())
         return out
+
+
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """shared.layers.rms_normalize for float32 x [..., n] and weight [n]."""
+        x = x.contiguous()
+        out = torch.empty_like(x)
+        self._rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
+        return out
+
+    def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
+        """(x + delta, rms_normalize(x + delta, weight, eps)): a residual add and the next sublayer's norm."""
+        x, delta = x.contiguous(), delta.contiguous()
+        summed, out = torch.empty_like(x), torch.empty_like(x)
+        self._add_rms_norm(x.data_ptr(), delta.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(),
+                           eps, summed.data_ptr(), out.data_ptr())
+        return summed, out
+
+    def qk_rotary_cache(self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, norm_weight, eps: float,
+                        cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """The attention input from a fused q/k/v projection qkv [b, s, (heads + 2 kv_heads) * dim]: q and k heads
+        normalized (norm_weight [heads + kv_heads, dim], or None) and rotated by cos/sin [b, s, dim], k and v
+        written into one layer's caches keys/values [slots, kv_heads, capacity, dim] at slots [b] and positions
+        [b, s]. Returns q [b, heads, s, dim]."""
+        batch, seq = qkv.shape[0], qkv.shape[1]
+        qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
+        slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        if not (keys.is_contiguous() and values.is_contiguous()):
+            raise ValueError("the KV cache must be contiguous")
+        q = torch.empty(batch, heads, seq, dim, dtype=torch.float32)
+        norm_weight = None if norm_weight is None else norm_weight.contiguous()  # held for the call
+        norm = 0 if norm_weight is None else norm_weight.data_ptr()
+        status = self._qk_rotary_cache(qkv.data_ptr(), batch, seq, heads, kv_heads, dim, norm, eps, cos.data_ptr(),
+                                       sin.data_ptr(), slots.data_ptr(), positions.data_ptr(), keys.data_ptr(),
+                                       values.data_ptr(), keys.shape[0], keys.shape[2], q.data_ptr())
+        if status != 0:
+            raise IndexError(f"cache write outside the cache ({keys.shape[0]} slots x {keys.shape[2]} positions): "
+                             f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
+        return q
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

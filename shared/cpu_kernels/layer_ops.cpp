@@ -1,0 +1,98 @@
+// The small per-layer operations of a decoder step, fused so that each costs one call instead of a handful
+// of PyTorch ops (on a small model the one-token step is bound by op dispatch, not arithmetic):
+// - RMSNorm, alone or after the residual add;
+// - the attention input: q and k heads normalized (Qwen3's q/k norms) and rotated (rotate-half RoPE), q laid
+//   out for attention, k and v written into the positional KV cache.
+// Float32, row by row (a row's result never depends on the other rows). Plain C ABI, loaded with ctypes.
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+
+namespace {
+
+// Sum of squares of n floats: eight lanes, then the lanes in a fixed order, then the scalar tail.
+inline float sum_of_squares(const float* x, int64_t n) {
+  __m256 acc = _mm256_setzero_ps();
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(x + i), _mm256_loadu_ps(x + i), acc);
+  float lanes[8];
+  _mm256_storeu_ps(lanes, acc);
+  float total = ((lanes[0] + lanes[1]) + (lanes[2] + lanes[3])) + ((lanes[4] + lanes[5]) + (lanes[6] + lanes[7]));
+  for (; i < n; ++i) total += x[i] * x[i];
+  return total;
+}
+
+// out = weight * (x / sqrt(mean(x^2) + eps)) over one row of n (weight may be null: ones).
+inline void normalize_row(const float* x, const float* weight, int64_t n, float eps, float* out) {
+  const float inverse = 1.0f / std::sqrt(sum_of_squares(x, n) / static_cast<float>(n) + eps);
+  for (int64_t i = 0; i < n; ++i) out[i] = weight ? weight[i] * (x[i] * inverse) : x[i] * inverse;
+}
+
+}  // namespace
+
+extern "C" {
+
+// x, out [rows, n]; weight [n].
+void dflash_rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out) {
+  for (int64_t r = 0; r < rows; ++r) normalize_row(x + r * n, weight, n, eps, out + r * n);
+}
+
+// summed = x + delta; out = rms_norm(summed): the residual stream and the next sublayer's input in one pass.
+void dflash_add_rms_norm(const float* x, const float* delta, int64_t rows, int64_t n, const float* weight,
+                         float eps, float* summed, float* out) {
+  for (int64_t r = 0; r < rows; ++r) {
+    float* s = summed + r * n;
+    for (int64_t i = 0; i < n; ++i) s[i] = x[r * n + i] + delta[r * n + i];
+    normalize_row(s, weight, n, eps, out + r * n);
+  }
+}
+
+// qkv [batch, seq, (heads + 2 kv_heads) * dim] (a fused projection's rows); cos, sin [batch, seq, dim];
+// norm_weight [heads + kv_heads, dim] or null (no q/k norm); slots [batch]; positions [batch, seq].
+// Writes q [batch, heads, seq, dim] and, for each row, k and v into the caches [slots, kv_heads, capacity, dim]
+// at (slots[b], :, positions[b, t]). Returns 0, or -1 (nothing written) when a slot or position is outside the
+// cache or dim is odd.
+int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
+                           const float* norm_weight, float eps, const float* cos, const float* sin,
+                           const int64_t* slots, const int64_t* positions, float* k_cache, float* v_cache,
+                           int64_t num_slots, int64_t capacity, float* q) {
+  if (dim % 2 != 0 || dim > 1024) return -1;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (slots[b] < 0 || slots[b] >= num_slots) return -1;
+    for (int64_t t = 0; t < seq; ++t) {
+      if (positions[b * seq + t] < 0 || positions[b * seq + t] >= capacity) return -1;
+    }
+  }
+  const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
+  float normed[1024];
+  for (int64_t b = 0; b < batch; ++b) {
+    for (int64_t t = 0; t < seq; ++t) {
+      const float* row = qkv + (b * seq + t) * width;
+      const float* c = cos + (b * seq + t) * dim;
+      const float* s = sin + (b * seq + t) * dim;
+      const int64_t position = positions[b * seq + t];
+      for (int64_t h = 0; h < heads + kv_heads; ++h) {
+        const float* x = row + h * dim;
+        if (norm_weight) {
+          normalize_row(x, norm_weight + h * dim, dim, eps, normed);
+          x = normed;
+        }
+        float* out = h < heads ? q + ((b * heads + h) * seq + t) * dim
+                               : k_cache + ((slots[b] * kv_heads + (h - heads)) * capacity + position) * dim;
+        for (int64_t d = 0; d < half; ++d) {  // rotate half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
+          out[d] = x[d] * c[d] - x[d + half] * s[d];
+          out[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
+        }
+      }
+      for (int64_t h = 0; h < kv_heads; ++h) {
+        const float* x = row + (heads + kv_heads + h) * dim;
+        float* out = v_cache + ((slots[b] * kv_heads + h) * capacity + position) * dim;
+        for (int64_t d = 0; d < dim; ++d) out[d] = x[d];
+      }
+    }
+  }
+  return 0;
+}
+
+}  // extern "C"
