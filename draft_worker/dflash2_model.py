@@ -150,6 +150,11 @@ class DFlash2DraftModel(DFlashDraftModel):
         ordered = not sampling or bool(greedy.any())
         unary, candidates = self.candidates(logits, k) if ordered else self.candidate_set(logits, k or self.top_k)
         projected = self.candidate_selector.hidden_projection(hidden)  # [b, n, r]
+        if not sampling and self.kernels is not None and hidden.device.type == "cpu":  # one C++ call for the path
+            selector = self.candidate_selector
+            tokens, choices = self.kernels.greedy_walk(unary, candidates, anchors, projected,
+                                                       selector.predecessor_codebook, selector.successor_codebook)
+            return tokens, F.one_hot(choices, candidates.shape[-1]).float(), candidates
         previous = anchors
         tokens, choices, qs = [], [], []
         for t in range(hidden.shape[1]):

@@ -9,6 +9,7 @@ from torch import nn
 
 from draft_worker.draft_config import DraftConfig
 from shared.attention import cached_attention, visibility_mask
+from shared.cpu_kernels.library import cpu_kernels
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows
 from shared.packed_linear import PackedLinear, packing_layout
@@ -31,6 +32,7 @@ class DraftAttention(nn.Module):
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.kv_proj = None  # set by pack()
         self.attend = cached_attention  # pack() may switch it to the C++ CPU kernel
+        self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
 
     def pack(self, layout: str) -> None:
         """Inference: k and v as one GEMM (context rows need only those), q and o in the same layout; with the
@@ -39,8 +41,32 @@ class DraftAttention(nn.Module):
         self.q_proj = PackedLinear.of(self.q_proj, layout=layout)
         self.o_proj = PackedLinear.of(self.o_proj, layout=layout)
         del self.k_proj, self.v_proj
-        if self.kv_proj.kernels is not None:
-            self.attend = self.kv_proj.kernels.attention
+        self.kernels = cpu_kernels() if layout == "bf16" else None
+        if self.kernels is not None:  # the C++ kernels: their attention, and norm + rotary + cache write fused
+            self.attend = self.kernels.attention
+            self.register_buffer("q_norm_rows", self.q_norm.weight.detach().expand(self.num_heads, self.head_dim).contiguous())
+            self.register_buffer("k_norm_rows",
+                                 self.k_norm.weight.detach().expand(self.num_kv_heads, self.head_dim).contiguous())
+
+    def write_keys_values(self, rows: torch.Tensor, cos, sin, cache: PositionalKVCache, slots, positions) -> None:
+        """Keys and values of rows [b, s, hidden] at positions [b, s] of slots [b] into this layer's cache."""
+        if self.kernels is None or rows.dtype != torch.float32 or rows.device.type != "cpu":
+            k, v = self.keys_values(rows, cos, sin)  # [b, s, kv_heads, dim]
+            cache.write(self.layer_index, slots, positions, k, v)
+            return
+        self.kernels.qk_rotary_cache(self.kv_proj(rows), 0, self.num_kv_heads, self.head_dim, self.k_norm_rows,
+                                     self.k_norm.eps, cos, sin, cache.keys[self.layer_index],
+                                     cache.values[self.layer_index], slots, positions)
+
+    def _queries(self, x: torch.Tensor, cos, sin, cache: PositionalKVCache, slots, positions) -> torch.Tensor:
+        """x [b, s, hidden] -> normalized, rotated queries [b, heads, s, dim]."""
+        if self.kernels is None or x.dtype != torch.float32 or x.device.type != "cpu":
+            b, s, _ = x.shape
+            q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim))
+            return apply_rotary(q.transpose(1, 2), cos, sin)
+        return self.kernels.qk_rotary_cache(self.q_proj(x), self.num_heads, 0, self.head_dim, self.q_norm_rows,
+                                            self.q_norm.eps, cos, sin, cache.keys[self.layer_index],
+                                            cache.values[self.layer_index], slots, positions)
 
     def _keys_values_raw(self, rows: torch.Tensor):
         """rows [b, s, hidden] -> k, v [b, s, kv_heads * dim] before the norm and rotary."""
@@ -58,11 +84,8 @@ class DraftAttention(nn.Module):
         return k, v
 
     def forward(self, x, cos, sin, cache: PositionalKVCache, slots, positions, block_end):
-        b, s, _ = x.shape
-        q = self.q_norm(self.q_proj(x).view(b, s, self.num_heads, self.head_dim))
-        q = apply_rotary(q.transpose(1, 2), cos, sin)  # [b, heads, block, dim]
-        k, v = self.keys_values(x, cos, sin)  # block rows join the context rows already cached
-        cache.write(self.layer_index, slots, positions, k, v)
+        q = self._queries(x, cos, sin, cache, slots, positions)  # [b, heads, block, dim]
+        self.write_keys_values(x, cos, sin, cache, slots, positions)  # block rows join the cached context rows
         kv_len = int(block_end.max())
         keys, values = cache.read(self.layer_index, slot_selector(slots), kv_len)
         if self.causal:
@@ -114,6 +137,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
+        self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
 
     def pack(self, layout: str | None = "auto") -> "DFlashDraftModel":
         """For inference (the proposers call it): fuse k/v and gate/up and store the projections in `layout`
@@ -125,9 +149,14 @@ class DFlashDraftModel(nn.Module):
         if layout is None or isinstance(self.fc, PackedLinear):
             return self
         self.fc = PackedLinear.of(self.fc, layout=layout)
+        self.kernels = cpu_kernels() if layout == "bf16" else None
         for layer in self.layers:
             layer.self_attn.pack(layout)
             layer.mlp.pack(layout)
+        if self.kernels is not None:
+            for module in self.modules():
+                if isinstance(module, RMSNorm):
+                    module.kernels = self.kernels
         return self
 
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
@@ -142,9 +171,8 @@ class DFlashDraftModel(nn.Module):
         for cache slots [rows] at positions [rows]. Context rows are the same in every layer."""
         context = self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))[:, None]  # [rows, 1, hidden]
         cos, sin = rotary_cos_sin(self.inv_freq, positions[:, None], context.dtype)
-        for index, layer in enumerate(self.layers):
-            k, v = layer.self_attn.keys_values(context, cos, sin)  # [rows, 1, kv_heads, dim]
-            cache.write(index, slots, positions[:, None], k, v)
+        for layer in self.layers:
+            layer.self_attn.write_keys_values(context, cos, sin, cache, slots, positions[:, None])
 
     def block_hidden(self, cache: PositionalKVCache, slots: torch.Tensor, block_start: torch.Tensor,
                      block_embeds: torch.Tensor) -> torch.Tensor:

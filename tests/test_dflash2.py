@@ -1,6 +1,7 @@
 """DFlash 2: the published checkpoint layout, the identity-initialised convolution, the selector walk, greedy
 identity and sampling losslessness with the selector's sparse q, and training."""
 
+import copy
 import dataclasses
 import json
 
@@ -18,6 +19,7 @@ from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings
 from greedy_check import assert_same_or_near_tie
 from shared.proposals import DraftItem
 from shared.sampling import SamplingParams
+from shared.cpu_kernels.library import cpu_kernels
 from shared.errors import ConfigError
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
@@ -283,3 +285,53 @@ def test_dflash_serve_serves_a_dflash2_drafter_and_says_so(tmp_path):
         assert metric_value(server.metrics("verify"), "dflash_drafter_available", {"kind": "dflash2"}) == 1
     finally:
         server.stop()
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+@pytest.mark.parametrize("top_k", [1, 4, 32])
+def test_the_cpu_kernel_walks_the_reference_greedy_path(top_k):
+    """The C++ greedy walk (shared/cpu_kernels/dflash2_walk.cpp) picks what the PyTorch walk picks, row after
+    row (each choice feeding the next row's pair term); sampled walks stay on the PyTorch path."""
+    settings = dataclasses.replace(SMALL, selector_top_k=top_k, selector_rank=16)
+    drafter = random_drafter(tiny_draft_config(dflash2=settings), seed=4, std=0.2)
+    with torch.no_grad():  # codebooks large enough that the pair term changes choices
+        for book in (drafter.candidate_selector.predecessor_codebook, drafter.candidate_selector.successor_codebook):
+            book.copy_(torch.randn(book.shape, generator=torch.Generator().manual_seed(5)))
+    gen = torch.Generator().manual_seed(6)
+    hidden, logits = torch.randn(5, 7, 64, generator=gen), torch.randn(5, 7, 128, generator=gen)
+    anchors = torch.tensor([1, 2, 3, 127, 0])
+    with torch.inference_mode():
+        want = drafter.walk(hidden, logits, anchors, torch.zeros(5), None)
+        drafter.kernels = cpu_kernels()
+        got = drafter.walk(hidden, logits, anchors, torch.zeros(5), None)
+    assert all(torch.equal(g, w) for g, w in zip(got, want))
+    if top_k > 1:  # the pair term mattered: not simply each row's argmax
+        assert not torch.equal(got[0], logits.argmax(-1))
+    with pytest.raises(IndexError, match="outside the selector's vocabulary"):
+        drafter.walk(hidden, logits, torch.tensor([1, 2, 3, 128, 0]), torch.zeros(5), None)
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+def test_packed_for_the_cpu_kernels_drafts_what_the_unpacked_drafter_drafts():
+    """A DFlash 2 drafter packed for the C++ kernels (bfloat16 weights, fused norms, rotary, cache writes,
+    attention and greedy walk) computes the unpacked drafter's block hidden states and logits."""
+    unpacked = dflash2_drafter(seed=9)
+    with torch.no_grad():
+        for param in unpacked.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    packed = copy.deepcopy(unpacked).pack("bf16")
+    assert packed.kernels is not None
+    gen = torch.Generator().manual_seed(10)
+    features = torch.randn(20, unpacked.config.num_taps * unpacked.config.hidden_size, generator=gen)
+    embeds = torch.randn(2, unpacked.config.block_size, unpacked.config.hidden_size, generator=gen)
+    lm_head = torch.randn(unpacked.config.vocab_size, unpacked.config.hidden_size, generator=gen)
+    outputs = []
+    with torch.inference_mode():
+        for drafter in (unpacked, packed):
+            cache = drafter.new_cache(3, 64)
+            drafter.ingest_context(cache, torch.tensor([0] * 12 + [2] * 8), torch.cat([torch.arange(12), torch.arange(8)]),
+                                   features)
+            hidden = drafter.block_hidden(cache, torch.tensor([0, 2]), torch.tensor([12, 8]), embeds)
+            outputs.append((hidden, drafter.logits(hidden, lm_head)))
+    assert (outputs[0][0] - outputs[1][0]).abs().max() < 1e-4
+    assert (outputs[0][1] - outputs[1][1]).abs().max() < 1e-3

@@ -1,10 +1,14 @@
 """The cached, batched DFlash drafter equals a direct uncached implementation of the published maths."""
 
+import copy
+
+import pytest
 import torch
 from torch.nn import functional as F
 
 from conftest import tiny_draft_config
 from draft_worker.draft_checkpoint import random_drafter
+from shared.cpu_kernels.library import cpu_kernels
 
 
 def rms(x, weight, eps=1e-6):
@@ -50,9 +54,20 @@ def reference_block_logits(model, embed, lm_head, features, anchor):
     return rms(x, model.norm.weight)[1:] @ lm_head.T  # [B-1, vocab]
 
 
-def test_cached_batched_drafter_matches_reference():
+@pytest.mark.parametrize("layout", [None, "transposed", "bf16"])
+def test_cached_batched_drafter_matches_reference(layout):
+    """Unpacked, packed for PyTorch's GEMM, and packed for the C++ CPU kernels (bfloat16 weights, fused norms,
+    rotary, cache writes and attention)."""
+    if layout == "bf16" and cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels do not build here")
     cfg = tiny_draft_config(layers=2, block_size=6)
-    model = random_drafter(cfg, seed=3, std=0.2)
+    reference = random_drafter(cfg, seed=3, std=0.2)
+    with torch.no_grad():  # weights a bfloat16 checkpoint could hold, so that the "bf16" layout applies
+        for param in reference.parameters():
+            param.copy_(param.to(torch.bfloat16).float())
+    model = copy.deepcopy(reference).pack(layout) if layout else reference
+    if layout == "bf16":
+        assert model.kernels is not None and model.layers[0].self_attn.kv_proj.layout == "bf16"
     gen = torch.Generator().manual_seed(0)
     embed = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen)
     lm_head = torch.randn(cfg.vocab_size, cfg.hidden_size, generator=gen)
@@ -77,7 +92,7 @@ def test_cached_batched_drafter_matches_reference():
     hidden = model.block_hidden(cache, slots, torch.tensor(lengths), embed[ids])
     logits = model.logits(hidden[:, 1:], lm_head)
     for row in range(3):
-        want = reference_block_logits(model, embed, lm_head, features[row], anchors[row])
+        want = reference_block_logits(reference, embed, lm_head, features[row], anchors[row])
         assert (logits[row] - want).abs().max() < 1e-4
     # a second draft from the same context gives the same answer: block rows never stay in the cache
     again = model.logits(model.block_hidden(cache, slots, torch.tensor(lengths), embed[ids])[:, 1:], lm_head)

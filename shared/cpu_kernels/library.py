@@ -1,4 +1,4 @@
-"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp): compiled on first use with the system's C++
+"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp, dflash2_walk.cpp): compiled on first use with the system's C++
 compiler (about a second; no torch headers) into a cache folder keyed by the source and flags, loaded with
 ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with DFLASH_CPU_KERNELS=off, `cpu_kernels()` is
 None and every caller keeps its PyTorch path.
@@ -21,7 +21,8 @@ import torch
 
 from shared.attention import cached_attention
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp", "layer_ops.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp", "layer_ops.cpp",
+                                                          "dflash2_walk.cpp")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 
@@ -49,6 +50,9 @@ class CpuKernels:
         self._qk_rotary_cache.restype = ctypes.c_int
         self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] * 2 + \
             [pointer]
+        self._greedy_walk = library.dflash_greedy_walk
+        self._greedy_walk.restype = ctypes.c_int
+        self._greedy_walk.argtypes = [pointer] * 6 + [count] * 5 + [pointer] * 2
 
     def __deepcopy__(self, memo) -> "CpuKernels":
         return self  # the loaded library is shared (ctypes functions cannot be copied)
@@ -130,6 +134,24 @@ class CpuKernels:
             raise IndexError(f"cache write outside the cache ({keys.shape[0]} slots x {keys.shape[2]} positions): "
                              f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
         return q
+
+
+    def greedy_walk(self, unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor,
+                    projected: torch.Tensor, predecessor: torch.Tensor, successor: torch.Tensor) -> torch.Tensor:
+        """The DFlash 2 selector's greedy path (see dflash2_walk.cpp): unary, candidates [b, n, K]; anchors [b];
+        projected [b, n, rank]; the codebooks [vocab, rank]. Returns tokens and choices (each token's index
+        among its row's candidates), both [b, n]."""
+        unary, projected = unary.float().contiguous(), projected.float().contiguous()
+        candidates, anchors = candidates.to(torch.int64).contiguous(), anchors.to(torch.int64).contiguous()
+        predecessor, successor = predecessor.float().contiguous(), successor.float().contiguous()
+        batch, rows, k = candidates.shape
+        tokens, choices = torch.empty(batch, rows, dtype=torch.int64), torch.empty(batch, rows, dtype=torch.int64)
+        status = self._greedy_walk(unary.data_ptr(), candidates.data_ptr(), anchors.data_ptr(), projected.data_ptr(),
+                                   predecessor.data_ptr(), successor.data_ptr(), batch, rows, k, predecessor.shape[1],
+                                   predecessor.shape[0], tokens.data_ptr(), choices.data_ptr())
+        if status != 0:
+            raise IndexError(f"a token id outside the selector's vocabulary ({predecessor.shape[0]})")
+        return tokens, choices
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
