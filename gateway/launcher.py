@@ -103,9 +103,10 @@ def parse_args(argv):
                              "calls wait 8x their recent median, at least 0.25 s; a drafter that dies is noticed at once")
     parser.add_argument("--stall-timeout", type=float, default=300.0,
                         help="a verify worker whose loop makes no progress for this long is hung: it exits (0 = never)")
-    parser.add_argument("--spec-policy", choices=["always", "adaptive"], default="always",
-                        help="always: every step drafts; adaptive: the verify worker decodes plainly while drafting is "
-                             "expected not to pay (one drafted step after 8 plain ones re-measures it)")
+    parser.add_argument("--spec-policy", choices=["always", "adaptive"], default="adaptive",
+                        help="adaptive (default): the verify worker decodes plainly while drafting is expected not to "
+                             "pay at the batch size (one drafted step after 8 plain ones re-measures it; steps with "
+                             "a seeded sampled request always draft); always: every step drafts")
     parser.add_argument("--draft-placement", choices=["worker", "local"], default="worker",
                         help="worker: a draft worker process (the default); local: the drafter runs inside the "
                              "verify worker (no draft call between processes, no separate restart)")

@@ -32,6 +32,17 @@ def test_it_measures_both_modes_then_runs_the_faster_and_probes_the_other():
     assert schedule == [False] * 3 + [True] + [False] * 4 + [True] + [False] * 3  # a probe after 4 plain steps
 
 
+def test_a_seeded_sampled_request_pins_its_steps_to_speculation():
+    """Seeded sampling stays reproducible run to run: a step with a seeded sampled request drafts, whatever the
+    measured times prefer (its draws depend on the schedule); pin_seeded=False lifts that."""
+    policy = AdaptiveSpeculation()
+    policy.observe(["a"], True, True, 0.010, [2], [True])
+    policy.observe(["a"], False, False, 0.004, [1], [False])  # plain decoding measures faster
+    assert not policy.speculate(["a"]) and policy.speculate(["a"], seeded_sampling=True)
+    assert not AdaptiveSpeculation(pin_seeded=False, step_samples=policy.step_samples,
+                                   acceptance=policy.acceptance).speculate(["a"], seeded_sampling=True)
+
+
 def test_the_decision_follows_the_requests_own_acceptance():
     policy = AdaptiveSpeculation()
     policy.observe(["a"], True, True, 0.010, [2], [True])
@@ -101,6 +112,6 @@ def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp
 
 def test_dflash_serve_passes_the_policy_to_the_verify_worker():
     default = launcher.build_children(launcher.parse_args([]))["verify"].argv
-    assert default[default.index("--spec-policy") + 1] == "always"
-    adaptive = launcher.build_children(launcher.parse_args(["--spec-policy", "adaptive"]))["verify"].argv
-    assert adaptive[adaptive.index("--spec-policy") + 1] == "adaptive"
+    assert default[default.index("--spec-policy") + 1] == "adaptive"  # the default: drafting where it pays
+    always = launcher.build_children(launcher.parse_args(["--spec-policy", "always"]))["verify"].argv
+    assert always[always.index("--spec-policy") + 1] == "always"

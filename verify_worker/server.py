@@ -269,7 +269,7 @@ def parse_args(argv):
     parser.add_argument("--stall-timeout", type=float, default=float(env("DFLASH_STALL_TIMEOUT", "300")),
                         help="a verify loop that makes no progress for this long is hung: the worker tells the "
                              "gateway and exits (0 = never); heartbeats flow meanwhile, whatever a step takes")
-    parser.add_argument("--spec-policy", choices=["always", "adaptive"], default=env("DFLASH_SPEC_POLICY", "always"),
+    parser.add_argument("--spec-policy", choices=["always", "adaptive"], default=env("DFLASH_SPEC_POLICY", "adaptive"),
                         help="always: every step drafts; adaptive: decode plainly while drafting is expected not to "
                              "pay (one drafted step after 8 plain ones re-measures it)")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))

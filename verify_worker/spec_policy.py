@@ -13,6 +13,11 @@ mode, since a step that builds new kernels or catches up on context can take ten
 `probe_every` plain steps in a row one step drafts, to re-measure the requests' A; after `refresh_every`
 speculative steps in a row one step is plain, to re-measure Tp. Until a mode is measured for a batch size the
 same schedule applies, speculation first.
+
+A step with a seeded sampled request drafts (`pin_seeded`): a sampled request's draws depend on the schedule
+(a speculative step consumes its uniforms differently from a plain one), and a schedule chosen from measured
+times differs run to run, so this keeps seeded sampling reproducible run to run; greedy and unseeded requests
+are free to switch (greedy output does not depend on the schedule).
 """
 
 import statistics
@@ -35,14 +40,18 @@ class AdaptiveSpeculation:
     refresh_every: int = 64  # speculative steps between plain probes
     window: int = 15  # steps whose median is a mode's step time
     keep_acceptance: float = 0.9  # and in each request's acceptance length (a bursty figure: keep it long)
+    pin_seeded: bool = True  # a step with a seeded sampled request drafts, whatever the measurements say
     step_samples: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (bucket, speculative) -> seconds
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> tokens per speculative step
     mean_acceptance: float | None = None  # over every request's speculative steps
     steps_in_mode: int = 0
     last_mode: bool | None = None
 
-    def speculate(self, request_ids: list[str]) -> bool:
-        """Whether the next decode step of these running requests drafts."""
+    def speculate(self, request_ids: list[str], seeded_sampling: bool = False) -> bool:
+        """Whether the next decode step of these running requests drafts (always, when one is a seeded sampled
+        request and pin_seeded is set: see the module docstring)."""
+        if seeded_sampling and self.pin_seeded:
+            return True
         preferred = self._preferred(request_ids)
         if preferred is None:  # measure speculation first, then plain decoding (probing as below meanwhile)
             preferred = self.step_seconds(len(request_ids), True) is None

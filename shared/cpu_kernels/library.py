@@ -70,6 +70,8 @@ class CpuKernels:
     def bf16_matmul(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [..., in] float32 @ the tiled weight -> [..., out] float32 (rows computed independently)."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
+        _check(rows.dtype == torch.float32 and tiles.dtype == torch.bfloat16 and tiles.shape[1] == rows.shape[1]
+               and tiles.shape[0] * TILE >= out_features, "bf16_matmul", rows, tiles)
         out = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device=x.device)
         if rows.shape[0]:
             self._gemm(rows.data_ptr(), rows.shape[0], rows.shape[1], tiles.data_ptr(), out_features,
@@ -86,6 +88,8 @@ class CpuKernels:
         kv_heads, keys = k.shape[1], k.shape[2]
         if q.dtype != torch.float32 or dim % 8 or dim > 256:
             return cached_attention(q, k, v, mask, scale)
+        _check(k.shape == v.shape == (batch, kv_heads, keys, dim) and k.dtype == v.dtype == torch.float32
+               and heads % kv_heads == 0 and mask.shape[-2:] == (queries, keys), "attention", q, k, v, mask)
         q = q.contiguous()
         k, v = (t if t.stride(-1) == 1 and t.stride(-2) == dim else t.contiguous() for t in (k, v))
         visible = mask.expand(batch, 1, queries, keys)[:, 0].contiguous().view(torch.uint8)  # [batch, queries, keys]
@@ -96,17 +100,19 @@ class CpuKernels:
                             out.data_ptr())
         return out
 
-
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """shared.layers.rms_normalize for float32 x [..., n] and weight [n]."""
-        x = x.contiguous()
+        x, weight = x.contiguous(), weight.float().contiguous()
+        _check(x.dtype == torch.float32 and weight.shape == x.shape[-1:], "rms_norm", x, weight)
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
         return out
 
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
         """(x + delta, rms_normalize(x + delta, weight, eps)): a residual add and the next sublayer's norm."""
-        x, delta = x.contiguous(), delta.contiguous()
+        x, delta, weight = x.contiguous(), delta.contiguous(), weight.float().contiguous()
+        _check(x.dtype == delta.dtype == torch.float32 and x.shape == delta.shape and weight.shape == x.shape[-1:],
+               "add_rms_norm", x, delta, weight)
         summed, out = torch.empty_like(x), torch.empty_like(x)
         self._add_rms_norm(x.data_ptr(), delta.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(),
                            eps, summed.data_ptr(), out.data_ptr())
@@ -122,8 +128,15 @@ class CpuKernels:
         batch, seq = qkv.shape[0], qkv.shape[1]
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-        if not (keys.is_contiguous() and values.is_contiguous()):
-            raise ValueError("the KV cache must be contiguous")
+        width = (heads + 2 * kv_heads) * dim
+        _check(qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype == torch.float32
+               and qkv.shape == (batch, seq, width) and cos.shape == sin.shape == (batch, seq, dim)
+               and slots.shape == (batch,) and positions.shape == (batch, seq) and keys.is_contiguous()
+               and values.is_contiguous() and keys.shape == values.shape and keys.shape[1] == kv_heads
+               and keys.shape[3] == dim, "qk_rotary_cache", qkv, cos, sin, keys, values, slots, positions)
+        if norm_weight is not None:
+            _check(norm_weight.shape == (heads + kv_heads, dim) and norm_weight.dtype == torch.float32,
+                   "qk_rotary_cache", norm_weight)
         q = torch.empty(batch, heads, seq, dim, dtype=torch.float32)
         norm_weight = None if norm_weight is None else norm_weight.contiguous()  # held for the call
         norm = 0 if norm_weight is None else norm_weight.data_ptr()
@@ -135,7 +148,6 @@ class CpuKernels:
                              f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
         return q
 
-
     def greedy_walk(self, unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor,
                     projected: torch.Tensor, predecessor: torch.Tensor, successor: torch.Tensor) -> torch.Tensor:
         """The DFlash 2 selector's greedy path (see dflash2_walk.cpp): unary, candidates [b, n, K]; anchors [b];
@@ -145,6 +157,9 @@ class CpuKernels:
         candidates, anchors = candidates.to(torch.int64).contiguous(), anchors.to(torch.int64).contiguous()
         predecessor, successor = predecessor.float().contiguous(), successor.float().contiguous()
         batch, rows, k = candidates.shape
+        _check(unary.shape == candidates.shape and anchors.shape == (batch,) and projected.shape[:2] == (batch, rows)
+               and predecessor.shape == successor.shape and projected.shape[2] == predecessor.shape[1],
+               "greedy_walk", unary, candidates, anchors, projected, predecessor, successor)
         tokens, choices = torch.empty(batch, rows, dtype=torch.int64), torch.empty(batch, rows, dtype=torch.int64)
         status = self._greedy_walk(unary.data_ptr(), candidates.data_ptr(), anchors.data_ptr(), projected.data_ptr(),
                                    predecessor.data_ptr(), successor.data_ptr(), batch, rows, k, predecessor.shape[1],
@@ -152,6 +167,13 @@ class CpuKernels:
         if status != 0:
             raise IndexError(f"a token id outside the selector's vocabulary ({predecessor.shape[0]})")
         return tokens, choices
+
+
+def _check(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:
+    """The kernels trust their arguments' shapes: a mismatch is a bug, refused before any memory is touched."""
+    if not ok:
+        described = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
+        raise ValueError(f"{kernel}: unexpected arguments ({described})")
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:
@@ -201,6 +223,7 @@ def cpu_kernels() -> CpuKernels | None:
     target = cache_folder() / key / "libdflash_cpu.so"
     try:
         if not target.exists():
+            log.info("compiling the C++ CPU kernels (first use) into %s", target.parent)
             _build(compiler, target)
         return CpuKernels(ctypes.CDLL(str(target)))
     except (OSError, subprocess.SubprocessError) as exc:
