@@ -132,7 +132,7 @@ class CpuKernels:
         _check(qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype == torch.float32
                and qkv.shape == (batch, seq, width) and cos.shape == sin.shape == (batch, seq, dim)
                and slots.shape == (batch,) and positions.shape == (batch, seq) and keys.is_contiguous()
-               and values.is_contiguous() and keys.shape == values.shape and keys.shape[1] == kv_heads
+               and values.is_contiguous() and keys.shape == values.shape and (kv_heads == 0 or keys.shape[1] == kv_heads)
                and keys.shape[3] == dim, "qk_rotary_cache", qkv, cos, sin, keys, values, slots, positions)
         if norm_weight is not None:
             _check(norm_weight.shape == (heads + kv_heads, dim) and norm_weight.dtype == torch.float32,
