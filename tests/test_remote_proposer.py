@@ -121,6 +121,18 @@ def test_a_silent_drafter_is_given_up_on_at_its_measured_deadline():
         drafter.stop()
 
 
+def test_a_call_waits_in_proportion_to_its_context_rows():
+    """The first draft after plain steps carries a few steps' rows (a steady call still: at most STEADY_BLOCKS
+    blocks a request): its deadline is the steady one scaled by its rows, not the cap, so a hung drafter costs
+    the streams a fraction of a second; a new prompt's whole context may wait up to the cap."""
+    deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
+    for _ in range(8):
+        deadline.observe(0.02, catch_up=False, rows=4)
+    assert deadline.timeout(catch_up=False, rows=12) == pytest.approx(0.48)  # 3 x 0.02 s, times 8
+    assert deadline.timeout(catch_up=False, rows=2) == 0.25  # never below the steady deadline
+    assert deadline.timeout(catch_up=True, rows=4000) == 5.0
+
+
 def test_draft_deadline():
     deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
     assert deadline.timeout(catch_up=False) == 5.0  # nothing measured yet
@@ -128,7 +140,7 @@ def test_draft_deadline():
         deadline.observe(seconds, catch_up=False)
     deadline.observe(3.0, catch_up=True)  # a catch-up call says nothing about steady ones
     assert deadline.timeout(catch_up=False) == 0.25  # 8 x 0.025 is under the floor
-    assert deadline.timeout(catch_up=True) == 5.0
+    assert deadline.timeout(catch_up=True, rows=1000) == 5.0  # a whole prompt's context: up to the cap
     for _ in range(8):
         deadline.observe(0.1, catch_up=False)
     assert deadline.timeout(catch_up=False) == pytest.approx(0.8)

@@ -32,13 +32,15 @@ def test_it_measures_both_modes_then_runs_the_faster_and_probes_the_other():
     assert schedule == [False] * 3 + [True] + [False] * 4 + [True] + [False] * 3  # a probe after 4 plain steps
 
 
-def test_a_seeded_sampled_request_pins_its_steps_to_speculation():
-    """Seeded sampling stays reproducible run to run: a step with a seeded sampled request drafts, whatever the
-    measured times prefer (its draws depend on the schedule); pin_seeded=False lifts that."""
+def test_requests_that_ask_for_drafts_and_seeded_sampled_ones_pin_their_steps_to_speculation():
+    """A request with num_speculative_tokens > 0 gets drafts, and seeded sampling stays reproducible run to run
+    (its draws depend on the schedule): their steps draft whatever the measured times prefer; pin_seeded=False
+    lifts the second."""
     policy = AdaptiveSpeculation()
     policy.observe(["a"], True, True, 0.010, [2], [True])
     policy.observe(["a"], False, False, 0.004, [1], [False])  # plain decoding measures faster
-    assert not policy.speculate(["a"]) and policy.speculate(["a"], seeded_sampling=True)
+    assert not policy.speculate(["a"])
+    assert policy.speculate(["a"], asked=True) and policy.speculate(["a"], seeded_sampling=True)
     assert not AdaptiveSpeculation(pin_seeded=False, step_samples=policy.step_samples,
                                    acceptance=policy.acceptance).speculate(["a"], seeded_sampling=True)
 

@@ -278,8 +278,9 @@ class SpeculativeEngine:
                 events[state.request_id].prompt_logprobs = state.prompt_logprobs
 
     def _decode(self, states: list[RequestState], events: dict, report: StepReport) -> None:
-        seeded = any(s.request.sampling.seed is not None and not s.request.sampling.greedy for s in states)
-        speculate = self.policy is None or self.policy.speculate([s.request_id for s in states], seeded)
+        speculate = self.policy is None or self.policy.speculate(
+            [s.request_id for s in states], asked=any((s.request.num_speculative_tokens or 0) > 0 for s in states),
+            seeded_sampling=any(s.request.sampling.seed is not None and not s.request.sampling.greedy for s in states))
         report.policy_plain = not speculate
         asked = [num_drafts(s, self.block_size, self.proposer is not None and speculate) for s in states]
         drafts, q_rows, counts = self._draft(states, asked, report)  # drafts [b, n]

@@ -3,8 +3,8 @@
 A drafter fault costs speed, never a request, and is noticed fast:
 - a drafter that dies closes its connection: a monitor on the socket sees the disconnect while a call waits,
   and the call gives up at once (milliseconds, not a timeout);
-- a drafter that hangs (stopped, stuck) misses its deadline, a multiple of its recent latency
-  (`DraftDeadline`), not a fixed number of seconds.
+- a drafter that hangs (stopped, stuck) misses its deadline, a multiple of its recent latency scaled by the
+  call's context rows (`DraftDeadline`), not a fixed number of seconds.
 Either way the drafter is marked unavailable: the engine decodes without drafts, and `tick()` (called by the
 verify worker's loop) sends a ping every retry interval without waiting for the answer; the first pong makes
 it available again. Replies are matched by call id, so a late answer to an abandoned call is dropped, and the
@@ -26,7 +26,7 @@ from shared.feature_transport import FrameTransport, TransportError
 from shared.proposals import DraftItem, DraftResult, ProposerUnavailable
 from shared.tensor_frames import from_raw
 from shared.wire import WireError, decode, encode
-from verify_worker.draft_deadline import DraftDeadline
+from verify_worker.draft_deadline import STEADY_BLOCKS, DraftDeadline
 
 
 class RemoteProposer:
@@ -139,8 +139,9 @@ class RemoteProposer:
         if not self.available:
             raise ProposerUnavailable("drafter unavailable")
         started = time.perf_counter()
-        catch_up = any(len(item.context_features) > self.block_size for item in items)
-        timeout_s = self.deadline.timeout(catch_up)
+        catch_up = any(len(item.context_features) > STEADY_BLOCKS * self.block_size for item in items)
+        rows = sum(len(item.context_features) for item in items)
+        timeout_s = self.deadline.timeout(catch_up, rows)
         features = stacked_features(items, self.feature_width)
         outgoing = self.transport.outgoing(features)
         message = request_message(next(self.call_ids), items, outgoing)
@@ -158,7 +159,7 @@ class RemoteProposer:
             self._mark_down(f"bad proposals: {problem}")
             raise ProposerUnavailable(f"bad proposals: {problem}")
         elapsed = time.perf_counter() - started
-        self.deadline.observe(elapsed, catch_up)
+        self.deadline.observe(elapsed, catch_up, rows)
         self.last_timing = {"draft": reply.draft_seconds, "transfer": elapsed - reply.draft_seconds}
         return results_from_message(reply)
 

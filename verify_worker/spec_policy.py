@@ -14,10 +14,12 @@ mode, since a step that builds new kernels or catches up on context can take ten
 speculative steps in a row one step is plain, to re-measure Tp. Until a mode is measured for a batch size the
 same schedule applies, speculation first.
 
-A step with a seeded sampled request drafts (`pin_seeded`): a sampled request's draws depend on the schedule
-(a speculative step consumes its uniforms differently from a plain one), and a schedule chosen from measured
-times differs run to run, so this keeps seeded sampling reproducible run to run; greedy and unseeded requests
-are free to switch (greedy output does not depend on the schedule).
+Some requests pin their steps to speculation (`pinned`, decided by the engine):
+- a request that asks for drafts itself (num_speculative_tokens > 0): the policy is for requests that leave the
+  choice to the server (the gateway's readiness probe and dflash-bench's speculative waves ask);
+- a seeded sampled request (unless pin_seeded is off): its draws depend on the schedule (a speculative step
+  consumes its uniforms differently from a plain one), and a schedule chosen from measured times differs run
+  to run, so this keeps seeded sampling reproducible run to run. Greedy output does not depend on the schedule.
 """
 
 import statistics
@@ -47,10 +49,10 @@ class AdaptiveSpeculation:
     steps_in_mode: int = 0
     last_mode: bool | None = None
 
-    def speculate(self, request_ids: list[str], seeded_sampling: bool = False) -> bool:
-        """Whether the next decode step of these running requests drafts (always, when one is a seeded sampled
-        request and pin_seeded is set: see the module docstring)."""
-        if seeded_sampling and self.pin_seeded:
+    def speculate(self, request_ids: list[str], asked: bool = False, seeded_sampling: bool = False) -> bool:
+        """Whether the next decode step of these running requests drafts: always when one asked for drafts, or
+        is a seeded sampled request and pin_seeded is set (see the module docstring)."""
+        if asked or (seeded_sampling and self.pin_seeded):
             return True
         preferred = self._preferred(request_ids)
         if preferred is None:  # measure speculation first, then plain decoding (probing as below meanwhile)
