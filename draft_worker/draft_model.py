@@ -31,7 +31,6 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.kv_proj = None  # set by pack()
-        self.attend = cached_attention  # pack() may switch it to the C++ CPU kernel
         self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
 
     def pack(self, layout: str) -> None:
@@ -43,7 +42,6 @@ class DraftAttention(nn.Module):
         del self.k_proj, self.v_proj
         self.kernels = cpu_kernels() if layout == "bf16" else None
         if self.kernels is not None:  # the C++ kernels: their attention, and norm + rotary + cache write fused
-            self.attend = self.kernels.attention
             self.register_buffer("q_norm_rows", self.q_norm.weight.detach().expand(self.num_heads, self.head_dim).contiguous())
             self.register_buffer("k_norm_rows",
                                  self.k_norm.weight.detach().expand(self.num_kv_heads, self.head_dim).contiguous())
@@ -92,7 +90,8 @@ class DraftAttention(nn.Module):
             mask = visibility_mask(positions, kv_len, sliding_window=self.window)
         else:
             mask = visibility_mask(positions, kv_len, visible_end=block_end, sliding_window=self.window)
-        return self.o_proj(self.attend(q, keys, values, mask, self.head_dim**-0.5))
+        attend = cached_attention if self.kernels is None else self.kernels.attention
+        return self.o_proj(attend(q, keys, values, mask, self.head_dim**-0.5))
 
 
     def forward_rows(self, x, cos, sin, context_k, context_v, mask):

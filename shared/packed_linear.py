@@ -53,7 +53,6 @@ class PackedLinear(nn.Module):
         self.layout = "bf16" if self.kernels is not None else "transposed" if layout == "bf16" else layout
         self.transposed = self.layout == "transposed"
         self.out_features = weight.shape[0]
-        self.dtype = weight.dtype  # of the activations in and out
         if self.kernels is not None:
             stored = self.kernels.bf16_tiles(weight)  # [tiles, in, 16] bfloat16
         else:

@@ -112,7 +112,7 @@ def test_a_silent_drafter_is_given_up_on_at_its_measured_deadline():
     try:
         for _ in range(4):
             proposer.propose(items())
-        assert proposer.deadline.timeout(catch_up=False) == pytest.approx(0.3)
+        assert proposer.deadline.timeout() == pytest.approx(0.3)
         began = time.monotonic()
         with pytest.raises(ProposerUnavailable, match="no answer within 0.30 s"):
             proposer.propose(items())
@@ -128,24 +128,24 @@ def test_a_call_waits_in_proportion_to_its_context_rows():
     deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
     for _ in range(8):
         deadline.observe(0.02, catch_up=False, rows=4)
-    assert deadline.timeout(catch_up=False, rows=12) == pytest.approx(0.48)  # 3 x 0.02 s, times 8
-    assert deadline.timeout(catch_up=False, rows=2) == 0.25  # never below the steady deadline
-    assert deadline.timeout(catch_up=True, rows=4000) == 5.0
+    assert deadline.timeout(rows=12) == pytest.approx(0.48)  # 3 x 0.02 s, times 8
+    assert deadline.timeout(rows=2) == 0.25  # never below the steady deadline
+    assert deadline.timeout(rows=4000) == 5.0
 
 
 def test_draft_deadline():
     deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
-    assert deadline.timeout(catch_up=False) == 5.0  # nothing measured yet
+    assert deadline.timeout() == 5.0  # nothing measured yet
     for seconds in (0.01, 0.05, 0.02, 0.03):
         deadline.observe(seconds, catch_up=False)
     deadline.observe(3.0, catch_up=True)  # a catch-up call says nothing about steady ones
-    assert deadline.timeout(catch_up=False) == 0.25  # 8 x 0.025 is under the floor
-    assert deadline.timeout(catch_up=True, rows=1000) == 5.0  # a whole prompt's context: up to the cap
+    assert deadline.timeout() == 0.25  # 8 x 0.025 is under the floor
+    assert deadline.timeout(rows=1000) == 5.0  # a whole prompt's context: up to the cap
     for _ in range(8):
         deadline.observe(0.1, catch_up=False)
-    assert deadline.timeout(catch_up=False) == pytest.approx(0.8)
+    assert deadline.timeout() == pytest.approx(0.8)
     for _ in range(32):
         deadline.observe(2.0, catch_up=False)
-    assert deadline.timeout(catch_up=False) == 5.0  # never past the cap
+    assert deadline.timeout() == 5.0  # never past the cap
     deadline.reset()
-    assert deadline.timeout(catch_up=False) == 5.0
+    assert deadline.timeout() == 5.0

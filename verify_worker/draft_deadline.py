@@ -24,9 +24,8 @@ class DraftDeadline:
         self.cap_s, self.floor_s, self.multiple, self.min_samples = cap_s, min(floor_s, cap_s), multiple, min_samples
         self.steady: deque[tuple[float, int]] = deque(maxlen=window)  # (seconds, context rows) of steady calls
 
-    def timeout(self, catch_up: bool, rows: int = 0) -> float:
-        """Seconds to wait for the reply to a call carrying `rows` context rows (catch_up: a request in it
-        carries more than STEADY_BLOCKS blocks)."""
+    def timeout(self, rows: int = 0) -> float:
+        """Seconds to wait for the reply to a call carrying `rows` context rows."""
         if len(self.steady) < self.min_samples:
             return self.cap_s
         seconds = median(s for s, _ in self.steady)

@@ -141,7 +141,7 @@ class RemoteProposer:
         started = time.perf_counter()
         catch_up = any(len(item.context_features) > STEADY_BLOCKS * self.block_size for item in items)
         rows = sum(len(item.context_features) for item in items)
-        timeout_s = self.deadline.timeout(catch_up, rows)
+        timeout_s = self.deadline.timeout(rows)
         features = stacked_features(items, self.feature_width)
         outgoing = self.transport.outgoing(features)
         message = request_message(next(self.call_ids), items, outgoing)

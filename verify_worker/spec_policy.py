@@ -14,7 +14,7 @@ mode, since a step that builds new kernels or catches up on context can take ten
 speculative steps in a row one step is plain, to re-measure Tp. Until a mode is measured for a batch size the
 same schedule applies, speculation first.
 
-Some requests pin their steps to speculation (`pinned`, decided by the engine):
+Some requests pin their steps to speculation (the engine tells `speculate` whether a step has one):
 - a request that asks for drafts itself (num_speculative_tokens > 0): the policy is for requests that leave the
   choice to the server (the gateway's readiness probe and dflash-bench's speculative waves ask);
 - a seeded sampled request (unless pin_seeded is off): its draws depend on the schedule (a speculative step
