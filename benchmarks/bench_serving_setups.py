@@ -22,7 +22,6 @@ import sys
 import time
 from pathlib import Path
 
-
 DEFAULT_SETUPS = ["tp1=--tp 1", "tp2=--tp 2", "tp2+pair=--tp 2 --feature-transport pair"]
 
 
@@ -71,7 +70,7 @@ def together(args) -> dict:
             urls.append(f"http://127.0.0.1:{port}")
             metrics.append(f"http://127.0.0.1:{port + 20}/metrics")
         out = Path(args.out) / "together"
-        subprocess.run([sys.executable, "-m", "gateway.bench", "--url", ",".join(urls), "--metrics-url",
+        subprocess.run([sys.executable, "-m", "client.bench", "--url", ",".join(urls), "--metrics-url",
                         ",".join(metrics), "--labels", ",".join(names), "--out", str(out),
                         *shlex.split(args.bench_args)], check=True, stdout=subprocess.DEVNULL)
     finally:
@@ -92,7 +91,7 @@ def one_by_one(args) -> dict:
         process = serve([*shlex.split(args.serve_args), *shlex.split(flags)], args.port, zmq_base, metrics_base)
         try:
             out = Path(args.out) / name
-            subprocess.run([sys.executable, "-m", "gateway.bench", "--url", f"http://127.0.0.1:{args.port}",
+            subprocess.run([sys.executable, "-m", "client.bench", "--url", f"http://127.0.0.1:{args.port}",
                             "--metrics-url", f"http://127.0.0.1:{metrics_base}/metrics", "--out", str(out),
                             *shlex.split(args.bench_args)], check=True, stdout=subprocess.DEVNULL)
             rows[name] = json.loads((out / "bench.json").read_text())

@@ -28,6 +28,7 @@ ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the test suite's helpers: process lookup, request fuzzing
 
 from processes import child_pid, stop_process  # noqa: E402
+
 POISON_INTEGERS = {"2**63": 2**63, "2**64": 2**64, "10**30": 10**30, "-2**63": -2**63}
 POISON_FLOATS = {"1e308": 1e308, "5e-324": 5e-324, "-0.0": -0.0}
 INTEGER_FIELDS = ("top_k", "seed", "num_speculative_tokens", "n", "logprobs", "max_tokens")

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.training.regenerate import prompt_windows, regenerate
+from training.regenerate import prompt_windows, regenerate
 from verify_worker.target_loader import load_target
 
 PROMPTS_PER_SHARD = 6000

@@ -9,9 +9,9 @@ from torch.nn import functional as F
 
 from shared.checkpoint_io import write_checkpoint
 from shared.layers import normal_init
-from shared.rope import RopeSettings
-from verify_worker.target_config import TargetConfig
-from verify_worker.target_model import TargetModel
+from shared.rope_settings import RopeSettings
+from verify_worker.families.llama.config import TargetConfig
+from verify_worker.families.llama.model import TargetModel
 
 
 def demo_target_config(vocab_size: int, eos_id: int) -> TargetConfig:

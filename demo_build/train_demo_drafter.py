@@ -6,10 +6,10 @@ from pathlib import Path
 import torch
 
 from demo_build.generate_data import generated_sequences
-from draft_worker.train_cli import examples_from, init_from_target, new_drafter_config, train
 from draft_worker.draft_checkpoint import load_drafter, random_drafter
-from draft_worker.training.trainer import TrainSettings
 from shared.byte_tokenizer import MASK
+from training.cli import examples_from, init_from_target, new_drafter_config, train
+from training.trainer import TrainSettings
 from verify_worker.target_loader import load_target
 
 

@@ -18,9 +18,9 @@ import torch
 
 from demo_build.generate_data import generated_sequences
 from draft_worker.draft_checkpoint import load_drafter, save_drafter
-from draft_worker.draft_config import DFlash2Settings
-from draft_worker.train_cli import as_kind, examples_from, train
-from draft_worker.training.trainer import TrainSettings
+from shared.draft_config import DFlash2Settings
+from training.cli import as_kind, examples_from, train
+from training.trainer import TrainSettings
 from verify_worker.target_loader import load_target
 
 SAMPLE_TOP_K = 1024  # candidates of a sampled walk

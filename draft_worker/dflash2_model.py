@@ -12,8 +12,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from draft_worker.draft_config import DraftConfig
 from draft_worker.draft_model import DFlashDraftModel, DraftDecoderLayer
+from shared.draft_config import DraftConfig
 from shared.sampling import sample_from
 
 

@@ -4,11 +4,12 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.draft_config import DraftConfig
 from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
+from shared.checkpoint_io import check_tensor_names, load_tensors, write_checkpoint
+from shared.config_json import read_config
+from shared.draft_config import DraftConfig
 from shared.layers import normal_init
-from shared.checkpoint_io import check_tensor_names, load_tensors, read_config, write_checkpoint
 from shared.rope import inverse_frequencies
 
 

@@ -7,9 +7,9 @@ borrows the target's, passed in as tensors.
 import torch
 from torch import nn
 
-from draft_worker.draft_config import DraftConfig
 from shared.attention import cached_attention, visibility_mask
 from shared.cpu_kernels.library import cpu_kernels
+from shared.draft_config import DraftConfig
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows
 from shared.packed_linear import PackedLinear, packing_layout
@@ -192,7 +192,7 @@ class DFlashDraftModel(nn.Module):
         """The same maths as ingest_context + block_hidden, for many blocks at once and with autograd.
 
         features [S, taps * hidden] of context positions 0..S-1; block_embeds [R, hidden] (all blocks' rows);
-        block_positions [R]; mask [R, S + R] (see draft_worker.training.masks). Returns [R, hidden].
+        block_positions [R]; mask [R, S + R] (see training.masks). Returns [R, hidden].
         """
         context = self.hidden_norm(self.fc(features))[None]  # [1, S, hidden]
         cos_c, sin_c = rotary_cos_sin(self.inv_freq, torch.arange(features.shape[0], device=features.device)[None],

@@ -17,26 +17,26 @@ from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared import metric_names as names
 from shared.channel_draft import TO_DRAFTER, DraftRequest, Ping, Pong, Release
-from shared.checkpoint_io import load_tensors, read_config
+from shared.checkpoint_io import load_tensors
+from shared.config_json import read_config
 from shared.draft_codec import items_from_message, reply_message
+from shared.dtype_choice import resolve_dtype
 from shared.errors import DFlashError
 from shared.feature_transport import FrameTransport, add_transport_flags, make_transport
 from shared.proposals import DraftResult
 from shared.role import configure_process, run_worker
+from shared.target_facts import TargetFacts
 from shared.wire import WireError, decode, encode
-from verify_worker.target_config import TargetConfig
-from verify_worker.target_loader import resolve_dtype
 
 
 def load_target_head(target_path: str, dtype: torch.dtype, device: str):
     """(embedding, lm_head) of the target, read alone from its checkpoint."""
-    cfg = TargetConfig.from_dict(read_config(target_path))
-    wanted = {"model.embed_tokens.weight", "lm_head.weight"}
-    tensors = load_tensors(target_path, names=wanted, dtype=dtype, device=device)
-    embed = tensors["model.embed_tokens.weight"]
-    head = embed if cfg.tie_word_embeddings else tensors.get("lm_head.weight")
+    facts = TargetFacts.from_config(read_config(target_path))
+    tensors = load_tensors(target_path, names={facts.embed_name, facts.head_name}, dtype=dtype, device=device)
+    embed = tensors[facts.embed_name]
+    head = embed if facts.tie_word_embeddings else tensors.get(facts.head_name)
     if head is None:
-        raise DFlashError(f"{target_path!r} has no lm_head.weight and does not tie its embeddings")
+        raise DFlashError(f"{target_path!r} has no {facts.head_name} and does not tie its embeddings")
     return embed, head
 
 
@@ -145,7 +145,7 @@ def parse_args(argv):
 def build_server(args, log: logging.Logger) -> DraftServer:
     if not args.target or not args.draft:
         raise DFlashError("--target and --draft are required")
-    target_cfg = TargetConfig.from_dict(read_config(args.target))
+    target_cfg = TargetFacts.from_config(read_config(args.target))
     dtype = resolve_dtype(args.dtype, target_cfg.checkpoint_dtype, args.device)
     drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
     embed, head = load_target_head(args.target, dtype, args.device)

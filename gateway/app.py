@@ -14,8 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.metrics import GatewayMetrics
 from gateway.request_fields import CHAT, COMPLETIONS, body_schema
-from gateway.schemas import (ApiError, GenerationParams, Prompt, choice_seed, parse_chat, parse_completion,
-                             parse_json)
+from gateway.schemas import ApiError, GenerationParams, Prompt, choice_seed, parse_chat, parse_completion, parse_json
 from gateway.tokenization import StopMatcher, TextCodec
 from gateway.turn import Turn, event_logprobs, usage
 from gateway.verify_client import UnencodableRequest, VerifyClient

@@ -2,7 +2,6 @@
 
 import argparse
 import asyncio
-import json
 import logging
 import os
 import sys
@@ -12,25 +11,15 @@ import uvicorn
 
 from gateway.app import GatewaySettings, create_app
 from gateway.tokenization import TextCodec
-from shared.errors import ConfigError
+from shared.config_json import read_config
+from shared.errors import ConfigError, DFlashError
 from shared.role import announce_ready, configure_process
+from shared.target_facts import TargetFacts
 
 
-def target_facts(folder: str) -> dict:
+def target_facts(folder: str) -> TargetFacts:
     """vocab size, context length and eos ids from the target's config.json (plain JSON, no torch)."""
-    path = Path(folder) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except FileNotFoundError:
-        raise ConfigError(f"{str(path)!r} is missing") from None
-    except json.JSONDecodeError as exc:
-        raise ConfigError(f"{str(path)!r} is not valid JSON: {exc}") from None
-    eos = config.get("eos_token_id")
-    return {
-        "vocab_size": int(config.get("vocab_size", 0)),
-        "max_position_embeddings": int(config.get("max_position_embeddings", 4096)),
-        "eos": tuple(eos) if isinstance(eos, list) else ((eos,) if isinstance(eos, int) else ()),
-    }
+    return TargetFacts.from_config(read_config(folder))
 
 
 def parse_args(argv):
@@ -56,11 +45,11 @@ def parse_args(argv):
 
 async def serve(args, log) -> int:
     facts = target_facts(args.target)
-    codec = TextCodec.from_folder(args.target, facts["eos"])
-    max_model_len = min(args.max_model_len or facts["max_position_embeddings"], facts["max_position_embeddings"])
+    codec = TextCodec.from_folder(args.target, facts.eos_token_ids)
+    max_model_len = min(args.max_model_len or facts.max_position_embeddings, facts.max_position_embeddings)
     settings = GatewaySettings(
         model_name=args.served_model_name or Path(args.target).resolve().name,
-        vocab_size=facts["vocab_size"] or codec.tokenizer.get_vocab_size(), max_model_len=max_model_len,
+        vocab_size=facts.vocab_size, max_model_len=max_model_len,
         requests_addr=args.requests_addr, events_addr=args.events_addr, api_key=args.api_key,
         max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
         drafter_configured=not args.no_draft,
@@ -90,7 +79,7 @@ def main(argv=None) -> int:
         return 2
     try:
         return asyncio.run(serve(args, log))
-    except ConfigError as exc:
+    except (ConfigError, DFlashError) as exc:
         print(f"dflash-gateway: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -4,8 +4,7 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from gateway.request_fields import (CHAT, COMPLETIONS, MIN_TEMPERATURE, MAX_STOP_STRINGS, RequestField,
-                                    fields_of)
+from gateway.request_fields import CHAT, COMPLETIONS, MAX_STOP_STRINGS, MIN_TEMPERATURE, RequestField, fields_of
 
 
 def _printable(text: str) -> str:

@@ -15,8 +15,15 @@ import zmq
 import zmq.asyncio
 from zmq.utils.monitor import parse_monitor_message
 
-from shared.channel_gateway import (TO_GATEWAY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent,
-                                    WorkerStopping)
+from shared.channel_gateway import (
+    TO_GATEWAY,
+    AbortRequest,
+    Heartbeat,
+    RequestFailed,
+    SubmitRequest,
+    TokenEvent,
+    WorkerStopping,
+)
 from shared.wire import WireError, decode, encode
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from draft_worker.draft_checkpoint import random_drafter
-from draft_worker.draft_config import DraftConfig
+from shared.draft_config import DraftConfig
 from verify_worker.target_loader import load_target
 
 torch.set_num_threads(2)

@@ -2,8 +2,8 @@
 
 import torch
 
-from gateway.bench import first_divergence
-from verify_worker.target_model import TargetModel
+from client.bench import first_divergence
+from verify_worker.families.llama.model import TargetModel
 
 NEAR_TIE = 1e-4
 

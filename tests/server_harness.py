@@ -9,12 +9,12 @@ import time
 from pathlib import Path
 
 import httpx
-from tokenizers import Tokenizer
-
 from conftest import tiny_draft_config, write_hf_checkpoint
-from draft_worker.draft_checkpoint import random_drafter, save_drafter
 from greedy_check import assert_same_or_near_tie
 from processes import child_pid, stop_process
+from tokenizers import Tokenizer
+
+from draft_worker.draft_checkpoint import random_drafter, save_drafter
 from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
 from verify_worker.target_loader import load_target
 

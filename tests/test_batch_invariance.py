@@ -9,16 +9,17 @@ import json
 
 import pytest
 import torch
+from conftest import write_hf_checkpoint
 from torch.nn import functional as F
 
-from conftest import write_hf_checkpoint
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import LocalProposer
 from shared.attention import batch_invariant_attention, visibility_mask
 from shared.cpu_kernels.library import cpu_kernels
 from shared.demo_models import DEMO_DIR
+from shared.dtype_choice import native_cpu_bfloat16, resolve_dtype
 from verify_worker.engine import GenerationRequest, SpeculativeEngine
-from verify_worker.target_loader import load_target, native_cpu_bfloat16, resolve_dtype
+from verify_worker.target_loader import load_target
 
 PROMPTS = DEMO_DIR.parent.parent / "benchmarks" / "prompts_heldout.json"
 needs_native_bf16 = pytest.mark.skipif(not native_cpu_bfloat16(), reason="this CPU has no native bfloat16 matmul")

@@ -4,9 +4,10 @@
 import json
 
 import pytest
-
-from gateway.bench import first_divergence, greedy_mismatches, main as bench_main
 from server_harness import Server, write_server_models
+
+from client.bench import first_divergence, greedy_mismatches
+from client.bench import main as bench_main
 
 
 def test_bench_reports_speedup_acceptance_and_phases(tmp_path):

@@ -6,9 +6,9 @@ import subprocess
 import sys
 
 import pytest
+from conftest import tiny_draft_config, write_hf_checkpoint
 from safetensors.torch import load_file, save_file
 
-from conftest import tiny_draft_config, write_hf_checkpoint
 from draft_worker.draft_checkpoint import random_drafter, save_drafter
 from shared.byte_tokenizer import write_byte_tokenizer
 from verify_worker.generate_cli import main

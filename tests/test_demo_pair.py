@@ -4,12 +4,12 @@ import json
 from pathlib import Path
 
 import pytest
+from greedy_check import assert_same_or_near_tie
 from tokenizers import Tokenizer
 
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import LocalProposer
 from gateway import launcher
-from greedy_check import assert_same_or_near_tie
 from shared.demo_models import DEMO_DIR, default_pair
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest

@@ -6,10 +6,16 @@ import json
 
 import pytest
 import torch
-
 from conftest import tiny_draft_config
+
 from demo_build.generate_data import generated_sequences
-from demo_build.train_demo_drafter2 import GREEDY_TOP_K, JOINT_CYCLES, SAMPLE_TOP_K, SERVED_BLOCK_SIZE, train_demo_drafter2
+from demo_build.train_demo_drafter2 import (
+    GREEDY_TOP_K,
+    JOINT_CYCLES,
+    SAMPLE_TOP_K,
+    SERVED_BLOCK_SIZE,
+    train_demo_drafter2,
+)
 from draft_worker.draft_checkpoint import random_drafter, save_drafter
 
 PHASE_MINUTES = 0.02  # about a second of training per phase

@@ -7,20 +7,20 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_draft_config
+from greedy_check import assert_same_or_near_tie
 from safetensors import safe_open
 
-from conftest import tiny_draft_config
 from draft_worker.dflash2_model import DFlash2DraftModel, upgrade_to_dflash2
 from draft_worker.draft_checkpoint import load_drafter, random_drafter, save_drafter
-from draft_worker.draft_config import DFlash2Settings, DraftConfig
 from draft_worker.local_proposer import DraftSampling, LocalProposer
-from draft_worker.training.masks import block_visibility
-from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings
-from greedy_check import assert_same_or_near_tie
+from shared.cpu_kernels.library import cpu_kernels
+from shared.draft_config import DFlash2Settings, DraftConfig
+from shared.errors import ConfigError
 from shared.proposals import DraftItem
 from shared.sampling import SamplingParams
-from shared.cpu_kernels.library import cpu_kernels
-from shared.errors import ConfigError
+from training.masks import block_visibility
+from training.trainer import DrafterTrainer, Example, TrainSettings
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
 
@@ -266,7 +266,6 @@ def test_soft_selector_training_moves_q_toward_the_target(qwen3_pair):
 
 def test_dflash_serve_serves_a_dflash2_drafter_and_says_so(tmp_path):
     import httpx
-
     from server_harness import Server, metric_value, write_server_models
 
     target, _ = write_server_models(tmp_path)

@@ -4,9 +4,9 @@ import copy
 
 import pytest
 import torch
+from conftest import tiny_draft_config
 from torch.nn import functional as F
 
-from conftest import tiny_draft_config
 from draft_worker.draft_checkpoint import random_drafter
 from shared.cpu_kernels.library import cpu_kernels
 

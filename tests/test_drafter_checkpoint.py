@@ -4,11 +4,11 @@ import json
 
 import pytest
 import torch
+from conftest import tiny_draft_config
 from safetensors import safe_open
 
-from conftest import tiny_draft_config
 from draft_worker.draft_checkpoint import load_drafter, random_drafter, save_drafter
-from draft_worker.draft_config import DraftConfig, default_target_layer_ids
+from shared.draft_config import DraftConfig, default_target_layer_ids
 from shared.errors import ConfigError
 
 PUBLISHED_LAYER_TENSORS = [

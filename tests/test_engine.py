@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from greedy_check import assert_same_or_near_tie
 
 from draft_worker.local_proposer import LocalProposer
-from greedy_check import assert_same_or_near_tie
 from shared.errors import RequestError
 from shared.sampling import SamplingParams, batch_sampling_probs
 from verify_worker.engine import SpeculativeEngine

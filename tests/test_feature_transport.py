@@ -5,7 +5,6 @@ import multiprocessing
 
 import pytest
 import torch
-
 from tp_ranks import free_port, pair_transfer
 
 

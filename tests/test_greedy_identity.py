@@ -4,9 +4,9 @@ import random
 
 import pytest
 import torch
+from greedy_check import assert_same_or_near_tie
 
 from draft_worker.local_proposer import LocalProposer
-from greedy_check import assert_same_or_near_tie
 from shared.proposals import DraftItem, DraftResult
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest

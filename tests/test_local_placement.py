@@ -5,7 +5,6 @@ import sys
 
 import httpx
 import pytest
-
 from server_harness import metric_value, serving, write_server_models
 
 

@@ -3,13 +3,13 @@ the same under speculative and plain decoding, accepted drafts and bonus tokens 
 
 import pytest
 import torch
+from greedy_check import assert_same_or_near_tie
+from test_greedy_identity import ScriptedProposer
 
 from draft_worker.local_proposer import LocalProposer
-from greedy_check import assert_same_or_near_tie
 from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import RequestError
 from shared.sampling import SamplingParams
-from test_greedy_identity import ScriptedProposer
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.logprobs import token_logprobs
 from verify_worker.request import GenerationRequest

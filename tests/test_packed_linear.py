@@ -2,9 +2,9 @@
 
 import pytest
 import torch
+from conftest import write_hf_checkpoint
 from torch import nn
 
-from conftest import write_hf_checkpoint
 from shared.cpu_kernels.library import cpu_kernels
 from shared.packed_linear import PackedLinear, packing_layout
 from verify_worker.target_loader import load_target

@@ -9,9 +9,9 @@ import time
 import pytest
 import torch
 import zmq
-
 from conftest import tiny_draft_config
 from server_harness import free_port_block
+
 from shared.channel_draft import TO_DRAFTER, DraftRequest, Ping, Pong
 from shared.draft_codec import reply_message
 from shared.proposals import DraftItem, DraftResult, ProposerUnavailable

@@ -4,7 +4,6 @@ import subprocess
 import sys
 
 import pytest
-
 from server_harness import write_server_models
 
 

@@ -16,8 +16,8 @@ from collections import deque
 
 import pytest
 import torch
-
 from conftest import tiny_draft_config, write_hf_checkpoint
+
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared.sampling import SamplingParams, sample_from, sampling_probs
@@ -124,7 +124,7 @@ def test_power_a_wrong_residual_is_detected(tiny_vocab_pair, monkeypatch):
 def test_dflash2_selector_sparse_q_is_lossless(tiny_vocab_pair, setting):
     """DFlash 2: tokens drawn by the sampled selector walk over 3 of the 5 tokens (selector_sample_top_k; a
     greedy walk would use 2), q reported sparse."""
-    from draft_worker.draft_config import DFlash2Settings
+    from shared.draft_config import DFlash2Settings
 
     target, _ = tiny_vocab_pair
     drafter = random_drafter(

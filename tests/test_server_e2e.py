@@ -7,7 +7,6 @@ import httpx
 import openai
 import pytest
 import torch
-
 from server_harness import metric_value, serving
 
 PROMPT = "def add(a, b):"

@@ -12,9 +12,9 @@ import httpx
 import msgpack
 import pytest
 import zmq
-
 from processes import process_alive
 from server_harness import Server, metric_value, write_server_models
+
 from shared.wire import SCHEMA_VERSION
 
 

@@ -8,7 +8,6 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-
 from request_fuzz import fuzz
 from server_harness import Server, write_server_models
 

@@ -10,11 +10,11 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
-from tokenizers import Tokenizer
-
 from greedy_check import assert_same_or_near_tie
 from server_harness import Server, metric_value, write_server_models
 from test_server_faults import completion_tokens, stream_tokens
+from tokenizers import Tokenizer
+
 from verify_worker.target_loader import load_target
 
 PROMPTS = ["def add(a, b):", "while True:", "x = [i for i in", "import os\n"]

@@ -3,10 +3,11 @@
 from collections import deque
 
 from conftest import tiny_draft_config, write_hf_checkpoint
+from greedy_check import assert_same_or_near_tie
+
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import LocalProposer
 from gateway import launcher
-from greedy_check import assert_same_or_near_tie
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
 from verify_worker.spec_policy import AdaptiveSpeculation, batch_bucket

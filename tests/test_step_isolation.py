@@ -6,9 +6,9 @@ POISON makes the target raise, at its prefill or later in its decode."""
 
 import pytest
 import torch
+from greedy_check import assert_same_or_near_tie
 
 from draft_worker.local_proposer import LocalProposer
-from greedy_check import assert_same_or_near_tie
 from shared.errors import WorkerFault
 from shared.sampling import SamplingParams
 from verify_worker.engine import SpeculativeEngine
@@ -29,8 +29,9 @@ class PoisonedTarget:
     def __getattr__(self, name):
         return getattr(self.target, name)
 
-    def __call__(self, ids, positions, cache, slots, taps):
+    def step(self, batch, state, taps):
         self.calls += 1
+        ids, positions, slots = batch.input_ids, batch.positions, batch.slots
         for row, slot in enumerate(slots.tolist()):
             if ids[row, 0] == POISON and positions[row, 0] == 0:
                 self.poisoned_slots.add(slot)
@@ -38,7 +39,7 @@ class PoisonedTarget:
                     raise self.error("poisoned prefill")
             if slot in self.poisoned_slots and self.after is not None and positions[row].max() >= self.after:
                 raise self.error("poisoned decode")
-        return self.target(ids, positions, cache, slots, taps)
+        return self.target.step(batch, state, taps)
 
 
 def engine_on(target, drafter, spec=True, max_requests=8):

@@ -4,8 +4,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import write_hf_checkpoint
+
 from verify_worker.target_loader import load_target
 
 TOL = 1e-4

@@ -3,17 +3,17 @@ target's within fp32 tolerance, and greedy generation on TP 2 equals TP 1 (near-
 
 import pytest
 import torch
-
 from conftest import tiny_draft_config, write_hf_checkpoint
-from draft_worker.draft_checkpoint import random_drafter, save_drafter
 from greedy_check import assert_same_or_near_tie
 from tp_ranks import engine_generate, logits_and_shards, run_ranks
-from verify_worker.parallel.group import TensorParallel
-from verify_worker.parallel.shard_plan import local_shapes
-from verify_worker.target_config import TargetConfig
-from verify_worker.target_loader import load_target
-from verify_worker.target_model import TargetModel
+
+from draft_worker.draft_checkpoint import random_drafter, save_drafter
 from shared.errors import ConfigError
+from verify_worker.families.llama.config import TargetConfig
+from verify_worker.families.llama.model import TargetModel
+from verify_worker.families.llama.shard_plan import local_shapes
+from verify_worker.parallel.group import TensorParallel
+from verify_worker.target_loader import load_target
 
 SPLIT_KV = dict(vocab_size=127, num_key_value_heads=2)  # KV heads split across 2 ranks; vocab not divisible by 2
 REPLICATED_KV = dict(vocab_size=128, num_key_value_heads=1)  # 1 KV head: both ranks hold it
@@ -77,9 +77,9 @@ def test_tp2_engine_greedy_equals_tp1(tmp_path):
     run_ranks(engine_generate, 2, str(tmp_path / "target"), str(tmp_path / "draft"), prompts, str(out))
     got = torch.load(out)["tokens"]
     whole = load_target(tmp_path / "target", dtype="float32")
+    from shared.sampling import SamplingParams
     from verify_worker.engine import SpeculativeEngine
     from verify_worker.request import GenerationRequest
-    from shared.sampling import SamplingParams
 
     want = [r.token_ids for r in SpeculativeEngine(whole, None, max_requests=3).generate(
         [GenerationRequest(tuple(p), 24, SamplingParams()) for p in prompts])]

@@ -4,11 +4,11 @@ resumes, and reports per-position validation accuracy."""
 import json
 
 import torch
-
 from conftest import write_hf_checkpoint
+
 from draft_worker.draft_checkpoint import load_drafter
-from draft_worker.train_cli import main
 from shared.byte_tokenizer import write_byte_tokenizer
+from training.cli import main
 
 
 def test_train_drafter_cli(tmp_path, capsys):

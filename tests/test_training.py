@@ -1,11 +1,11 @@
 """Drafter training: the anchor mask, train/inference consistency, and a loss that goes down."""
 
 import torch
-
 from conftest import tiny_draft_config
+
 from draft_worker.draft_checkpoint import random_drafter
-from draft_worker.training.masks import block_visibility, position_weights
-from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings, walk_acceptance
+from training.masks import block_visibility, position_weights
+from training.trainer import DrafterTrainer, Example, TrainSettings, walk_acceptance
 
 
 def test_mask_never_shows_context_at_or_after_the_anchor():

@@ -6,8 +6,13 @@ import torch
 
 from shared.channel_draft import TO_DRAFTER, TO_VERIFIER, DraftReply, DraftRequest
 from shared.channel_gateway import TO_GATEWAY, TO_VERIFY, SubmitRequest, TokenEvent
-from shared.draft_codec import (items_from_message, reply_message, request_message, results_from_message,
-                                stacked_features)
+from shared.draft_codec import (
+    items_from_message,
+    reply_message,
+    request_message,
+    results_from_message,
+    stacked_features,
+)
 from shared.feature_transport import FrameTransport
 from shared.proposals import DraftItem, DraftResult
 from shared.sampling import SamplingParams

@@ -7,6 +7,7 @@ import sys
 
 import torch
 
+from verify_worker.families.interface import StepBatch
 from verify_worker.parallel.driver import TargetLeader, follow
 from verify_worker.parallel.group import GroupSettings, join_group, leave_group
 from verify_worker.target_loader import load_target
@@ -51,12 +52,12 @@ def logits_and_shards(rank, world_size, port, folder, out_path):
         leave_group(target.tp)
         return
     leader = TargetLeader(target)
-    cache = leader.new_cache(2, 32)
+    state = leader.new_state(2, 32)
     ids = torch.tensor([[5, 17, 3, 99, 42, 7], [8, 8, 120, 64, 0, 0]])
     positions = torch.arange(6)[None].repeat(2, 1)
-    prefill = leader.logits(leader(ids, positions, cache, torch.tensor([0, 1]), (1, 2)).hidden)
+    prefill = leader.logits(leader.step(StepBatch(ids, positions, torch.tensor([0, 1])), state, (1, 2)).hidden)
     step_ids, step_positions = torch.tensor([[11], [33]]), torch.tensor([[6], [4]])
-    out = leader(step_ids, step_positions, cache, torch.tensor([0, 1]), (1, 2))
+    out = leader.step(StepBatch(step_ids, step_positions, torch.tensor([0, 1])), state, (1, 2))
     step = leader.logits(out.hidden)
     leader.stop()
     torch.save({"prefill": prefill, "step": step, "taps": out.taps, "shapes": shapes}, out_path)
@@ -68,9 +69,9 @@ def engine_generate(rank, world_size, port, folder, draft_folder, prompts, out_p
     embedding and lm_head come from a whole copy of the target, as the draft worker loads them)."""
     from draft_worker.draft_checkpoint import load_drafter
     from draft_worker.local_proposer import LocalProposer
+    from shared.sampling import SamplingParams
     from verify_worker.engine import SpeculativeEngine
     from verify_worker.request import GenerationRequest
-    from shared.sampling import SamplingParams
 
     target = _joined_target(rank, world_size, port, folder)
     if rank > 0:

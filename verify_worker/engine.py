@@ -24,19 +24,19 @@ from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.request_limits import is_int64
 from shared.sampling import SamplingParams, batch_sampling_probs, sample_from
+from verify_worker.families.interface import StepBatch, TargetFamily
 from verify_worker.logprobs import TokenLogprob, token_logprobs
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
 from verify_worker.request_snapshot import RequestSnapshot
 from verify_worker.scheduler import num_drafts, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
-from verify_worker.target_model import TargetModel
 from verify_worker.verification import dense_proposal, verify_greedy, verify_sampled
 
 
 class SpeculativeEngine:
     def __init__(
         self,
-        target: TargetModel,
+        target: TargetFamily,
         proposer: Proposer | None = None,
         max_requests: int = 16,
         max_model_len: int | None = None,
@@ -61,7 +61,7 @@ class SpeculativeEngine:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_prefill_tokens = max_prefill_tokens
         self.max_requests = max_requests
-        self.cache = target.new_cache(max_requests, self.max_model_len + max(self.block_size, 1))
+        self.state = target.new_state(max_requests, self.max_model_len + max(self.block_size, 1))
         self.free_slots = list(range(max_requests))  # a heap (see _take_slot)
         self.waiting: list[RequestState] = []
         self.prefilling: list[RequestState] = []
@@ -137,6 +137,7 @@ class SpeculativeEngine:
         while self.waiting and self.free_slots:
             state = self.waiting.pop(0)
             state.slot, state.status = self._take_slot(), Status.PREFILLING
+            self.target.reset(self.state, state.slot)
             self.prefilling.append(state)
         groups = [[s.request_id for s in self.prefilling] + list(self.running)]
         events, self.last_reports = [], []
@@ -171,12 +172,16 @@ class SpeculativeEngine:
         report = StepReport(seconds={"draft": 0.0, "transfer": 0.0, "verify": 0.0, "prefill": 0.0, "cache": 0.0})
         started = time.perf_counter()
         events: dict[str, StepEvent] = {}
+        kept: dict[int, int] = {}  # slot -> tokens of this step the target keeps (committed once the step is done)
         chunks = plan_prefill([s for s in self.prefilling if s.request_id in group], self.max_prefill_tokens)
         if chunks:
-            self._prefill(chunks, events, report)
+            self._prefill(chunks, events, report, kept)
         decoding = sorted((s for s in self.running.values() if s.request_id in group), key=lambda s: s.slot)
         if decoding:
-            self._decode(decoding, events, report)
+            self._decode(decoding, events, report, kept)
+        if kept:
+            slots = torch.tensor(list(kept), device=self.device)
+            self.target.commit(self.state, slots, torch.tensor(list(kept.values()), device=self.device))
         measured = sum(report.seconds.values())
         report.seconds["scheduling"] = max(0.0, time.perf_counter() - started - measured)
         self.last_report = report
@@ -241,7 +246,8 @@ class SpeculativeEngine:
                                  s.logprobs if s.request.logprobs is not None else None,
                                  s.prompt_logprobs if s.request.prompt_logprobs else None) for s in states]
 
-    def _prefill(self, chunks: list[tuple[RequestState, int]], events: dict, report: StepReport) -> None:
+    def _prefill(self, chunks: list[tuple[RequestState, int]], events: dict, report: StepReport,
+                 kept: dict[int, int]) -> None:
         """One forward over the next prompt chunk of each prefilling request; requests whose prompt is now
         complete sample their first token and start decoding."""
         started = time.perf_counter()
@@ -251,7 +257,7 @@ class SpeculativeEngine:
             ids[row, :n] = torch.tensor(state.request.prompt_ids[state.prefilled: state.prefilled + n])
         starts = torch.tensor([state.prefilled for state, _ in chunks])
         # [b, width]; padding sits past each chunk, never past the cache (real positions stay < max_model_len)
-        positions = (starts[:, None] + torch.arange(width)).clamp(max=self.cache.capacity - 1)
+        positions = (starts[:, None] + torch.arange(width)).clamp(max=self.state.capacity - 1)
         out = self._forward(ids, positions, [state.slot for state, _ in chunks])
         done = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.request.prompt_ids)]
         first = None
@@ -266,6 +272,7 @@ class SpeculativeEngine:
             if self.proposer is not None:
                 state.feature_chunks.append(out.taps[row, :n].clone())  # a copy: a view would pin the batch
             state.cache_len += n
+            kept[state.slot] = n
         report.seconds["prefill"] += time.perf_counter() - started
         for i, row in enumerate(done):
             state = chunks[row][0]
@@ -277,7 +284,7 @@ class SpeculativeEngine:
             if state.request.prompt_logprobs:
                 events[state.request_id].prompt_logprobs = state.prompt_logprobs
 
-    def _decode(self, states: list[RequestState], events: dict, report: StepReport) -> None:
+    def _decode(self, states: list[RequestState], events: dict, report: StepReport, kept: dict[int, int]) -> None:
         speculate = self.policy is None or self.policy.speculate(
             [s.request_id for s in states], asked=any((s.request.num_speculative_tokens or 0) > 0 for s in states),
             seeded_sampling=any(s.request.sampling.seed is not None and not s.request.sampling.greedy for s in states))
@@ -301,7 +308,8 @@ class SpeculativeEngine:
         started = time.perf_counter()  # cache work: lengths (rollback), drafter context features, commits, frees
         for row, state in enumerate(states):
             a = accepted[row]
-            state.cache_len += a + 1  # rollback is implicit: positions past cache_len are never attended
+            state.cache_len += a + 1  # the rest of the block is rolled back (by length, or by the family's commit)
+            kept[state.slot] = a + 1
             if self.proposer is not None:
                 state.feature_chunks.append(out.taps[row, : a + 1].clone())
             tokens = drafts[row, :a].tolist() + [next_tokens[row]]
@@ -332,10 +340,8 @@ class SpeculativeEngine:
                 self.policy.forget(state.request_id)  # again: the step's own measurement re-added it
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int]):
-        return self.target(
-            ids.to(self.device), positions.to(self.device), self.cache, torch.tensor(slots, device=self.device),
-            self.tap_layers,
-        )
+        batch = StepBatch(ids.to(self.device), positions.to(self.device), torch.tensor(slots, device=self.device))
+        return self.target.step(batch, self.state, self.tap_layers)
 
     def _draft(self, states: list[RequestState], counts: list[int], report: StepReport):
         """Ask the proposer for drafts. Returns drafts [b, n] (zero-padded), per-row dense q or None, and the

@@ -19,9 +19,9 @@ import time
 import zmq
 from zmq.utils.monitor import recv_monitor_message
 
-from draft_worker.draft_config import DraftConfig
 from shared.channel_draft import TO_VERIFIER, DraftReply, Ping, Pong, Release
 from shared.draft_codec import request_message, results_from_message, stacked_features
+from shared.draft_config import DraftConfig
 from shared.feature_transport import FrameTransport, TransportError
 from shared.proposals import DraftItem, DraftResult, ProposerUnavailable
 from shared.tensor_frames import from_raw

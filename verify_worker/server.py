@@ -17,12 +17,19 @@ import zmq
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from draft_worker.draft_checkpoint import load_drafter
-from draft_worker.draft_config import DraftConfig
 from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared import metric_names as names
-from shared.channel_gateway import (TO_VERIFY, AbortRequest, Heartbeat, RequestFailed, SubmitRequest, TokenEvent,
-                                    WorkerStopping)
-from shared.checkpoint_io import read_config
+from shared.channel_gateway import (
+    TO_VERIFY,
+    AbortRequest,
+    Heartbeat,
+    RequestFailed,
+    SubmitRequest,
+    TokenEvent,
+    WorkerStopping,
+)
+from shared.config_json import read_config
+from shared.draft_config import DraftConfig
 from shared.errors import DFlashError, RequestError
 from shared.feature_transport import add_transport_flags, make_transport
 from shared.role import configure_process, run_worker
@@ -383,9 +390,9 @@ def build_server(args, log) -> VerifyServer:
     policy = AdaptiveSpeculation() if args.spec_policy == "adaptive" else None
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=args.max_model_len,
                                max_prefill_tokens=args.max_prefill_tokens, policy=policy)
-    cache_mb = engine.cache.nbytes() / 2**20
+    cache_mb = engine.state.nbytes() / 2**20
     log.info("target %s: %d layers, KV cache %d slots x %d positions (%.1f MiB)", args.target,
-             target.config.num_layers, max_running, engine.cache.capacity, cache_mb)
+             target.config.num_layers, max_running, engine.state.capacity, cache_mb)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")
     server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log,
                           keep_alive=target.keep_alive if tp.parallel else None, stall_s=args.stall_timeout)

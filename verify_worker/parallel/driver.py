@@ -1,6 +1,7 @@
 """Leader/follower protocol of a tensor-parallel verify worker.
 
-Rank 0 runs the engine against a TargetLeader, which has TargetModel's interface: before each target call it
+Rank 0 runs the engine against a TargetLeader, which has the family interface (verify_worker/families/
+interface.py): before each target call it
 broadcasts a small header (what to run, with which shapes) and the call's input tensors, so every follower
 runs the same call on its shard and meets rank 0 in the same collectives. Everything else (scheduling,
 acceptance, sampling, the sockets) exists on rank 0 only, so the ranks cannot disagree on a decision. Idle
@@ -13,8 +14,7 @@ import time
 import torch
 
 from shared.errors import DFlashError, WorkerFault
-from shared.kv_cache import PositionalKVCache
-from verify_worker.target_model import TargetModel, TargetOutput
+from verify_worker.families.interface import StepBatch, TargetFamily, TargetOutput, TargetState
 
 HEADER_LEN = 16
 
@@ -22,9 +22,11 @@ HEADER_LEN = 16
 class Op(enum.IntEnum):
     FORWARD = 1  # [op, batch, seq, num_taps, taps...]
     LOGITS = 2  # [op, ndim, shape...]
-    NEW_CACHE = 3  # [op, num_slots, capacity]
+    NEW_STATE = 3  # [op, num_slots, capacity]
     PING = 4
     STOP = 5
+    COMMIT = 6  # [op, batch]
+    RESET = 7  # [op, slot]
 
 
 class ParallelFailure(WorkerFault):
@@ -40,11 +42,12 @@ def _header(*values: int) -> torch.Tensor:
 
 
 class TargetLeader:
-    """Rank 0's handle on a tensor-parallel target: the calls of TargetModel, each mirrored on every rank."""
+    """Rank 0's handle on a tensor-parallel target: the calls of TargetFamily, each mirrored on every rank."""
 
-    def __init__(self, target: TargetModel, ping_every_s: float = 1.0):
+    def __init__(self, target: TargetFamily, ping_every_s: float = 1.0):
         self.target, self.tp = target, target.tp
         self.config, self.local = target.config, target.local
+        self.commits_state = target.commits_state
         self.device = target.embed_weight.device
         self.ping_every_s, self.last_command = ping_every_s, time.monotonic()
 
@@ -74,18 +77,32 @@ class TargetLeader:
             raise ParallelFailure(f"tensor-parallel call failed ({type(exc).__name__}: {exc}): the ranks may be "
                                   "out of step") from None
 
-    def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
-        self._announce(_header(Op.NEW_CACHE, num_slots, capacity))
-        return self.target.new_cache(num_slots, capacity)
+    def new_state(self, num_slots: int, capacity: int) -> TargetState:
+        self._announce(_header(Op.NEW_STATE, num_slots, capacity))
+        return self.target.new_state(num_slots, capacity)
 
-    def __call__(self, input_ids, positions, cache, slots, tap_layers=()) -> TargetOutput:
-        if cache is None or slots is None:
-            raise DFlashError("a tensor-parallel target runs with its KV cache only")
-        batch, seq = input_ids.shape
-        self._announce(_header(Op.FORWARD, batch, seq, len(tap_layers), *tap_layers),
-                       input_ids.to(self.device, torch.long), positions.to(self.device, torch.long),
-                       slots.to(self.device, torch.long))
-        return self._run(lambda: self.target(input_ids, positions, cache, slots, tap_layers))
+    def state_bytes_per_slot(self, capacity: int) -> int:
+        return self.target.state_bytes_per_slot(capacity)
+
+    def step(self, batch: StepBatch, state: TargetState, taps: tuple[int, ...] = ()) -> TargetOutput:
+        rows, seq = batch.input_ids.shape
+        self._announce(_header(Op.FORWARD, rows, seq, len(taps), *taps),
+                       batch.input_ids.to(self.device, torch.long), batch.positions.to(self.device, torch.long),
+                       batch.slots.to(self.device, torch.long))
+        return self._run(lambda: self.target.step(batch, state, taps))
+
+    def commit(self, state: TargetState, slots: torch.Tensor, kept: torch.Tensor) -> None:
+        if not self.commits_state:
+            return  # nothing to mirror: the family's commit is a no-op
+        self._announce(_header(Op.COMMIT, len(slots)), slots.to(self.device, torch.long),
+                       kept.to(self.device, torch.long))
+        self._run(lambda: self.target.commit(state, slots, kept))
+
+    def reset(self, state: TargetState, slot: int) -> None:
+        if not self.commits_state:
+            return
+        self._announce(_header(Op.RESET, slot))
+        self._run(lambda: self.target.reset(state, slot))
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         self._announce(_header(Op.LOGITS, hidden.dim(), *hidden.shape), hidden)
@@ -103,11 +120,11 @@ class TargetLeader:
             pass
 
 
-def follow(target: TargetModel) -> None:
+def follow(target: TargetFamily) -> None:
     """A follower rank's loop: run each command rank 0 announces, until STOP. Raises ParallelFailure when
     rank 0 is gone or silent past the collective timeout."""
     tp, device, dtype = target.tp, target.embed_weight.device, target.embed_weight.dtype
-    cache = None
+    state = None
     header = torch.zeros(HEADER_LEN, dtype=torch.long, device=device)
 
     def receive(shape, tensor_dtype):
@@ -119,14 +136,19 @@ def follow(target: TargetModel) -> None:
             op, *fields = tp.broadcast(header).tolist()
             if op == Op.STOP:
                 return
-            if op == Op.NEW_CACHE:
-                cache = target.new_cache(fields[0], fields[1])
+            if op == Op.NEW_STATE:
+                state = target.new_state(fields[0], fields[1])
             elif op == Op.FORWARD:
-                batch, seq, num_taps = fields[:3]
-                ids = receive((batch, seq), torch.long)
-                positions = receive((batch, seq), torch.long)
-                slots = receive((batch,), torch.long)
-                target(ids, positions, cache, slots, tuple(fields[3: 3 + num_taps]))
+                rows, seq, num_taps = fields[:3]
+                ids = receive((rows, seq), torch.long)
+                positions = receive((rows, seq), torch.long)
+                slots = receive((rows,), torch.long)
+                target.step(StepBatch(ids, positions, slots), state, tuple(fields[3: 3 + num_taps]))
+            elif op == Op.COMMIT:
+                slots = receive((fields[0],), torch.long)
+                target.commit(state, slots, receive((fields[0],), torch.long))
+            elif op == Op.RESET:
+                target.reset(state, fields[0])
             elif op == Op.LOGITS:
                 hidden = receive(tuple(fields[1: 1 + fields[0]]), dtype)
                 target.logits(hidden)

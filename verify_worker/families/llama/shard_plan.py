@@ -5,9 +5,9 @@ vocabulary is split in contiguous shards, the last one zero-padded."""
 from dataclasses import dataclass
 
 from shared.errors import ConfigError
+from verify_worker.families.llama.config import TargetConfig
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import vocab_shard
-from verify_worker.target_config import TargetConfig
 
 
 @dataclass(frozen=True)

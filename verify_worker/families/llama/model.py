@@ -3,8 +3,6 @@
 Module names mirror the HF checkpoint's tensor names, so the state dict is the loading table.
 """
 
-from dataclasses import dataclass
-
 import torch
 from torch import nn
 
@@ -14,10 +12,11 @@ from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
 from shared.packed_linear import PackedLinear, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from verify_worker.families.interface import StepBatch, TargetOutput
+from verify_worker.families.llama.config import TargetConfig
+from verify_worker.families.llama.shard_plan import LocalShapes, local_shapes
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import RowParallelLinear, VocabParallelEmbedding, gather_vocab_logits
-from verify_worker.parallel.shard_plan import LocalShapes, local_shapes
-from verify_worker.target_config import TargetConfig
 
 
 def _row_linear(in_local: int, out: int, tp: TensorParallel, bias: bool) -> nn.Linear:
@@ -130,12 +129,6 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-@dataclass
-class TargetOutput:
-    hidden: torch.Tensor  # [batch, seq, hidden] after the final norm
-    taps: torch.Tensor | None  # [batch, seq, num_taps * hidden]: outputs of the tapped layers, before the norm
-
-
 class TargetModel(nn.Module):
     """The whole target at TP 1; at TP N, this rank's shard (embed_weight and lm_head_weight are then this
     rank's vocabulary rows, and the hidden states, taps and logits are whole on every rank)."""
@@ -158,12 +151,31 @@ class TargetModel(nn.Module):
     def lm_head_weight(self) -> torch.Tensor:
         return self.embed_weight if self.lm_head is None else self.lm_head.weight
 
+    commits_state = False  # a positional KV cache: rollback is the committed length alone
+
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
         cfg = self.config
         return PositionalKVCache(
             cfg.num_layers, num_slots, self.local.num_kv_heads, capacity, cfg.head_dim,
             dtype=self.embed_weight.dtype, device=self.embed_weight.device,
         )
+
+    # the family interface (verify_worker/families/interface.py)
+    def new_state(self, num_slots: int, capacity: int) -> PositionalKVCache:
+        return self.new_cache(num_slots, capacity)
+
+    def state_bytes_per_slot(self, capacity: int) -> int:
+        cfg = self.config
+        return 2 * cfg.num_layers * self.local.num_kv_heads * capacity * cfg.head_dim * self.embed_weight.element_size()
+
+    def step(self, batch: StepBatch, state: PositionalKVCache, taps: tuple[int, ...] = ()) -> TargetOutput:
+        return self(batch.input_ids, batch.positions, state, batch.slots, taps)
+
+    def commit(self, state: PositionalKVCache, slots: torch.Tensor, kept: torch.Tensor) -> None:
+        """Nothing to do: entries past a slot's committed length are never attended."""
+
+    def reset(self, state: PositionalKVCache, slot: int) -> None:
+        """Nothing to do: a new request's positions start at 0 and overwrite what the slot held."""
 
     def forward(
         self,

@@ -3,9 +3,9 @@
 import dataclasses
 from dataclasses import dataclass, field
 
+from shared.checkpoint_shapes import decoder_layer_shapes
 from shared.errors import ConfigError
-from shared.layers import decoder_layer_shapes
-from shared.rope import RopeSettings
+from shared.rope_settings import RopeSettings
 
 DFLASH_ARCHITECTURE = "DFlashDraftModel"
 DFLASH2_ARCHITECTURE = "DFlash2DraftModel"

@@ -9,11 +9,11 @@ from pathlib import Path
 import torch
 from torch.nn import functional as F
 
-from draft_worker.draft_checkpoint import save_drafter
 from draft_worker.dflash2_model import DFlash2DraftModel
+from draft_worker.draft_checkpoint import save_drafter
 from draft_worker.draft_model import DFlashDraftModel
-from draft_worker.training.masks import block_visibility, default_gamma, position_weights
-from verify_worker.target_model import TargetModel
+from training.masks import block_visibility, default_gamma, position_weights
+from verify_worker.families.llama.model import TargetModel
 
 
 @dataclass

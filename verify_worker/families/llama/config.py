@@ -2,9 +2,9 @@
 
 from dataclasses import dataclass
 
+from shared.checkpoint_shapes import decoder_layer_shapes
 from shared.errors import ConfigError
-from shared.layers import decoder_layer_shapes
-from shared.rope import RopeSettings
+from shared.rope_settings import RopeSettings
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}

@@ -13,15 +13,15 @@ from pathlib import Path
 
 import torch
 
-from draft_worker.draft_checkpoint import load_drafter, random_drafter
 from draft_worker.dflash2_model import upgrade_to_dflash2
-from draft_worker.draft_config import DFlash2Settings, DraftConfig, default_target_layer_ids
+from draft_worker.draft_checkpoint import load_drafter, random_drafter
 from draft_worker.draft_model import DFlashDraftModel
-from draft_worker.training.regenerate import prompt_windows, read_corpus, regenerate
-from draft_worker.training.trainer import DrafterTrainer, Example, TrainSettings, format_accuracy
+from shared.draft_config import DFlash2Settings, DraftConfig, default_target_layer_ids
 from shared.errors import ConfigError, DFlashError
+from training.regenerate import prompt_windows, read_corpus, regenerate
+from training.trainer import DrafterTrainer, Example, TrainSettings, format_accuracy
+from verify_worker.families.llama.model import TargetModel
 from verify_worker.target_loader import load_target
-from verify_worker.target_model import TargetModel
 
 
 def new_drafter_config(target: TargetModel, layers: int, block_size: int, taps: list[int] | None,

@@ -7,24 +7,20 @@ drafting, verification, the byte-level tokenizer) but its output is gibberish an
 import json
 import os
 import shutil
+import sys
 from pathlib import Path
 
 import torch
 
 from draft_worker.draft_checkpoint import random_drafter, save_drafter
-from draft_worker.draft_config import DraftConfig
 from shared.byte_tokenizer import END_OF_TEXT, MASK, write_byte_tokenizer
 from shared.checkpoint_io import write_checkpoint
-from shared.rope import RopeSettings
-from verify_worker.target_config import TargetConfig
+from shared.demo_models import random_pair_dir
+from shared.draft_config import DraftConfig
+from shared.rope_settings import RopeSettings
+from verify_worker.families.llama.config import TargetConfig
 
-PAIR_VERSION = "random-demo-v1"
 VOCAB, EOS_ID, MASK_ID = 258, 256, 257
-
-
-def demo_cache_dir() -> Path:
-    root = os.environ.get("DFLASH_CACHE_DIR") or Path.home() / ".cache" / "dflash"
-    return Path(root) / PAIR_VERSION
 
 
 def random_target_config(num_layers: int = 6, hidden: int = 256) -> TargetConfig:
@@ -52,7 +48,7 @@ def write_random_target(folder: Path, cfg: TargetConfig, seed: int = 0, std: flo
 
 def ensure_random_pair(root: Path | None = None) -> tuple[Path, Path]:
     """Build the pair once under root (default: the user cache) and return (target, drafter) folders."""
-    root = Path(root or demo_cache_dir())
+    root = Path(root or random_pair_dir())
     target_dir, draft_dir = root / "target", root / "draft"
     if not root.is_dir():
         building = root.with_name(f"{root.name}.building-{os.getpid()}")
@@ -74,3 +70,7 @@ def _build_pair(root: Path) -> None:
         num_target_layers=cfg.num_layers, target_layer_ids=(1, 3), mask_token_id=MASK_ID, block_size=8,
     )
     save_drafter(random_drafter(draft_cfg, seed=1), draft_dir)
+
+
+if __name__ == "__main__":  # python -m demo_build.random_pair [ROOT]: what shared.demo_models runs
+    ensure_random_pair(Path(sys.argv[1]) if len(sys.argv) > 1 else None)

@@ -9,8 +9,8 @@ import torch
 
 from shared.sampling import SamplingParams
 from verify_worker.engine import SpeculativeEngine
+from verify_worker.families.llama.model import TargetModel
 from verify_worker.request import GenerationRequest
-from verify_worker.target_model import TargetModel
 
 
 def read_corpus(path: str | Path) -> list[str]:

@@ -1,0 +1,1 @@
+"""Clients of a running server (dflash-bench): HTTP only, no model code."""

@@ -1,0 +1,62 @@
+"""What the engine relies on from a target family, and nothing more.
+
+The engine builds a StepBatch on the host, runs it with `step`, verifies, and then `commit`s how many of each
+row's tokens it kept. Between a step and its commit a family may hold the step's tokens as pending: a
+positional KV cache needs no commit (entries past a slot's committed length are never attended), a recurrent
+state must restore what plain decoding of the kept tokens would have left. A step that raises, or is
+retried, has committed nothing. A tap is always [tokens, hidden]: the completed output of a decoder layer.
+"""
+
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+
+@dataclass(frozen=True)
+class StepBatch:
+    """New tokens of some requests, right-padded: padding sits at later positions than a row's real tokens."""
+
+    input_ids: torch.Tensor  # [b, s] long
+    positions: torch.Tensor  # [b, s] long: absolute positions in each request
+    slots: torch.Tensor  # [b] long: each row's state slot
+
+
+@dataclass
+class TargetOutput:
+    hidden: torch.Tensor  # [batch, seq, hidden] after the final norm
+    taps: torch.Tensor | None  # [batch, seq, num_taps * hidden]: outputs of the tapped layers, before the norm
+
+
+class TargetState(Protocol):
+    """Per-slot state of a family (KV cache, latent cache, recurrent state...)."""
+
+    capacity: int  # positions per slot
+
+    def nbytes(self) -> int: ...
+
+
+class TargetFamily(Protocol):
+    config: object  # the family's config; the engine reads vocab_size, hidden_size, num_layers,
+    #                 max_position_embeddings and eos_token_ids
+    commits_state: bool  # whether commit/reset do anything (TP leaders announce them only then)
+
+    @property
+    def embed_weight(self) -> torch.Tensor: ...
+
+    @property
+    def lm_head_weight(self) -> torch.Tensor: ...
+
+    def new_state(self, num_slots: int, capacity: int) -> TargetState: ...
+
+    def state_bytes_per_slot(self, capacity: int) -> int: ...
+
+    def step(self, batch: StepBatch, state: TargetState, taps: tuple[int, ...] = ()) -> TargetOutput: ...
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
+
+    def commit(self, state: TargetState, slots: torch.Tensor, kept: torch.Tensor) -> None:
+        """After verification: row i of the last step of slots[i] keeps its first kept[i] tokens."""
+
+    def reset(self, state: TargetState, slot: int) -> None:
+        """The slot is handed to a new request."""

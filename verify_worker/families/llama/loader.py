@@ -1,0 +1,33 @@
+"""Strict loading of a Qwen3/Llama checkpoint folder into TargetModel."""
+
+from pathlib import Path
+
+import torch
+
+from shared.checkpoint_io import check_tensor_names, load_tensor_slices
+from shared.dtype_choice import resolve_dtype
+from shared.rope import inverse_frequencies
+from verify_worker.families.llama.config import TargetConfig
+from verify_worker.families.llama.model import TargetModel
+from verify_worker.families.llama.shard_plan import shard_slices
+from verify_worker.parallel.group import TensorParallel
+
+
+def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: TensorParallel,
+               pack: bool) -> TargetModel:
+    """At TP N, only this rank's slice of each sharded tensor is read; any missing, unexpected or mis-shaped
+    tensor is a CheckpointError, a shape TP N cannot split a ConfigError."""
+    cfg = TargetConfig.from_dict(config)
+    optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
+    check_tensor_names(folder, cfg.tensor_shapes(), optional)
+    slices = shard_slices(cfg, tp) if tp.parallel else {}
+    tensors = load_tensor_slices(folder, slices, dtype=resolve_dtype(dtype, cfg.checkpoint_dtype, device),
+                                 device=device)
+    if cfg.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)
+    with torch.device("meta"):
+        model = TargetModel(cfg, tp)
+    model.load_state_dict(tensors, strict=True, assign=True)
+    model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)  # buffers are not in the checkpoint
+    model = model.eval().requires_grad_(False)
+    return model.pack() if pack else model
