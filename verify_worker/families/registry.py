@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Callable
 
 from shared.errors import ConfigError
+from verify_worker.families.glm_moe_dsa.loader import load_glm_moe_dsa
 from verify_worker.families.interface import TargetFamily
 from verify_worker.families.llama.loader import load_llama
 from verify_worker.parallel.group import TensorParallel
@@ -23,6 +24,7 @@ class FamilyEntry:
 def known_families() -> tuple[FamilyEntry, ...]:
     return (
         FamilyEntry("llama", ("Qwen3ForCausalLM", "LlamaForCausalLM"), ("qwen3", "llama"), load_llama),
+        FamilyEntry("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), load_glm_moe_dsa),
     )
 
 

@@ -12,6 +12,7 @@ from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
 from shared.packed_linear import PackedLinear, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
+from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.interface import StepBatch, TargetOutput
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.families.llama.shard_plan import LocalShapes, local_shapes
@@ -129,7 +130,7 @@ class DecoderStack(nn.Module):
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
-class TargetModel(nn.Module):
+class TargetModel(EmbeddingHead, nn.Module):
     """The whole target at TP 1; at TP N, this rank's shard (embed_weight and lm_head_weight are then this
     rank's vocabulary rows, and the hidden states, taps and logits are whole on every rank)."""
 
@@ -142,14 +143,6 @@ class TargetModel(nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.head = None  # the lm_head packed for inference (set by pack())
         self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
-
-    @property
-    def embed_weight(self) -> torch.Tensor:
-        return self.model.embed_tokens.weight
-
-    @property
-    def lm_head_weight(self) -> torch.Tensor:
-        return self.embed_weight if self.lm_head is None else self.lm_head.weight
 
     commits_state = False  # a positional KV cache: rollback is the committed length alone
 

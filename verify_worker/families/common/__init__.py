@@ -1,0 +1,1 @@
+"""Pieces more than one family uses: MLA, the sparse indexer, MoE, row-by-row projections."""

@@ -1,0 +1,56 @@
+"""Mixture of experts: the sigmoid router with a score-correction bias and group-limited top-k
+(DeepSeek-V3 `noaux_tc`, GLM-5.x), and the routed experts with their weights stacked at load."""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from verify_worker.families.common.row_invariant import elementwise_rows
+
+
+def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int, normalise: bool,
+          scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [tokens, experts] float32 -> (expert ids [tokens, top_k], weights [tokens, top_k] float32).
+
+    Experts are chosen on sigmoid(logits) + bias, among the top_groups groups whose two best scores sum
+    highest; weights are the chosen raw sigmoid scores, renormalised if asked, times scaling. Ties prefer the
+    lower group / expert id (stable sorts), so a token routes alike in any batch.
+    """
+    tokens, experts = logits.shape
+    scores = elementwise_rows(torch.sigmoid, logits)
+    choice = scores + bias  # [tokens, experts]
+    if groups > 1:
+        grouped = choice.view(tokens, groups, experts // groups)
+        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [tokens, groups]
+        keep = torch.sort(group_scores, dim=-1, descending=True, stable=True).indices[:, :top_groups]
+        allowed = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep, True)
+        choice = choice.masked_fill(~allowed[:, :, None].expand_as(grouped).reshape(tokens, experts), float("-inf"))
+    ids = torch.sort(choice, dim=-1, descending=True, stable=True).indices[:, :top_k]  # [tokens, top_k]
+    weights = scores.gather(1, ids)
+    if normalise:
+        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+    return ids, weights * scaling
+
+
+class RoutedExperts(nn.Module):
+    """Experts' gate|up [experts, 2 * inner, hidden] and down [experts, hidden, inner], as transformers stacks
+    them. Each token's output sums its experts in its top-k order, each expert's rows computed as batched
+    one-row products, so a token's result does not depend on which other tokens share the call."""
+
+    def __init__(self, experts: int, hidden: int, inner: int):
+        super().__init__()
+        self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
+        self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        """x [tokens, hidden], ids / weights [tokens, top_k] -> [tokens, hidden]."""
+        tokens, top_k = ids.shape
+        flat = ids.reshape(-1)  # [tokens * top_k]
+        rows = x[:, None].expand(tokens, top_k, x.shape[-1]).reshape(tokens * top_k, 1, -1)  # [t*k, 1, hidden]
+        gate, up = torch.bmm(rows, self.gate_up_proj[flat].transpose(1, 2)).chunk(2, -1)  # [t*k, 1, inner]
+        out = torch.bmm(elementwise_rows(F.silu, gate) * up, self.down_proj[flat].transpose(1, 2))  # [t*k, 1, hidden]
+        out = out.view(tokens, top_k, -1) * weights[..., None].to(out.dtype)
+        total = out[:, 0]
+        for slot in range(1, top_k):  # a fixed order per token
+            total = total + out[:, slot]
+        return total

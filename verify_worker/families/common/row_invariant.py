@@ -1,0 +1,31 @@
+"""Operations whose result for a row never depends on how many rows share the call.
+
+A verify block must give each token exactly what one-token decoding gives it, or a top-k selection (indexer,
+router) downstream can flip. Two things in PyTorch's CPU kernels break that for small widths:
+- a 2-D GEMM picks its blocking (and so its roundings) by the row count;
+- elementwise loops run whole vector chunks with vectorized maths (exp, sigmoid, cos...) and the leftover
+  tail of the tensor with scalar maths, which rounds differently; which elements fall in the tail depends
+  on the total size.
+"""
+
+import torch
+
+VECTOR_CHUNK = 32  # a multiple of every CPU vector loop's chunk (2 x 8 floats on AVX2, 2 x 16 on AVX-512)
+
+
+def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """x [..., in] @ weight [out, in]^T -> [..., out], as a batched matmul with one row per batch entry."""
+    rows = x.reshape(-1, 1, x.shape[-1])  # [n, 1, in]
+    out = torch.bmm(rows, weight.t().expand(rows.shape[0], -1, -1))  # [n, 1, out]
+    return out.view(*x.shape[:-1], weight.shape[0])
+
+
+def elementwise_rows(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn, with each row of the last dimension padded to whole vector chunks, so that
+    every element takes the vectorized path whatever the number of rows."""
+    width = x.shape[-1]
+    pad = -width % VECTOR_CHUNK
+    if pad == 0:
+        return fn(x.contiguous())
+    padded = torch.nn.functional.pad(x, (0, pad))  # [..., width + pad], contiguous
+    return fn(padded)[..., :width]

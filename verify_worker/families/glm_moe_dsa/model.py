@@ -1,0 +1,226 @@
+"""GLM-5.2 (GlmMoeDsaForCausalLM): MLA with a latent cache, the DSA indexer, MoE; our own code, with
+transformers as the test oracle (tests/test_glm_moe_dsa.py).
+
+Every layer attends only to the keys its indexer selects (a "shared" layer reuses the selection of the layer
+before it). Module names mirror the checkpoint's, with the per-expert tensors stacked as transformers stacks
+them, so the state dict is the loading table. Each token row is computed on its own (batched one-row
+products, stable sorts for every top-k), so a verify block's rows equal one-token decode rows bit for bit:
+that is what keeps speculative greedy decoding identical to plain decoding. This path is written for
+correctness on small checkpoints; serving the real 744B model needs the GPU path (fused MLA and expert kernels).
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from shared.attention import invariant_key_length, visibility_mask
+from shared.layers import RMSNorm
+from shared.rope import inverse_frequencies
+from shared.rope_settings import RopeSettings
+from verify_worker.families.common.embedding_head import EmbeddingHead
+from verify_worker.families.common.mla import absorbed_attention, interleaved_rotary, rotary_angles
+from verify_worker.families.common.moe import RoutedExperts, route
+from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
+from verify_worker.families.common.sparse_indexer import index_scores, select_top_keys
+from verify_worker.families.glm_moe_dsa.config import INDEXER_NORM_EPS, LATENT_NORM_EPS, GlmMoeDsaConfig
+from verify_worker.families.glm_moe_dsa.state import LatentCache
+from verify_worker.families.interface import StepBatch, TargetOutput
+
+
+class Linear(nn.Module):
+    """A bias-free projection computed row by row (see linear_rows); named like nn.Linear for loading."""
+
+    def __init__(self, inputs: int, outputs: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(outputs, inputs))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear_rows(x, self.weight)
+
+
+class Indexer(nn.Module):
+    def __init__(self, cfg: GlmMoeDsaConfig):
+        super().__init__()
+        self.heads, self.dim, self.rope = cfg.index_n_heads, cfg.index_head_dim, cfg.qk_rope_head_dim
+        self.top_k = cfg.index_topk
+        self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.dim)
+        self.wk = Linear(cfg.hidden_size, self.dim)
+        self.k_norm = nn.LayerNorm(self.dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = Linear(cfg.hidden_size, self.heads)
+
+    def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """x [b, s, hidden] -> indexer keys [b, s, dim] (normalised, the first rope dims rotated)."""
+        k = self.k_norm(self.wk(x))
+        return torch.cat([interleaved_rotary(k[..., : self.rope], cos, sin), k[..., self.rope:]], -1)
+
+    def select(self, x, q_resid, cos, sin, keys: torch.Tensor, visible: torch.Tensor) -> torch.Tensor:
+        """The keys each query row attends to: [b, s, T] bool, keys [b, T, dim] from the cache."""
+        batch, seq, _ = x.shape
+        q = self.wq_b(q_resid).view(batch, seq, self.heads, self.dim)
+        q = torch.cat([interleaved_rotary(q[..., : self.rope], cos, sin), q[..., self.rope:]], -1)
+        weights = self.weights_proj(x).float() * self.heads**-0.5  # [b, s, heads]
+        return select_top_keys(index_scores(q, keys, weights, self.dim**-0.5), visible, self.top_k)
+
+
+class LatentAttention(nn.Module):
+    def __init__(self, cfg: GlmMoeDsaConfig, layer_index: int):
+        super().__init__()
+        self.cfg, self.layer_index = cfg, layer_index
+        heads = cfg.num_heads
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
+        self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size)
+        self.indexer = Indexer(cfg) if cfg.indexer_types[layer_index] == "full" else None
+        self.scale = cfg.qk_head_dim**-0.5
+
+    def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """kv_b split per head: w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]."""
+        cfg = self.cfg
+        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
+
+    def forward(self, x, cos, sin, cache: LatentCache, slots, read_slots, positions, kv_len, visible, selected):
+        """x [b, s, hidden]. selected: the previous layer's selection for a shared layer, else None.
+        Returns (output [b, s, hidden], this layer's selection [b, s, kv_len])."""
+        cfg = self.cfg
+        batch, seq, _ = x.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [b, s, q_lora]
+        q = self.q_b_proj(q_resid).view(batch, seq, cfg.num_heads, cfg.qk_head_dim)
+        q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], interleaved_rotary(q[..., cfg.qk_nope_head_dim:], cos, sin)
+        kv = self.kv_a_proj_with_mqa(x)  # [b, s, kv_lora + rope]
+        latent = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
+        key_rope = interleaved_rotary(kv[..., cfg.kv_lora_rank:], cos, sin)
+        index_keys = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
+        cache.write(self.layer_index, slots, positions, latent, key_rope, index_keys)
+        latents, key_ropes, cached_index_keys = cache.read(self.layer_index, read_slots, kv_len)
+        if self.indexer is not None:
+            selected = self.indexer.select(x, q_resid, cos, sin, cached_index_keys, visible)
+        w_uk, w_uv = self.absorbed_weights()
+        out = absorbed_attention(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, selected, self.scale)
+        return self.o_proj(out), selected
+
+
+class GatedMLP(nn.Module):
+    def __init__(self, hidden: int, inner: int):
+        super().__init__()
+        self.gate_proj, self.up_proj = Linear(hidden, inner), Linear(hidden, inner)
+        self.down_proj = Linear(inner, hidden)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(elementwise_rows(F.silu, self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    def __init__(self, cfg: GlmMoeDsaConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> expert ids, weights [tokens, top_k] (float32 router, as published)."""
+        cfg = self.cfg
+        logits = linear_rows(x.float(), self.weight.float())
+        return route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                     cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: GlmMoeDsaConfig):
+        super().__init__()
+        self.gate = Router(cfg)
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
+        inner = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.shared_experts = GatedMLP(cfg.hidden_size, inner) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
+        ids, weights = self.gate(flat)
+        out = self.experts(flat, ids, weights).view_as(x)
+        return out + self.shared_experts(x) if self.shared_experts is not None else out
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: GlmMoeDsaConfig, layer_index: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = LatentAttention(cfg, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        dense = cfg.mlp_layer_types[layer_index] == "dense"
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size) if dense else MoE(cfg)
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: GlmMoeDsaConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class GlmMoeDsaModel(EmbeddingHead, nn.Module):
+    """The family interface (verify_worker/families/interface.py) over a positional latent cache."""
+
+    commits_state = False  # every cache is positional: rollback is the committed length
+
+    def __init__(self, cfg: GlmMoeDsaConfig):
+        super().__init__()
+        self.config = cfg
+        self.model = DecoderStack(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.register_buffer("inv_freq", inverse_frequencies(RopeSettings(cfg.rope_theta), cfg.qk_rope_head_dim),
+                             persistent=False)
+
+    def new_state(self, num_slots: int, capacity: int) -> LatentCache:
+        cfg = self.config
+        indexed = [i for i, t in enumerate(cfg.indexer_types) if t == "full"]
+        return LatentCache(cfg.num_layers, indexed, num_slots, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
+                           cfg.index_head_dim, self.embed_weight.dtype, self.embed_weight.device)
+
+    def state_bytes_per_slot(self, capacity: int) -> int:
+        cfg = self.config
+        per_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + \
+            cfg.indexer_types.count("full") * cfg.index_head_dim
+        return per_token * capacity * self.embed_weight.element_size()
+
+    def step(self, batch: StepBatch, state: LatentCache, taps: tuple[int, ...] = ()) -> TargetOutput:
+        return self(batch.input_ids, batch.positions, state, batch.slots, taps)
+
+    def commit(self, state: LatentCache, slots: torch.Tensor, kept: torch.Tensor) -> None:
+        """Nothing to do: entries past a slot's committed length are masked by position before any top-k."""
+
+    def reset(self, state: LatentCache, slot: int) -> None:
+        """Nothing to do: a new request's positions start at 0 and overwrite what the slot held."""
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache, slots: torch.Tensor,
+                tap_layers: tuple[int, ...] = ()) -> TargetOutput:
+        """New tokens input_ids [b, s] at absolute positions [b, s] of cache rows slots [b] (rows may be
+        right-padded: padding sits at later positions, so real queries never see it)."""
+        # whole key chunks: masked keys past a row's own then only add exact zeros (see absorbed_attention)
+        kv_len = invariant_key_length(int(positions.max()) + 1, cache.capacity)
+        visible = visibility_mask(positions, kv_len)[:, 0]  # [b, s, kv_len]
+        read_slots = slots
+        x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
+        cos, sin = rotary_angles(self.inv_freq, positions, x.dtype)
+        taps, selected = {}, None
+        for index, layer in enumerate(self.model.layers):
+            attention, selected = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, slots, read_slots,
+                                                  positions, kv_len, visible, selected)
+            x = x + attention
+            x = x + layer.mlp(layer.post_attention_layernorm(x))
+            if index in tap_layers:
+                taps[index] = x
+        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
+        return TargetOutput(hidden=self.model.norm(x), taps=tapped)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """[..., hidden] -> float32 [..., vocab]."""
+        return linear_rows(hidden, self.lm_head_weight).float()
+
+    def pack(self, layout: str | None = "auto") -> "GlmMoeDsaModel":
+        """Nothing to pack yet: the row-by-row products read the loaded weights."""
+        return self
