@@ -186,6 +186,50 @@ def test_speculative_greedy_equals_plain_and_transformers(glm):
     assert sum(r.stats.committed_tokens for r in spec) / steps > 2  # drafts were accepted, and rejected
 
 
+def test_a_verify_block_then_rollback_continues_like_transformers(glm):
+    """A block whose drafts go wrong after two, only the accepted prefix kept: the next steps (which overwrite
+    the rejected positions) give transformers' logits of the true sequence."""
+    hf, target, _ = glm
+    ids = prompt_ids(CONTEXT, 9)
+    want = hf_logits(hf, ids)[0]
+    state, slot, start = target.new_state(1, 64), torch.tensor([0]), 24
+    run(target, state, ids[:, :start], torch.arange(start)[None], slot)
+    block = ids[:, start: start + 8].clone()
+    block[0, 3:] = (block[0, 3:] + 1) % TINY["vocab_size"]  # rejected from the fourth token on
+    out = run(target, state, block, torch.arange(start, start + 8)[None], slot)
+    logits = target.logits(out.hidden)[0]
+    assert (logits[:3] - want[start: start + 3]).abs().max() < 1e-4  # the accepted rows
+    target.commit(state, slot, torch.tensor([3]))
+    for position in range(start + 3, CONTEXT):
+        step = run(target, state, ids[:, position: position + 1], torch.tensor([[position]]), slot)
+        assert (target.logits(step.hidden)[0, 0] - want[position]).abs().max() < 1e-4, position
+
+
+@pytest.mark.parametrize("block_size", [4, 8])
+def test_a_random_dflash_drafter_attaches_and_stays_lossless(glm, block_size):
+    """A DFlash drafter reads the GLM target's taps (decoder layer outputs) and drafts with its embedding and
+    lm_head; greedy output equals plain decoding and transformers' generate."""
+    from conftest import tiny_draft_config
+
+    from draft_worker.draft_checkpoint import random_drafter
+    from draft_worker.local_proposer import LocalProposer
+
+    hf, target, _ = glm
+    drafter = random_drafter(tiny_draft_config(target_layers=TINY["num_hidden_layers"], hidden=32,
+                                               target_layer_ids=(1, 3), block_size=block_size), seed=4, std=0.2)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=block_size,
+                             max_requests=2, max_model_len=128)
+    prompts = [prompt_ids(n, 20 + n)[0].tolist() for n in (5, 26)]
+    requests = [GenerationRequest(tuple(p), 16) for p in prompts]
+    spec = SpeculativeEngine(target, proposer, max_requests=2, max_model_len=128).generate(requests)
+    for prompt, result in zip(prompts, spec):
+        with torch.no_grad(), stable_topk():
+            out = hf.generate(torch.tensor([prompt]), max_new_tokens=16, min_new_tokens=16, do_sample=False,
+                              attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert result.token_ids == out[0, len(prompt):].tolist()
+    assert sum(r.stats.draft_tokens for r in spec) > 0
+
+
 def quantize_blocks(weight: torch.Tensor, block: int) -> tuple[torch.Tensor, torch.Tensor]:
     """A reference block quantizer: per block scale = max|w| / 448 (e4m3's largest), q = w / scale in e4m3."""
     rows, cols = weight.shape
@@ -355,5 +399,8 @@ def test_dflash_serve_serves_a_glm_moe_dsa_target_with_its_defaults(tmp_path):
         plain = SpeculativeEngine(target, None, max_requests=1, max_model_len=64).generate(
             [GenerationRequest(tuple(prompt), 20)])[0]
         assert plain.token_ids == outputs[0]
+        cfg = target.config  # the start-up line reports the cache per request and per token
+        per_token = (cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + 3 * cfg.index_head_dim) * 4
+        assert f"{per_token / 2**10:.1f} KiB per token" in server.stderr_path.read_text()
     finally:
         assert server.stop() == 0

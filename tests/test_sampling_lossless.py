@@ -51,7 +51,7 @@ def exact_joint(target, params: SamplingParams) -> torch.Tensor:
         nxt = {}
         for prefix, mass in joint.items():
             seq = list(PROMPT) + list(prefix)
-            cache = target.new_cache(1, len(seq))
+            cache = target.new_state(1, len(seq))
             out = target(torch.tensor([seq]), torch.arange(len(seq))[None], cache, torch.tensor([0]))
             probs = sampling_probs(target.logits(out.hidden[:, -1]), *settings)[0]
             for token in range(VOCAB):
@@ -163,5 +163,32 @@ def test_switching_between_speculative_and_plain_steps_is_lossless(tiny_vocab_pa
     counts = torch.zeros(VOCAB**TOKENS, dtype=torch.float64)
     for state in states:
         counts[sum(t * VOCAB ** (TOKENS - 1 - i) for i, t in enumerate(state.output_ids))] += 1
+    p_value = chi_square_p_value(counts, exact_joint(target, params))
+    assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_glm(tmp_path_factory):
+    """GLM-5.2 (MLA, a shared indexer layer, MoE) on the 5-token vocabulary, index_topk 2: the later tokens
+    attend to a sparse selection."""
+    from test_glm_moe_dsa import random_glm
+
+    folder = tmp_path_factory.mktemp("tiny_vocab_glm")
+    random_glm(seed=2, vocab_size=VOCAB, num_hidden_layers=3, index_topk=2, indexer_types=["full", "shared", "full"],
+               first_k_dense_replace=1).save_pretrained(folder)
+    target = load_target(folder)
+    drafter = random_drafter(
+        tiny_draft_config(target_layers=3, vocab=VOCAB, hidden=32, head_dim=8, intermediate_size=64,
+                          target_layer_ids=(0, 2), block_size=4), seed=5, std=0.3)
+    return target, drafter
+
+
+@pytest.mark.parametrize("mode", [DraftSampling.DENSE, DraftSampling.SPARSE])
+def test_glm_moe_dsa_first_tokens_follow_the_target_distribution(tiny_vocab_glm, mode):
+    target, drafter = tiny_vocab_glm
+    params = SETTINGS["t1_top_p0.9"]
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16,
+                             draft_sampling=mode, sparse_top_k=2)
+    counts = sample_counts(target, proposer, params)
     p_value = chi_square_p_value(counts, exact_joint(target, params))
     assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"

@@ -375,7 +375,7 @@ def build_server(args, log) -> VerifyServer:
         cfg = target.config
         max_len = served_max_len(args, cfg)
         capacity = max_len + ((args.block_size or draft_cfg.block_size) if drafting else 1)
-        slot_bytes = 2 * cfg.num_layers * target.local.num_kv_heads * capacity * cfg.head_dim * target.embed_weight.element_size()
+        slot_bytes = target.state_bytes_per_slot(capacity)
         fit = int(args.kv_cache_budget_mb * 2**20 // slot_bytes)
         if fit < 1:
             raise DFlashError(f"--kv-cache-budget-mb {args.kv_cache_budget_mb} holds no request of {max_len} tokens "
@@ -390,9 +390,11 @@ def build_server(args, log) -> VerifyServer:
     policy = AdaptiveSpeculation() if args.spec_policy == "adaptive" else None
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=args.max_model_len,
                                max_prefill_tokens=args.max_prefill_tokens, policy=policy)
-    cache_mb = engine.state.nbytes() / 2**20
-    log.info("target %s: %d layers, KV cache %d slots x %d positions (%.1f MiB)", args.target,
-             target.config.num_layers, max_running, engine.state.capacity, cache_mb)
+    capacity = engine.state.capacity
+    per_request = target.state_bytes_per_slot(capacity)
+    log.info("target %s: %d layers, cache %d slots x %d positions (%.1f MiB: %.1f MiB per request, %.1f KiB per "
+             "token)", args.target, target.config.num_layers, max_running, capacity, engine.state.nbytes() / 2**20,
+             per_request / 2**20, per_request / capacity / 2**10)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")
     server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log,
                           keep_alive=target.keep_alive if tp.parallel else None, stall_s=args.stall_timeout)
