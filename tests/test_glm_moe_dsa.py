@@ -404,3 +404,61 @@ def test_dflash_serve_serves_a_glm_moe_dsa_target_with_its_defaults(tmp_path):
         assert f"{per_token / 2**10:.1f} KiB per token" in server.stderr_path.read_text()
     finally:
         assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def glm_tp2(glm, tmp_path_factory):
+    """TP 2 over gloo, on the bf16-layout checkpoint and on its FP8 copy."""
+    from tp_ranks import run_ranks, sparse_logits
+
+    _, _, folder = glm
+    fp8 = tmp_path_factory.mktemp("glm_fp8_tp") / "fp8"
+    write_fp8_copy(folder, fp8)
+    runs = {}
+    for name, checkpoint in (("bf16", folder), ("fp8", fp8)):
+        out = checkpoint / "tp2.pt"
+        run_ranks(sparse_logits, 2, str(checkpoint), str(out))
+        runs[name] = (checkpoint, torch.load(out), torch.load(f"{out}.rank1"))
+    return runs
+
+
+@pytest.mark.parametrize("layout", ["bf16", "fp8"])
+def test_tp2_equals_tp1(glm_tp2, layout):
+    """Heads and expert columns split over two ranks (FP8 scales sliced with their weights): prefill, a verify
+    block and its taps equal the single-process target's within float32 tolerance."""
+    from tp_ranks import sparse_calls
+
+    folder, got, _ = glm_tp2[layout]
+    want = sparse_calls(load_target(folder, dtype="float32"))
+    for key in ("prefill", "block", "taps"):
+        assert (got[key] - want[key]).abs().max() < 1e-4, key
+
+
+def test_each_tp_rank_holds_only_its_slice(glm_tp2):
+    folder, rank0, rank1 = glm_tp2["fp8"]
+    whole = {n: tuple(t.shape) for n, t in load_target(folder, dtype="float32").state_dict().items()}
+    split = ("q_b_proj", "kv_b_proj", "o_proj", "experts", "gate_proj", "up_proj", "down_proj", "embed_tokens",
+             "lm_head")
+    for shapes in (rank0["shapes"], rank1):
+        assert set(shapes) == set(whole)
+        for name, full in whole.items():
+            halves = torch.Size(shapes[name]).numel() * 2 == torch.Size(full).numel()
+            assert halves if any(part in name for part in split) and "gate.weight" not in name else \
+                shapes[name] == full, name
+
+
+def test_tp2_engine_greedy_equals_tp1(glm, tmp_path):
+    from conftest import tiny_draft_config
+    from tp_ranks import engine_generate, run_ranks
+
+    from draft_worker.draft_checkpoint import random_drafter, save_drafter
+
+    _, target, folder = glm
+    save_drafter(random_drafter(tiny_draft_config(target_layers=TINY["num_hidden_layers"], hidden=32,
+                                                  target_layer_ids=(1, 3), block_size=4), seed=4, std=0.2),
+                 tmp_path / "draft")
+    prompts = [prompt_ids(n, 30 + n)[0].tolist() for n in (4, 21, 33)]
+    out = tmp_path / "engine.pt"
+    run_ranks(engine_generate, 2, str(folder), str(tmp_path / "draft"), prompts, str(out))
+    want = SpeculativeEngine(target, None, max_requests=3).generate([GenerationRequest(tuple(p), 24) for p in prompts])
+    assert torch.load(out)["tokens"] == [r.token_ids for r in want]

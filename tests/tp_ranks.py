@@ -126,3 +126,30 @@ def pair_transfer(rank, world_size, port, device, pipe, out_path):
         sessions.append(message.pair_session)
     torch.save({"received": received, "sent": calls, "sessions": sessions}, out_path)
     pipe.send("done")
+
+
+def sparse_logits(rank, world_size, port, folder, out_path):
+    """Contexts past a sparse target's index_topk: a batched prefill of two prompts, then a 4-token verify
+    block on each; rank 0 saves the logits and taps, every rank the shapes of what it loaded."""
+    target = _joined_target(rank, world_size, port, folder)
+    shapes = {name: tuple(t.shape) for name, t in target.state_dict().items()}
+    if rank > 0:
+        follow(target)
+        torch.save(shapes, f"{out_path}.rank{rank}")
+        leave_group(target.tp)
+        return
+    leader = TargetLeader(target)
+    torch.save({**sparse_calls(leader), "shapes": shapes}, out_path)
+    leader.stop()
+    leave_group(target.tp)
+
+
+def sparse_calls(target) -> dict:
+    """The calls sparse_logits makes, on any target (a TargetLeader or a whole target)."""
+    generator = torch.Generator().manual_seed(0)
+    ids = torch.randint(0, 100, (2, 36), generator=generator)
+    state = target.new_state(2, 64)
+    slots = torch.tensor([0, 1])
+    prefill = target.logits(target.step(StepBatch(ids[:, :32], torch.arange(32)[None].repeat(2, 1), slots), state).hidden)
+    block = target.step(StepBatch(ids[:, 32:], torch.arange(32, 36)[None].repeat(2, 1), slots), state, (1, 3))
+    return {"prefill": prefill, "block": target.logits(block.hidden), "taps": block.taps}

@@ -46,7 +46,7 @@ class TargetLeader:
 
     def __init__(self, target: TargetFamily, ping_every_s: float = 1.0):
         self.target, self.tp = target, target.tp
-        self.config, self.local = target.config, target.local
+        self.config = target.config
         self.commits_state = target.commits_state
         self.device = target.embed_weight.device
         self.ping_every_s, self.last_command = ping_every_s, time.monotonic()

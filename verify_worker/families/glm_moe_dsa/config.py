@@ -201,7 +201,8 @@ class GlmMoeDsaConfig:
                 p + "self_attn.q_b_proj.weight": (heads * self.qk_head_dim, self.q_lora_rank),
                 p + "self_attn.kv_a_proj_with_mqa.weight": (self.kv_lora_rank + self.qk_rope_head_dim, h),
                 p + "self_attn.kv_a_layernorm.weight": (self.kv_lora_rank,),
-                p + "self_attn.kv_b_proj.weight": (heads * (self.qk_nope_head_dim + self.v_head_dim), self.kv_lora_rank),
+                p + "self_attn.kv_b_proj.weight": (heads * (self.qk_nope_head_dim + self.v_head_dim),
+                                                   self.kv_lora_rank),
                 p + "self_attn.o_proj.weight": (h, heads * self.v_head_dim),
             })
             if self.indexer_types[i] == "full":

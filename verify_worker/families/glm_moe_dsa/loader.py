@@ -15,12 +15,14 @@ from safetensors import safe_open
 
 from shared.checkpoint_io import safetensors_files
 from shared.dtype_choice import resolve_dtype
-from shared.errors import CheckpointError, ConfigError
+from shared.errors import CheckpointError
 from shared.rope import inverse_frequencies
 from shared.rope_settings import RopeSettings
-from verify_worker.families.common.fp8_blocks import dequantize
+from verify_worker.families.common.fp8_blocks import dequantize, scale_grid
+from verify_worker.families.common.slices import Slice
 from verify_worker.families.glm_moe_dsa.config import GlmMoeDsaConfig
 from verify_worker.families.glm_moe_dsa.model import GlmMoeDsaModel
+from verify_worker.families.glm_moe_dsa.shard_plan import local_shapes, shard_slices
 from verify_worker.parallel.group import TensorParallel
 
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -28,31 +30,70 @@ EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_
 SCALE = ".weight_scale_inv"
 
 
-def read_tensors(folder: str | Path, cfg: GlmMoeDsaConfig, log: logging.Logger) -> dict[str, torch.Tensor]:
-    """Every tensor of the text model, FP8 weights dequantized to float32; MTP layers skipped."""
-    raw, skipped = {}, set()
+def read_tensors(folder: str | Path, cfg: GlmMoeDsaConfig, plan: dict[str, Slice],
+                 log: logging.Logger) -> dict[str, torch.Tensor]:
+    """Every tensor of the text model (at TP N only this rank's slice of each tensor the plan names, the
+    matching rows / columns of an FP8 weight's scale grid too), FP8 weights dequantized to float32; MTP
+    layers skipped."""
+    where, skipped = {}, set()
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
                 layer = LAYER.match(name)
                 if layer and int(layer.group(1)) >= cfg.num_layers:
                     skipped.add(int(layer.group(1)))
-                    continue
-                raw[name] = handle.get_tensor(name)
+                else:
+                    where[name] = path
     if skipped:
         log.info("skipping the multi-token-prediction layer(s) %s (not used for verification)", sorted(skipped))
-    scales = {name[: -len(SCALE)] + ".weight": raw.pop(name) for name in [n for n in raw if n.endswith(SCALE)]}
+    scales = {name[: -len(SCALE)] + ".weight": name for name in where if name.endswith(SCALE)}
     if scales and cfg.fp8 is None:
-        raise CheckpointError(f"{str(folder)!r} has FP8 scales ({next(iter(scales))}_scale_inv) but its config.json "
+        raise CheckpointError(f"{str(folder)!r} has FP8 scales ({next(iter(scales.values()))}) but its config.json "
                               "has no quantization_config")
-    for name, scale in scales.items():
-        if name not in raw:
-            raise CheckpointError(f"{str(folder)!r} has {name[:-7]}{SCALE} but no {name}")
-        raw[name] = dequantize(raw[name], scale, cfg.fp8.block, name)
-    fp8 = [n for n, t in raw.items() if t.dtype in (torch.float8_e4m3fn, torch.float8_e5m2)]
-    if fp8:
-        raise CheckpointError(f"{str(folder)!r}: FP8 tensor {fp8[0]} has no weight_scale_inv")
-    return raw
+    out = {}
+    for name, path in where.items():
+        if name.endswith(SCALE):
+            continue
+        with safe_open(str(path), framework="pt") as handle:
+            cut = plan.get(name)
+            tensor = handle.get_tensor(name) if cut is None else read_slice(handle.get_slice(name), cut)
+            if name in scales:
+                tensor = dequantize_slice(tensor, handle.get_slice(name).get_shape(), where[scales[name]],
+                                          scales[name], cut, cfg.fp8.block)
+            elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise CheckpointError(f"{str(folder)!r}: FP8 tensor {name} has no weight_scale_inv")
+        out[name] = tensor
+    orphans = [scale for weight, scale in scales.items() if weight not in where]
+    if orphans:
+        raise CheckpointError(f"{str(folder)!r} has {orphans[0]} but no {orphans[0][: -len(SCALE)]}.weight")
+    return out
+
+
+def read_slice(view, cut: Slice) -> torch.Tensor:
+    tensor = view[(slice(None),) * cut.dim + (slice(cut.start, cut.stop),)]
+    if cut.padded is not None and tensor.shape[cut.dim] < cut.padded:
+        pad = list(tensor.shape)
+        pad[cut.dim] = cut.padded - tensor.shape[cut.dim]
+        tensor = torch.cat([tensor, tensor.new_zeros(pad)], cut.dim)
+    return tensor
+
+
+def dequantize_slice(weight: torch.Tensor, full_shape, scale_path: Path, scale_name: str, cut: Slice | None,
+                     block: tuple[int, int]) -> torch.Tensor:
+    """weight (the whole stored tensor, or the slice `cut` of it) times the scales of the blocks that cover it."""
+    name = scale_name[: -len(SCALE)] + ".weight"
+    with safe_open(str(scale_path), framework="pt") as handle:
+        view = handle.get_slice(scale_name)
+        grid = tuple(view.get_shape())
+        if len(full_shape) != 2 or grid != scale_grid(tuple(full_shape), block):
+            raise CheckpointError(f"{name}: scale grid {list(grid)} does not fit a {list(full_shape)} weight in "
+                                  f"blocks of {list(block)} (expected {list(scale_grid(tuple(full_shape), block))})")
+        if cut is None:
+            return dequantize(weight, view[:, :], block, name)
+        first, last = cut.start // block[cut.dim], -(-cut.stop // block[cut.dim])
+        scale = view[(slice(None),) * cut.dim + (slice(first, last),)]
+        offset = (cut.start, 0) if cut.dim == 0 else (0, cut.start)
+        return dequantize(weight, scale, block, name, offset)
 
 
 def stack_experts(tensors: dict[str, torch.Tensor], cfg: GlmMoeDsaConfig) -> dict[str, torch.Tensor]:
@@ -79,10 +120,17 @@ def stack_experts(tensors: dict[str, torch.Tensor], cfg: GlmMoeDsaConfig) -> dic
     return out
 
 
-def expected_shapes(cfg: GlmMoeDsaConfig) -> dict[str, tuple[int, ...]]:
-    """The model's state dict names and shapes (experts stacked)."""
-    shapes = {n: s for n, s in cfg.tensor_shapes().items() if EXPERT.fullmatch(n) is None}
-    e, h, m = cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size
+def expected_shapes(cfg: GlmMoeDsaConfig, tp: TensorParallel) -> dict[str, tuple[int, ...]]:
+    """This rank's state dict names and shapes (experts stacked, sharded tensors cut to its slice)."""
+    shapes = {}
+    plan = shard_slices(cfg, tp) if tp.parallel else {}
+    for name, shape in cfg.tensor_shapes().items():
+        cut = plan.get(name)
+        if cut is not None:
+            shape = tuple(cut.padded or cut.stop - cut.start if d == cut.dim else n for d, n in enumerate(shape))
+        if EXPERT.fullmatch(name) is None:
+            shapes[name] = shape
+    e, h, m = cfg.n_routed_experts, cfg.hidden_size, local_shapes(cfg, tp).moe_intermediate_size
     for i, kind in enumerate(cfg.mlp_layer_types):
         if kind == "sparse":
             shapes[f"model.layers.{i}.mlp.experts.gate_up_proj"] = (e, 2 * m, h)
@@ -92,15 +140,14 @@ def expected_shapes(cfg: GlmMoeDsaConfig) -> dict[str, tuple[int, ...]]:
 
 def load_glm_moe_dsa(folder: str | Path, config: dict, device: str, dtype: str, tp: TensorParallel,
                      pack: bool) -> GlmMoeDsaModel:
-    if tp.parallel:
-        raise ConfigError("glm_moe_dsa targets do not run tensor-parallel yet (--tp 1)")
     log = logging.getLogger("dflash.target")
     cfg = GlmMoeDsaConfig.from_dict(config)
     compute = resolve_dtype(dtype, "bfloat16" if cfg.fp8 is not None else cfg.checkpoint_dtype, device)
-    tensors = stack_experts(read_tensors(folder, cfg, log), cfg)
+    plan = shard_slices(cfg, tp) if tp.parallel else {}
+    tensors = stack_experts(read_tensors(folder, cfg, plan, log), cfg)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
-    expected = expected_shapes(cfg)
+    expected = expected_shapes(cfg, tp)
     if cfg.tie_word_embeddings:
         expected.pop("lm_head.weight")
     missing, unexpected = sorted(set(expected) - set(tensors)), sorted(set(tensors) - set(expected))
@@ -116,7 +163,7 @@ def load_glm_moe_dsa(folder: str | Path, config: dict, device: str, dtype: str, 
     state = {name: t.to(device=device, dtype=torch.float32 if name.endswith(float32_kept) else compute)
              for name, t in tensors.items()}
     with torch.device("meta"):
-        model = GlmMoeDsaModel(cfg)
+        model = GlmMoeDsaModel(cfg, tp)
     model.load_state_dict(state, strict=True, assign=True)
     model.inv_freq = inverse_frequencies(RopeSettings(cfg.rope_theta), cfg.qk_rope_head_dim).to(device)  # not saved
     model = model.eval().requires_grad_(False)

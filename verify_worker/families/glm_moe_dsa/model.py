@@ -7,6 +7,9 @@ them, so the state dict is the loading table. Each token row is computed on its 
 products, stable sorts for every top-k), so a verify block's rows equal one-token decode rows bit for bit:
 that is what keeps speculative greedy decoding identical to plain decoding. This path is written for
 correctness on small checkpoints; serving the real 744B model needs the GPU path (fused MLA and expert kernels).
+
+At TP N (shard_plan.py) a rank holds its attention heads and its columns of every MLP and expert; o_proj, the
+dense MLPs and each MoE block sum their partial outputs over the ranks.
 """
 
 import torch
@@ -23,8 +26,11 @@ from verify_worker.families.common.moe import RoutedExperts, route
 from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
 from verify_worker.families.common.sparse_indexer import index_scores, select_top_keys
 from verify_worker.families.glm_moe_dsa.config import INDEXER_NORM_EPS, LATENT_NORM_EPS, GlmMoeDsaConfig
+from verify_worker.families.glm_moe_dsa.shard_plan import LocalShapes, local_shapes
 from verify_worker.families.glm_moe_dsa.state import LatentCache
 from verify_worker.families.interface import StepBatch, TargetOutput
+from verify_worker.parallel.group import TensorParallel
+from verify_worker.parallel.layers import VocabParallelEmbedding, gather_vocab_logits
 
 
 class Linear(nn.Module):
@@ -63,10 +69,12 @@ class Indexer(nn.Module):
 
 
 class LatentAttention(nn.Module):
-    def __init__(self, cfg: GlmMoeDsaConfig, layer_index: int):
+    """This rank's heads (all of them at TP 1); the latent, the indexer and the selection are whole on every rank."""
+
+    def __init__(self, cfg: GlmMoeDsaConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
         super().__init__()
-        self.cfg, self.layer_index = cfg, layer_index
-        heads = cfg.num_heads
+        self.cfg, self.layer_index, self.tp = cfg, layer_index, tp
+        self.num_heads = heads = local.num_heads
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, LATENT_NORM_EPS)
         self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim)
@@ -80,7 +88,7 @@ class LatentAttention(nn.Module):
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b split per head: w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]."""
         cfg = self.cfg
-        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
     def forward(self, x, cos, sin, cache: LatentCache, slots, read_slots, positions, kv_len, visible, selected):
@@ -89,7 +97,7 @@ class LatentAttention(nn.Module):
         cfg = self.cfg
         batch, seq, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))  # [b, s, q_lora]
-        q = self.q_b_proj(q_resid).view(batch, seq, cfg.num_heads, cfg.qk_head_dim)
+        q = self.q_b_proj(q_resid).view(batch, seq, self.num_heads, cfg.qk_head_dim)
         q_nope, q_rope = q[..., : cfg.qk_nope_head_dim], interleaved_rotary(q[..., cfg.qk_nope_head_dim:], cos, sin)
         kv = self.kv_a_proj_with_mqa(x)  # [b, s, kv_lora + rope]
         latent = self.kv_a_layernorm(kv[..., : cfg.kv_lora_rank])
@@ -101,17 +109,21 @@ class LatentAttention(nn.Module):
             selected = self.indexer.select(x, q_resid, cos, sin, cached_index_keys, visible)
         w_uk, w_uv = self.absorbed_weights()
         out = absorbed_attention(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, selected, self.scale)
-        return self.o_proj(out), selected
+        return self.tp.all_reduce(self.o_proj(out)), selected
 
 
 class GatedMLP(nn.Module):
-    def __init__(self, hidden: int, inner: int):
+    """inner: this rank's columns; reduce: the sum over the ranks of the partial output (None: left partial)."""
+
+    def __init__(self, hidden: int, inner: int, reduce=None):
         super().__init__()
         self.gate_proj, self.up_proj = Linear(hidden, inner), Linear(hidden, inner)
         self.down_proj = Linear(inner, hidden)
+        self.reduce = reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(elementwise_rows(F.silu, self.gate_proj(x)) * self.up_proj(x))
+        out = self.down_proj(elementwise_rows(F.silu, self.gate_proj(x)) * self.up_proj(x))
+        return out if self.reduce is None else self.reduce(out)
 
 
 class Router(nn.Module):
@@ -130,35 +142,41 @@ class Router(nn.Module):
 
 
 class MoE(nn.Module):
-    def __init__(self, cfg: GlmMoeDsaConfig):
+    """The router whole on every rank; the routed and shared experts' columns split, one sum over the ranks."""
+
+    def __init__(self, cfg: GlmMoeDsaConfig, local: LocalShapes, tp: TensorParallel):
         super().__init__()
+        self.tp = tp
         self.gate = Router(cfg)
-        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, cfg.moe_intermediate_size)
-        inner = cfg.moe_intermediate_size * cfg.n_shared_experts
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, local.moe_intermediate_size)
+        inner = local.moe_intermediate_size * cfg.n_shared_experts
         self.shared_experts = GatedMLP(cfg.hidden_size, inner) if cfg.n_shared_experts else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
         ids, weights = self.gate(flat)
         out = self.experts(flat, ids, weights).view_as(x)
-        return out + self.shared_experts(x) if self.shared_experts is not None else out
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out)
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: GlmMoeDsaConfig, layer_index: int):
+    def __init__(self, cfg: GlmMoeDsaConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = LatentAttention(cfg, layer_index)
+        self.self_attn = LatentAttention(cfg, layer_index, local, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         dense = cfg.mlp_layer_types[layer_index] == "dense"
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size) if dense else MoE(cfg)
+        self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, tp.all_reduce) if dense else MoE(cfg, local, tp)
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, cfg: GlmMoeDsaConfig):
+    def __init__(self, cfg: GlmMoeDsaConfig, local: LocalShapes, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = (VocabParallelEmbedding(local.vocab_shard, cfg.hidden_size, tp) if tp.parallel
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, local, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -167,11 +185,12 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
 
     commits_state = False  # every cache is positional: rollback is the committed length
 
-    def __init__(self, cfg: GlmMoeDsaConfig):
+    def __init__(self, cfg: GlmMoeDsaConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        self.config = cfg
-        self.model = DecoderStack(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.config, self.tp = cfg, tp
+        self.local = local_shapes(cfg, tp)
+        self.model = DecoderStack(cfg, self.local, tp)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.local.vocab_shard)
         self.register_buffer("inv_freq", inverse_frequencies(RopeSettings(cfg.rope_theta), cfg.qk_rope_head_dim),
                              persistent=False)
 
@@ -218,8 +237,9 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         return TargetOutput(hidden=self.model.norm(x), taps=tapped)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """[..., hidden] -> float32 [..., vocab]."""
-        return linear_rows(hidden, self.lm_head_weight).float()
+        """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
+        local = linear_rows(hidden, self.lm_head_weight).float()  # [..., vocab shard]
+        return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "GlmMoeDsaModel":
         """Nothing to pack yet: the row-by-row products read the loaded weights."""

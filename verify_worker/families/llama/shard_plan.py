@@ -5,6 +5,7 @@ vocabulary is split in contiguous shards, the last one zero-padded."""
 from dataclasses import dataclass
 
 from shared.errors import ConfigError
+from verify_worker.families.common.slices import Slice
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import vocab_shard
@@ -17,14 +18,6 @@ class LocalShapes:
     intermediate_size: int
     vocab_shard: int
     kv_head_start: int  # the first KV head this rank holds
-
-
-@dataclass(frozen=True)
-class Slice:
-    dim: int
-    start: int
-    stop: int
-    padded: int | None = None  # zero-pad dim to this size (the last vocabulary shard)
 
 
 def local_shapes(cfg: TargetConfig, tp: TensorParallel) -> LocalShapes:
