@@ -462,3 +462,12 @@ def test_tp2_engine_greedy_equals_tp1(glm, tmp_path):
     run_ranks(engine_generate, 2, str(folder), str(tmp_path / "draft"), prompts, str(out))
     want = SpeculativeEngine(target, None, max_requests=3).generate([GenerationRequest(tuple(p), 24) for p in prompts])
     assert torch.load(out)["tokens"] == [r.token_ids for r in want]
+
+
+def test_an_unserved_architecture_is_refused_naming_the_served_ones():
+    from verify_worker.families.registry import family_for
+
+    assert family_for({"architectures": ["GlmMoeDsaForCausalLM"]}).name == "glm_moe_dsa"
+    assert family_for({"model_type": "glm_moe_dsa"}).name == "glm_moe_dsa"
+    with pytest.raises(ConfigError, match="Glm5NextForConditionalGeneration.*supported are .*GlmMoeDsaForCausalLM"):
+        family_for({"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next"})
