@@ -132,3 +132,40 @@ def test_a_snapshot_puts_a_request_back(qwen3_pair):
             state.stats.as_dict()) == before[:-1]
     assert torch.equal(state.uniforms(4), next_draws)
     assert state.sent_chunks == 0 and state.drafter_context_len == 0  # its context goes to the drafter again
+
+
+class CommittingTarget(PoisonedTarget):
+    """A poisoned target whose commit and reset record per slot what a recurrent family would keep: the tokens
+    of each step's rows it is told to keep, a request's record starting over at each reset."""
+
+    commits_state = True
+
+    def __init__(self, target, after=None):
+        super().__init__(target, after)
+        self.kept: dict[int, int] = {}
+
+    def commit(self, state, slots, kept):
+        for slot, n in zip(slots.tolist(), kept.tolist()):
+            self.kept[slot] += n
+
+    def reset(self, state, slot):
+        self.kept[slot] = 0
+
+
+@pytest.mark.parametrize("spec", [True, False], ids=["speculative", "plain"])
+def test_commits_count_exactly_the_kept_tokens_even_across_a_failed_step(qwen3_pair, spec):
+    """Every committed step tells the family how many tokens of each row it keeps, and an undone step commits
+    nothing: at any point a slot's committed tokens equal its request's cache length."""
+    _, target, drafter, _ = qwen3_pair
+    family = CommittingTarget(target, after=12)
+    engine = engine_on(family, drafter, spec)
+    states = [engine.add(GenerationRequest(p, 30, request_id=f"v{i}")) for i, p in enumerate(VICTIMS)]
+    states.append(engine.add(GenerationRequest((POISON, 1, 2), 30, request_id="poison")))
+    failed = 0
+    while engine.has_work():
+        events = engine.step()
+        failed += sum(e.error is not None for e in events)
+        for state in states:
+            if state.slot >= 0:
+                assert family.kept[state.slot] == state.cache_len, state.request_id
+    assert failed == 1

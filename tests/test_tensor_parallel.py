@@ -96,3 +96,14 @@ def test_shapes_a_tp_size_cannot_split_are_clear_errors():
     with pytest.raises(ConfigError, match="KV heads"):
         local_shapes(cfg, TensorParallel(0, 2))
     assert local_shapes(cfg, TensorParallel(1, 3)).kv_head_start == 1
+
+
+def test_followers_run_the_commits_and_resets_of_a_stateful_family(tmp_path):
+    from tp_ranks import commits_mirrored
+
+    write_hf_checkpoint(tmp_path / "target", "qwen3", seed=5, **SPLIT_KV)
+    out = tmp_path / "calls.pt"
+    run_ranks(commits_mirrored, 2, str(tmp_path / "target"), str(out))
+    leader, follower = torch.load(out), torch.load(f"{out}.rank1")
+    assert leader == [("reset", 1), ("commit", [1], [3]), ("reset", 0), ("commit", [0, 1], [2, 1])]
+    assert follower == leader

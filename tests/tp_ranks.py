@@ -153,3 +153,41 @@ def sparse_calls(target) -> dict:
     prefill = target.logits(target.step(StepBatch(ids[:, :32], torch.arange(32)[None].repeat(2, 1), slots), state).hidden)
     block = target.step(StepBatch(ids[:, 32:], torch.arange(32, 36)[None].repeat(2, 1), slots), state, (1, 3))
     return {"prefill": prefill, "block": target.logits(block.hidden), "taps": block.taps}
+
+
+class RecordingFamily:
+    """A real target whose commit and reset do something (they record their arguments), as a recurrent family's
+    would: the leader must announce them and every follower must run them in the same order."""
+
+    commits_state = True
+
+    def __init__(self, target):
+        self.target, self.calls = target, []
+
+    def __getattr__(self, name):
+        return getattr(self.target, name)
+
+    def commit(self, state, slots, kept):
+        self.calls.append(("commit", slots.tolist(), kept.tolist()))
+
+    def reset(self, state, slot):
+        self.calls.append(("reset", slot))
+
+
+def commits_mirrored(rank, world_size, port, folder, out_path):
+    family = RecordingFamily(_joined_target(rank, world_size, port, folder))
+    if rank > 0:
+        follow(family)
+        torch.save(family.calls, f"{out_path}.rank{rank}")
+        leave_group(family.tp)
+        return
+    leader = TargetLeader(family)
+    state = leader.new_state(2, 16)
+    leader.reset(state, 1)
+    leader.step(StepBatch(torch.tensor([[5, 6, 7]]), torch.arange(3)[None], torch.tensor([1])), state)
+    leader.commit(state, torch.tensor([1]), torch.tensor([3]))
+    leader.reset(state, 0)
+    leader.commit(state, torch.tensor([0, 1]), torch.tensor([2, 1]))
+    leader.stop()
+    torch.save(family.calls, out_path)
+    leave_group(family.tp)

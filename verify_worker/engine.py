@@ -152,6 +152,7 @@ class SpeculativeEngine:
             except Exception as exc:  # noqa: BLE001 - any fault of a step is looked for in its requests
                 self._restore(saved)
                 self._check_device(exc)
+                self._drop_pending(saved)
                 if len(group) == 1:
                     events.append(self._fail(group[0], exc))
                     continue
@@ -211,6 +212,13 @@ class SpeculativeEngine:
         self.running = dict(sorted(self.running.items(), key=lambda item: rank.get(item[0], len(rank))))
         rank = {r: i for i, r in enumerate(prefilling_order)}
         self.prefilling.sort(key=lambda state: rank.get(state.request_id, len(rank)))
+
+    def _drop_pending(self, saved) -> None:
+        """The undone step committed nothing: its slots keep none of its tokens (the family drops them)."""
+        slots = [snapshot.state.slot for snapshot in saved[2] if snapshot.state.slot >= 0]
+        if slots:
+            self.target.commit(self.state, torch.tensor(slots, device=self.device),
+                               torch.zeros(len(slots), dtype=torch.long, device=self.device))
 
     def _check_device(self, exc: Exception) -> None:
         """A device error (a CUDA assert) is sticky: every later step would fail too, so it is the worker's
@@ -272,7 +280,7 @@ class SpeculativeEngine:
             if self.proposer is not None:
                 state.feature_chunks.append(out.taps[row, :n].clone())  # a copy: a view would pin the batch
             state.cache_len += n
-            kept[state.slot] = n
+            kept[state.slot] = kept.get(state.slot, 0) + n
         report.seconds["prefill"] += time.perf_counter() - started
         for i, row in enumerate(done):
             state = chunks[row][0]
@@ -309,7 +317,7 @@ class SpeculativeEngine:
         for row, state in enumerate(states):
             a = accepted[row]
             state.cache_len += a + 1  # the rest of the block is rolled back (by length, or by the family's commit)
-            kept[state.slot] = a + 1
+            kept[state.slot] = kept.get(state.slot, 0) + a + 1  # after this step's prompt chunk, if any
             if self.proposer is not None:
                 state.feature_chunks.append(out.taps[row, : a + 1].clone())
             tokens = drafts[row, :a].tolist() + [next_tokens[row]]

@@ -1,10 +1,12 @@
 """What the engine relies on from a target family, and nothing more.
 
 The engine builds a StepBatch on the host, runs it with `step`, verifies, and then `commit`s how many of each
-row's tokens it kept. Between a step and its commit a family may hold the step's tokens as pending: a
-positional KV cache needs no commit (entries past a slot's committed length are never attended), a recurrent
-state must restore what plain decoding of the kept tokens would have left. A step that raises, or is
-retried, has committed nothing. A tap is always [tokens, hidden]: the completed output of a decoder layer.
+slot's new tokens it keeps. Between two commits a slot's steps continue one another (an engine step may run a
+slot's last prompt chunk and then its first decode block): their tokens are pending, in order, and commit keeps
+the first `kept` of them and drops the rest. A positional KV cache needs no commit (entries past a slot's
+committed length are never attended); a recurrent state must end exactly where plain decoding of the kept
+tokens would have left it. An engine step that raises is undone with a commit of 0 for its slots. A tap is
+always [tokens, hidden]: the completed output of a decoder layer.
 """
 
 from dataclasses import dataclass
@@ -56,7 +58,7 @@ class TargetFamily(Protocol):
     def logits(self, hidden: torch.Tensor) -> torch.Tensor: ...
 
     def commit(self, state: TargetState, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        """After verification: row i of the last step of slots[i] keeps its first kept[i] tokens."""
+        """After verification: slots[i] keeps the first kept[i] of its pending tokens (0: drops them all)."""
 
     def reset(self, state: TargetState, slot: int) -> None:
         """The slot is handed to a new request."""
