@@ -266,7 +266,7 @@ class SpeculativeEngine:
         starts = torch.tensor([state.prefilled for state, _ in chunks])
         # [b, width]; padding sits past each chunk, never past the cache (real positions stay < max_model_len)
         positions = (starts[:, None] + torch.arange(width)).clamp(max=self.state.capacity - 1)
-        out = self._forward(ids, positions, [state.slot for state, _ in chunks])
+        out = self._forward(ids, positions, [state.slot for state, _ in chunks], [n for _, n in chunks])
         done = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.request.prompt_ids)]
         first = None
         if done:
@@ -303,7 +303,7 @@ class SpeculativeEngine:
         n = drafts.shape[1]
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
         positions = torch.tensor([s.cache_len for s in states])[:, None] + torch.arange(n + 1)  # [b, n+1]
-        out = self._forward(block, positions, [s.slot for s in states])
+        out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
         logits = self.target.logits(out.hidden)  # [b, n+1, vocab]
         accepted, next_tokens = self._verify(
             states, drafts.to(self.device), torch.tensor(counts, device=self.device), q_rows, logits
@@ -347,8 +347,9 @@ class SpeculativeEngine:
             if state.status == Status.FINISHED:
                 self.policy.forget(state.request_id)  # again: the step's own measurement re-added it
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int]):
-        batch = StepBatch(ids.to(self.device), positions.to(self.device), torch.tensor(slots, device=self.device))
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
+        batch = StepBatch(ids.to(self.device), positions.to(self.device), torch.tensor(slots, device=self.device),
+                          torch.tensor(lengths, device=self.device))
         return self.target.step(batch, self.state, self.tap_layers)
 
     def _draft(self, states: list[RequestState], counts: list[int], report: StepReport):

@@ -22,6 +22,8 @@ class StepBatch:
     input_ids: torch.Tensor  # [b, s] long
     positions: torch.Tensor  # [b, s] long: absolute positions in each request
     slots: torch.Tensor  # [b] long: each row's state slot
+    lengths: torch.Tensor | None = None  # [b] long: each row's real tokens (None: all s); the rest is padding,
+    #                                      which a recurrent state must not take in
 
 
 @dataclass

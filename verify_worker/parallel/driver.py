@@ -86,9 +86,10 @@ class TargetLeader:
 
     def step(self, batch: StepBatch, state: TargetState, taps: tuple[int, ...] = ()) -> TargetOutput:
         rows, seq = batch.input_ids.shape
+        lengths = batch.lengths if batch.lengths is not None else torch.full((rows,), seq)
         self._announce(_header(Op.FORWARD, rows, seq, len(taps), *taps),
                        batch.input_ids.to(self.device, torch.long), batch.positions.to(self.device, torch.long),
-                       batch.slots.to(self.device, torch.long))
+                       batch.slots.to(self.device, torch.long), lengths.to(self.device, torch.long))
         return self._run(lambda: self.target.step(batch, state, taps))
 
     def commit(self, state: TargetState, slots: torch.Tensor, kept: torch.Tensor) -> None:
@@ -143,7 +144,8 @@ def follow(target: TargetFamily) -> None:
                 ids = receive((rows, seq), torch.long)
                 positions = receive((rows, seq), torch.long)
                 slots = receive((rows,), torch.long)
-                target.step(StepBatch(ids, positions, slots), state, tuple(fields[3: 3 + num_taps]))
+                lengths = receive((rows,), torch.long)
+                target.step(StepBatch(ids, positions, slots, lengths), state, tuple(fields[3: 3 + num_taps]))
             elif op == Op.COMMIT:
                 slots = receive((fields[0],), torch.long)
                 target.commit(state, slots, receive((fields[0],), torch.long))

@@ -5,7 +5,9 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from verify_worker.families.common.row_invariant import elementwise_rows
+from verify_worker.families.common.dense import GatedMLP, clamp_gate_up
+from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
+from verify_worker.parallel.group import TensorParallel
 
 
 def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top_groups: int, normalise: bool,
@@ -37,10 +39,11 @@ class RoutedExperts(nn.Module):
     them. Each token's output sums its experts in its top-k order, each expert's rows computed as batched
     one-row products, so a token's result does not depend on which other tokens share the call."""
 
-    def __init__(self, experts: int, hidden: int, inner: int):
+    def __init__(self, experts: int, hidden: int, inner: int, limit: float | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+        self.limit = limit  # the swiglu clamp (see clamp_gate_up)
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden], ids / weights [tokens, top_k] -> [tokens, hidden]."""
@@ -48,9 +51,49 @@ class RoutedExperts(nn.Module):
         flat = ids.reshape(-1)  # [tokens * top_k]
         rows = x[:, None].expand(tokens, top_k, x.shape[-1]).reshape(tokens * top_k, 1, -1)  # [t*k, 1, hidden]
         gate, up = torch.bmm(rows, self.gate_up_proj[flat].transpose(1, 2)).chunk(2, -1)  # [t*k, 1, inner]
+        gate, up = clamp_gate_up(gate, up, self.limit)
         out = torch.bmm(elementwise_rows(F.silu, gate) * up, self.down_proj[flat].transpose(1, 2))  # [t*k, 1, hidden]
         out = out.view(tokens, top_k, -1) * weights[..., None].to(out.dtype)
         total = out[:, 0]
         for slot in range(1, top_k):  # a fixed order per token
             total = total + out[:, slot]
         return total
+
+
+class Router(nn.Module):
+    """cfg: a family config with n_routed_experts, hidden_size, num_experts_per_tok, n_group, topk_group,
+    norm_topk_prob and routed_scaling_factor."""
+
+    def __init__(self, cfg):
+        super().__init__()
+        self.cfg = cfg
+        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
+        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [tokens, hidden] -> expert ids, weights [tokens, top_k] (float32 router, as published)."""
+        cfg = self.cfg
+        logits = linear_rows(x.float(), self.weight.float())
+        return route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
+                     cfg.norm_topk_prob, cfg.routed_scaling_factor)
+
+
+class MoE(nn.Module):
+    """The router whole on every rank; the routed and shared experts' columns split, one sum over the ranks."""
+
+    def __init__(self, cfg, moe_inner: int, tp: TensorParallel, limit: float | None = None):
+        """moe_inner: this rank's columns of each expert; limit: the swiglu clamp, if any."""
+        super().__init__()
+        self.tp = tp
+        self.gate = Router(cfg)
+        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, moe_inner, limit)
+        inner = moe_inner * cfg.n_shared_experts
+        self.shared_experts = GatedMLP(cfg.hidden_size, inner, limit=limit) if cfg.n_shared_experts else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
+        ids, weights = self.gate(flat)
+        out = self.experts(flat, ids, weights).view_as(x)
+        if self.shared_experts is not None:
+            out = out + self.shared_experts(x)
+        return self.tp.all_reduce(out)

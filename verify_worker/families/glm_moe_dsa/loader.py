@@ -115,7 +115,8 @@ def stack_experts(tensors: dict[str, torch.Tensor], cfg: GlmMoeDsaConfig) -> dic
         if extra:
             raise CheckpointError(f"unexpected tensor(s): {prefix}.{extra[0]}.*")
         experts = range(cfg.n_routed_experts)
-        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]]) for e in experts])
+        out[prefix + ".gate_up_proj"] = torch.stack([torch.cat([parts[(e, "gate")], parts[(e, "up")]])
+                                                     for e in experts])
         out[prefix + ".down_proj"] = torch.stack([parts[(e, "down")] for e in experts])
     return out
 

@@ -14,34 +14,23 @@ dense MLPs and each MoE block sum their partial outputs over the ranks.
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from shared.attention import invariant_key_length, visibility_mask
 from shared.layers import RMSNorm
 from shared.rope import inverse_frequencies
 from shared.rope_settings import RopeSettings
+from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
+from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention, interleaved_rotary, rotary_angles
-from verify_worker.families.common.moe import RoutedExperts, route
-from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
+from verify_worker.families.common.moe import MoE
+from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.common.sparse_indexer import index_scores, select_top_keys
 from verify_worker.families.glm_moe_dsa.config import INDEXER_NORM_EPS, LATENT_NORM_EPS, GlmMoeDsaConfig
 from verify_worker.families.glm_moe_dsa.shard_plan import LocalShapes, local_shapes
-from verify_worker.families.glm_moe_dsa.state import LatentCache
 from verify_worker.families.interface import StepBatch, TargetOutput
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import VocabParallelEmbedding, gather_vocab_logits
-
-
-class Linear(nn.Module):
-    """A bias-free projection computed row by row (see linear_rows); named like nn.Linear for loading."""
-
-    def __init__(self, inputs: int, outputs: int):
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(outputs, inputs))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_rows(x, self.weight)
 
 
 class Indexer(nn.Module):
@@ -112,55 +101,6 @@ class LatentAttention(nn.Module):
         return self.tp.all_reduce(self.o_proj(out)), selected
 
 
-class GatedMLP(nn.Module):
-    """inner: this rank's columns; reduce: the sum over the ranks of the partial output (None: left partial)."""
-
-    def __init__(self, hidden: int, inner: int, reduce=None):
-        super().__init__()
-        self.gate_proj, self.up_proj = Linear(hidden, inner), Linear(hidden, inner)
-        self.down_proj = Linear(inner, hidden)
-        self.reduce = reduce
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(elementwise_rows(F.silu, self.gate_proj(x)) * self.up_proj(x))
-        return out if self.reduce is None else self.reduce(out)
-
-
-class Router(nn.Module):
-    def __init__(self, cfg: GlmMoeDsaConfig):
-        super().__init__()
-        self.cfg = cfg
-        self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
-        self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
-
-    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [tokens, hidden] -> expert ids, weights [tokens, top_k] (float32 router, as published)."""
-        cfg = self.cfg
-        logits = linear_rows(x.float(), self.weight.float())
-        return route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
-                     cfg.norm_topk_prob, cfg.routed_scaling_factor)
-
-
-class MoE(nn.Module):
-    """The router whole on every rank; the routed and shared experts' columns split, one sum over the ranks."""
-
-    def __init__(self, cfg: GlmMoeDsaConfig, local: LocalShapes, tp: TensorParallel):
-        super().__init__()
-        self.tp = tp
-        self.gate = Router(cfg)
-        self.experts = RoutedExperts(cfg.n_routed_experts, cfg.hidden_size, local.moe_intermediate_size)
-        inner = local.moe_intermediate_size * cfg.n_shared_experts
-        self.shared_experts = GatedMLP(cfg.hidden_size, inner) if cfg.n_shared_experts else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        flat = x.reshape(-1, x.shape[-1])  # [tokens, hidden]
-        ids, weights = self.gate(flat)
-        out = self.experts(flat, ids, weights).view_as(x)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return self.tp.all_reduce(out)
-
-
 class DecoderLayer(nn.Module):
     def __init__(self, cfg: GlmMoeDsaConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
         super().__init__()
@@ -168,7 +108,7 @@ class DecoderLayer(nn.Module):
         self.self_attn = LatentAttention(cfg, layer_index, local, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         dense = cfg.mlp_layer_types[layer_index] == "dense"
-        self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, tp.all_reduce) if dense else MoE(cfg, local, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, tp.all_reduce) if dense else MoE(cfg, local.moe_intermediate_size, tp)
 
 
 class DecoderStack(nn.Module):
@@ -197,8 +137,8 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
     def new_state(self, num_slots: int, capacity: int) -> LatentCache:
         cfg = self.config
         indexed = [i for i, t in enumerate(cfg.indexer_types) if t == "full"]
-        return LatentCache(cfg.num_layers, indexed, num_slots, capacity, cfg.kv_lora_rank, cfg.qk_rope_head_dim,
-                           cfg.index_head_dim, self.embed_weight.dtype, self.embed_weight.device)
+        return LatentCache(range(cfg.num_layers), indexed, num_slots, capacity, cfg.kv_lora_rank,
+                           cfg.qk_rope_head_dim, cfg.index_head_dim, self.embed_weight.dtype, self.embed_weight.device)
 
     def state_bytes_per_slot(self, capacity: int) -> int:
         cfg = self.config

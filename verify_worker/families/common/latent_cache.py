@@ -1,20 +1,24 @@
-"""The per-slot caches of a glm_moe_dsa target: per layer the normalised latent and the roped key part of
-every token, per indexing layer the indexer's key. All positional (written by absolute position)."""
+"""Per-slot positional caches of MLA targets (GLM-5.2, GLM-5.3-Flash): per attention layer the normalised
+latent and the roped key part of every token, per indexing layer the indexer's key. All written by absolute
+position."""
 
 import torch
 
 
 class LatentCache:
-    def __init__(self, num_layers: int, indexed_layers: list[int], num_slots: int, capacity: int, latent_dim: int,
+    """attention_layers: the layers that attend (all of them for GLM-5.2); indexed_layers: those that run an
+    indexer (index_dim floats per token: its key, or for a pooled indexer its key and gate side by side)."""
+
+    def __init__(self, attention_layers, indexed_layers, num_slots: int, capacity: int, latent_dim: int,
                  rope_dim: int, index_dim: int, dtype: torch.dtype, device):
         self.num_slots, self.capacity = num_slots, capacity
         new = lambda dim: torch.zeros(num_slots, capacity, dim, dtype=dtype, device=device)  # noqa: E731
-        self.latents = [new(latent_dim) for _ in range(num_layers)]
-        self.key_ropes = [new(rope_dim) for _ in range(num_layers)]
+        self.latents = {layer: new(latent_dim) for layer in attention_layers}
+        self.key_ropes = {layer: new(rope_dim) for layer in attention_layers}
         self.index_keys = {layer: new(index_dim) for layer in indexed_layers}
 
     def nbytes(self) -> int:
-        tensors = self.latents + self.key_ropes + list(self.index_keys.values())
+        tensors = [*self.latents.values(), *self.key_ropes.values(), *self.index_keys.values()]
         return sum(t.numel() * t.element_size() for t in tensors)
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, latent: torch.Tensor,
