@@ -32,8 +32,10 @@ from shared.wire import WireError, decode, encode
 def load_target_head(target_path: str, dtype: torch.dtype, device: str):
     """(embedding, lm_head) of the target, read alone from its checkpoint."""
     facts = TargetFacts.from_config(read_config(target_path))
-    tensors = load_tensors(target_path, names={facts.embed_name, facts.head_name}, dtype=dtype, device=device)
-    embed = tensors[facts.embed_name]
+    tensors = load_tensors(target_path, names={*facts.embed_names, facts.head_name}, dtype=dtype, device=device)
+    embed = next((tensors[n] for n in facts.embed_names if n in tensors), None)
+    if embed is None:
+        raise DFlashError(f"{target_path!r} has no {' or '.join(facts.embed_names)}")
     head = embed if facts.tie_word_embeddings else tensors.get(facts.head_name)
     if head is None:
         raise DFlashError(f"{target_path!r} has no {facts.head_name} and does not tie its embeddings")

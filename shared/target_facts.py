@@ -14,6 +14,7 @@ TEXT_PREFIXES = {
     "Qwen3ForCausalLM": "model.",
     "LlamaForCausalLM": "model.",
     "GlmMoeDsaForCausalLM": "model.",
+    "Glm5NextForConditionalGeneration": "model.language_model.",  # multimodal; flat text-only exports: "model."
 }
 
 
@@ -49,7 +50,7 @@ class TargetFacts:
     eos_token_ids: tuple[int, ...]
     checkpoint_dtype: str
     tie_word_embeddings: bool
-    embed_name: str  # the input embedding's tensor name
+    embed_names: tuple[str, ...]  # the input embedding's tensor name, in the order to look for it
     head_name: str  # the lm_head's tensor name (absent from the checkpoint when tied)
 
     @classmethod
@@ -68,6 +69,6 @@ class TargetFacts:
             eos_token_ids=eos_ids(text) or eos_ids(config),
             checkpoint_dtype=str(dtype or "float32"),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-            embed_name=prefix + "embed_tokens.weight",
+            embed_names=tuple(dict.fromkeys((prefix + "embed_tokens.weight", "model.embed_tokens.weight"))),
             head_name="lm_head.weight",
         )

@@ -5,6 +5,7 @@ from pathlib import Path
 from typing import Callable
 
 from shared.errors import ConfigError
+from verify_worker.families.glm5_next.loader import load_glm5_next
 from verify_worker.families.glm_moe_dsa.loader import load_glm_moe_dsa
 from verify_worker.families.interface import TargetFamily
 from verify_worker.families.llama.loader import load_llama
@@ -25,6 +26,7 @@ def known_families() -> tuple[FamilyEntry, ...]:
     return (
         FamilyEntry("llama", ("Qwen3ForCausalLM", "LlamaForCausalLM"), ("qwen3", "llama"), load_llama),
         FamilyEntry("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), load_glm_moe_dsa),
+        FamilyEntry("glm5_next", ("Glm5NextForConditionalGeneration",), ("glm5_next",), load_glm5_next),
     )
 
 

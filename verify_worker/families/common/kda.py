@@ -10,16 +10,21 @@ def l2_normalize(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
     return x / torch.sqrt((x * x).sum(-1, keepdim=True) + eps)
 
 
-def delta_step(state: torch.Tensor, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
-               beta: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """One token. state [N, Dk, Dv]; q, k, decay (= exp(g)) [N, Dk]; v [N, Dv]; beta [N] -> (new state, out [N, Dv]).
+def delta_update(state: torch.Tensor, k: torch.Tensor, v: torch.Tensor, decay: torch.Tensor,
+                 beta: torch.Tensor) -> torch.Tensor:
+    """One token's update. state [N, Dk, Dv]; k, decay (= exp(g)) [N, Dk]; v [N, Dv]; beta [N].
 
-    S <- S * decay[:, None]; delta = (v - S^T k) * beta; S <- S + k delta^T; out = S^T q.
+    S <- S * decay[:, None]; delta = (v - S^T k) * beta; S <- S + k delta^T.
     """
     state = state * decay[..., None]
     remembered = torch.bmm(k[:, None], state)[:, 0]  # [N, Dv]
     delta = (v - remembered) * beta[:, None]
-    state = state + k[..., None] * delta[:, None]
+    return state + k[..., None] * delta[:, None]
+
+
+def delta_step(state, q, k, v, decay, beta) -> tuple[torch.Tensor, torch.Tensor]:
+    """delta_update, then the token's output S^T q [N, Dv] (q [N, Dk])."""
+    state = delta_update(state, k, v, decay, beta)
     return state, torch.bmm(q[:, None], state)[:, 0]
 
 

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verify_worker.families.common.kda import delta_step
+from verify_worker.families.common.kda import delta_update
 from verify_worker.families.common.latent_cache import LatentCache
 
 
@@ -58,7 +58,7 @@ class RecurrentState:
                                    ("k", "v", "decay", "beta", "raw")))
             state = self.committed[slot]
             for t in range(kept):  # the same step the forward ran, on this slot's heads alone
-                state, _ = delta_step(state, joined.k[t], joined.v[t], joined.decay[t], joined.beta[t])
+                state = delta_update(state, joined.k[t], joined.v[t], joined.decay[t], joined.beta[t])
             window = torch.cat([self.committed_window[slot], joined.raw.t().float()], -1)
             self.committed[slot] = state
             self.committed_window[slot] = window[:, -self.committed_window.shape[-1]:]

@@ -1,0 +1,226 @@
+"""GLM-5.3-Flash (glm5_next) against transformers, the oracle, on the tiny config of
+../shared/docs/glm-targets.md section 5: KDA layers, pooled DSA (index_topk 8 < the context, kpool 4, a shared
+indexer layer), mHC streams, dense-first clamped MoE, written by transformers as a multimodal checkpoint.
+
+The oracle runs with a stable torch.topk (see test_glm_moe_dsa.py). Speculative rollback is checked tensor by
+tensor: after a verify block and a commit of part of it, every KDA state and conv window equals what plain
+decoding of the kept tokens leaves.
+"""
+
+import pytest
+import torch
+from scripted_proposer import ScriptedProposer
+from test_glm_moe_dsa import stable_topk
+
+from shared.errors import ConfigError
+from verify_worker.engine import SpeculativeEngine
+from verify_worker.families.glm5_next.config import Glm5NextConfig
+from verify_worker.families.interface import StepBatch
+from verify_worker.request import GenerationRequest
+from verify_worker.target_loader import load_target
+
+TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
+            num_hidden_layers=6, num_attention_heads=2, num_key_value_heads=2,
+            q_lora_rank=24, kv_lora_rank=16, qk_rope_head_dim=0, qk_nope_head_dim=16, v_head_dim=16,
+            n_routed_experts=8, n_shared_experts=1, num_experts_per_tok=2, n_group=2, topk_group=1,
+            routed_scaling_factor=2.5, norm_topk_prob=True,
+            layer_types=["linear_attention", "deepseek_sparse_attention", "deepseek_sparse_attention",
+                         "linear_attention", "linear_attention", "deepseek_sparse_attention"],
+            indexer_types=["full", "full", "shared", "full", "full", "full"],
+            mlp_layer_types=["dense", "dense", "sparse", "sparse", "sparse", "sparse"],
+            index_topk=8, index_kpool=4, index_head_dim=16, index_n_heads=4, index_kpool_always_select_tail=True,
+            linear_attn_config={"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
+            hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, rms_norm_eps=1e-5,
+            pad_token_id=0, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False)
+VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, image_size=4, patch_size=2,
+              temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32, projection_intermediate_size=32)
+CONTEXT = 36
+
+
+def random_glm5(seed: int = 0, **overrides):
+    """transformers' Glm5NextForConditionalGeneration, every text parameter perturbed so it matters (random init
+    leaves the pooling gate, the mHC bases and the router bias at constants)."""
+    import transformers
+
+    config = transformers.Glm5NextConfig(text_config={**TEXT, **overrides}, vision_config=VISION)
+    config.text_config._attn_implementation = "eager"
+    torch.manual_seed(seed)
+    model = transformers.Glm5NextForConditionalGeneration(config).eval()
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, tensor in model.state_dict().items():
+            noise = torch.randn(tensor.shape, generator=generator)
+            if "visual" in name:
+                continue
+            if name.endswith("norm.weight"):
+                tensor.copy_(1 + 0.1 * noise)
+            elif name.endswith(("hc.scale",)):
+                tensor.copy_(1 + 0.2 * noise)
+            elif name.endswith(("e_score_correction_bias", "k_norm.bias", "hc.base", "compress_ape", "dt_bias")):
+                tensor.copy_(0.5 * noise)
+            elif name.endswith("A_log"):
+                tensor.copy_(0.3 * noise)
+            else:
+                tensor.copy_(0.2 * noise)
+    return model
+
+
+@pytest.fixture(scope="module")
+def glm5(tmp_path_factory):
+    folder = tmp_path_factory.mktemp("glm5_next")
+    hf = random_glm5()
+    hf.save_pretrained(folder)
+    return hf, load_target(folder), folder
+
+
+def prompt_ids(length: int, seed: int) -> torch.Tensor:
+    return torch.randint(0, TEXT["vocab_size"], (1, length), generator=torch.Generator().manual_seed(seed))
+
+
+def hf_logits(hf, ids: torch.Tensor) -> torch.Tensor:
+    with torch.no_grad(), stable_topk():
+        return hf(input_ids=ids).logits.float()
+
+
+def run(target, state, ids, start, slot, taps=(), lengths=None):
+    positions = torch.arange(start, start + ids.shape[1])[None].expand(ids.shape[0], -1)
+    return target.step(StepBatch(ids, positions, torch.as_tensor(slot).reshape(-1), lengths), state, taps)
+
+
+def test_config_reads_the_published_spellings():
+    cfg = Glm5NextConfig.from_dict({"architectures": ["Glm5NextForConditionalGeneration"], "text_config": TEXT})
+    assert cfg.layer_types == ("linear", "indexed", "indexed", "linear", "linear", "indexed")
+    assert (cfg.linear_num_heads, cfg.linear_head_dim, cfg.conv_kernel, cfg.gate_lower_bound) == (2, 16, 4, -5.0)
+    default = Glm5NextConfig.from_dict({**TEXT, "layer_types": None, "indexer_types": None, "mlp_layer_types": None,
+                                       "num_hidden_layers": 45})
+    assert default.layer_types.count("linear") == 34 and default.layer_types[3::4] == ("indexed",) * 11
+    with pytest.raises(ConfigError, match="layer 5's indexer is 'shared' but layer 4 is not a full indexed layer"):
+        Glm5NextConfig.from_dict({**TEXT, "indexer_types": ["full", "full", "shared", "full", "full", "shared"]})
+    with pytest.raises(ConfigError, match="qk_rope_head_dim 8"):
+        Glm5NextConfig.from_dict({**TEXT, "qk_rope_head_dim": 8})
+
+
+def test_prefill_and_taps_match_transformers(glm5):
+    hf, target, _ = glm5
+    ids = prompt_ids(CONTEXT, 1)
+    out = run(target, target.new_state(1, 64), ids, 0, 0, taps=(1, 4, 5))
+    with torch.no_grad(), stable_topk():
+        ref = hf(input_ids=ids, output_hidden_states=True)
+        captured = {}
+        hook = hf.model.language_model.norm.register_forward_pre_hook(lambda _, args: captured.update(x=args[0]))
+        hf(input_ids=ids)
+        hook.remove()
+    assert (target.logits(out.hidden) - ref.logits).abs().max() < 1e-4
+    taps = out.taps.view(1, CONTEXT, 3, TEXT["hidden_size"])
+    streams = ref.hidden_states  # [b, s, N, D] per layer output (the last one is normed)
+    assert (taps[:, :, 0] - streams[2].mean(2)).abs().max() < 1e-4  # tap i = layer i's output, streams averaged
+    assert (taps[:, :, 1] - streams[5].mean(2)).abs().max() < 1e-4
+    assert (taps[:, :, 2] - captured["x"]).abs().max() < 1e-4  # the final layer: the pre-norm mean
+
+
+def test_decode_after_prefill_matches_transformers(glm5):
+    hf, target, _ = glm5
+    ids = prompt_ids(CONTEXT, 2)
+    want = hf_logits(hf, ids)[0]
+    state = target.new_state(2, 64)
+    run(target, state, ids[:, :20], 0, 1)
+    target.commit(state, torch.tensor([1]), torch.tensor([20]))
+    for position in range(20, CONTEXT):
+        out = run(target, state, ids[:, position: position + 1], position, 1)
+        target.commit(state, torch.tensor([1]), torch.tensor([1]))
+        assert (target.logits(out.hidden)[0, 0] - want[position]).abs().max() < 1e-4, position
+
+
+def kda_tensors(state, slot: int) -> list[torch.Tensor]:
+    return [t[slot] for layer in sorted(state.recurrent) for t in
+            (state.recurrent[layer].committed, state.recurrent[layer].committed_window)]
+
+
+def test_verify_equals_decode_and_a_commit_leaves_plain_decodings_state(glm5):
+    """A block of 8 (its later drafts wrong), beside a neighbour row of another length, equals 8 one-token steps
+    bit for bit; committing 3 of it leaves the KDA states of plain decoding of those 3, tensor by tensor; the
+    next steps then give transformers' logits of the true sequence."""
+    hf, target, _ = glm5
+    ids, other = prompt_ids(CONTEXT, 3), prompt_ids(CONTEXT, 4)
+    context, taps = 24, (0, 2)
+    state = target.new_state(3, 64)
+    for slot, seq in ((0, ids), (1, ids), (2, other)):
+        run(target, state, seq[:, :context], 0, slot)
+        target.commit(state, torch.tensor([slot]), torch.tensor([context]))
+    block = ids[:, context: context + 8].clone()
+    block[0, 3:] = (block[0, 3:] + 1) % TEXT["vocab_size"]
+    steps = []
+    for i in range(8):  # slot 0: plain one-token decoding of the same (wrong) tokens
+        steps.append(run(target, state, block[:, i: i + 1], context + i, 0, taps))
+        target.commit(state, torch.tensor([0]), torch.tensor([1]))
+        if i == 2:
+            after_three = [t.clone() for t in kda_tensors(state, 0)]
+    rows = torch.cat([block, torch.cat([other[:, context: context + 5], torch.zeros(1, 3, dtype=torch.long)], 1)])
+    positions = torch.stack([torch.arange(context, context + 8), torch.arange(context, context + 8)])
+    verify = target.step(StepBatch(rows, positions, torch.tensor([1, 2]), torch.tensor([8, 5])), state, taps)
+    one_by_one = torch.cat([s.hidden for s in steps], 1)
+    assert torch.equal(verify.hidden[:1], one_by_one)
+    assert torch.equal(verify.taps[:1], torch.cat([s.taps for s in steps], 1))
+    target.commit(state, torch.tensor([1, 2]), torch.tensor([3, 5]))
+    for got, want in zip(kda_tensors(state, 1), after_three):
+        assert torch.equal(got, want)
+    want_logits = hf_logits(hf, ids)[0]
+    assert (target.logits(verify.hidden[0, :3]) - want_logits[context: context + 3]).abs().max() < 1e-4
+    for position in range(context + 3, CONTEXT):
+        out = run(target, state, ids[:, position: position + 1], position, 1)
+        target.commit(state, torch.tensor([1]), torch.tensor([1]))
+        assert (target.logits(out.hidden)[0, 0] - want_logits[position]).abs().max() < 1e-4, position
+
+
+def test_a_commit_of_nothing_and_a_reset_restore_the_slot(glm5):
+    _, target, _ = glm5
+    ids = prompt_ids(20, 5)
+    state = target.new_state(1, 64)
+    run(target, state, ids[:, :12], 0, 0)
+    target.commit(state, torch.tensor([0]), torch.tensor([12]))
+    before = [t.clone() for t in kda_tensors(state, 0)]
+    run(target, state, ids[:, 12:], 12, 0)
+    target.commit(state, torch.tensor([0]), torch.tensor([0]))  # an undone step
+    assert all(torch.equal(a, b) for a, b in zip(kda_tensors(state, 0), before))
+    target.reset(state, 0)
+    assert all(not t.any() for t in kda_tensors(state, 0))
+
+
+def test_speculative_greedy_equals_plain_and_transformers(glm5):
+    hf, target, _ = glm5
+    prompts = [prompt_ids(n, 10 + n)[0].tolist() for n in (2, 9, 17, 26, 31)]
+    new_tokens = 64
+    requests = [GenerationRequest(tuple(p), new_tokens, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    plain = SpeculativeEngine(target, None, max_requests=5, max_model_len=128).generate(requests)
+    for prompt, result in zip(prompts[:2], plain[:2]):  # transformers' generate is slow: two prompts
+        with torch.no_grad(), stable_topk():
+            out = hf.generate(input_ids=torch.tensor([prompt]), max_new_tokens=new_tokens, min_new_tokens=new_tokens,
+                              do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
+        assert result.token_ids == out[0, len(prompt):].tolist()
+    sequences = {r.request_id: list(r.prompt_ids) + p.token_ids for r, p in zip(requests, plain)}
+    proposer = ScriptedProposer(sequences, block_size=8, num_layers=TEXT["num_hidden_layers"])
+    spec = SpeculativeEngine(target, proposer, max_requests=5, max_model_len=128).generate(requests)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    steps = sum(r.stats.verify_steps for r in spec)
+    assert sum(r.stats.committed_tokens for r in spec) / steps > 2  # drafts were accepted, and rejected
+
+
+def test_a_random_dflash2_drafter_attaches_and_stays_lossless(glm5):
+    from conftest import tiny_draft_config
+
+    from draft_worker.draft_checkpoint import random_drafter
+    from draft_worker.local_proposer import LocalProposer
+    from shared.draft_config import DFlash2Settings
+
+    _, target, _ = glm5
+    drafter = random_drafter(tiny_draft_config(
+        target_layers=TEXT["num_hidden_layers"], hidden=32, target_layer_ids=(1, 3, 5), block_size=8,
+        dflash2=DFlash2Settings(conv_group_size=8, selector_rank=8, selector_top_k=4)), seed=4, std=0.2)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=8, max_requests=5,
+                             max_model_len=128)
+    prompts = [prompt_ids(n, 40 + n)[0].tolist() for n in (3, 11, 19, 27, 33)]
+    requests = [GenerationRequest(tuple(p), 64) for p in prompts]
+    plain = SpeculativeEngine(target, None, max_requests=5, max_model_len=128).generate(requests)
+    spec = SpeculativeEngine(target, proposer, max_requests=5, max_model_len=128).generate(requests)
+    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+    assert sum(r.stats.draft_tokens for r in spec) > 0

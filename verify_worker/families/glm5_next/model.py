@@ -1,0 +1,271 @@
+"""GLM-5.3-Flash's text model (transformers `Glm5NextTextModel`): KDA linear attention with exact speculative
+rollback, MLA without RoPE behind a pooled DSA indexer, mHC residual streams, SwiGLU-clamped MoE. Our own
+code, transformers as the test oracle (tests/test_glm5_next.py).
+
+Verify == decode by construction: a verify block goes through the same token-by-token KDA step as one-token
+decoding (transformers runs multi-token calls through its chunked form instead), and, as in the GLM-5.2 family,
+every token row is computed on its own (one-row products, fixed-order sums over streams, stable top-k). Prefill
+uses the recurrent step too: correct, and slow for long prompts (a chunked prefill is not built yet). Written
+for correctness on small checkpoints, like the GLM-5.2 family.
+"""
+
+import torch
+from torch import nn
+from torch.nn import functional as F
+
+from shared.attention import invariant_key_length
+from shared.errors import ConfigError
+from shared.layers import RMSNorm
+from verify_worker.families.common.dense import GatedMLP, Linear
+from verify_worker.families.common.embedding_head import EmbeddingHead
+from verify_worker.families.common.hyper_connection import HyperConnection, expand, stream_mean
+from verify_worker.families.common.kda import causal_conv, delta_step, l2_normalize
+from verify_worker.families.common.latent_cache import LatentCache
+from verify_worker.families.common.mla import absorbed_attention
+from verify_worker.families.common.moe import MoE
+from verify_worker.families.common.pooled_indexer import pool_keys, select_pooled
+from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
+from verify_worker.families.glm5_next.config import Glm5NextConfig
+from verify_worker.families.glm5_next.state import Glm5NextState, RecurrentState, TokenInputs
+from verify_worker.families.interface import StepBatch, TargetOutput
+from verify_worker.parallel.group import TensorParallel
+
+INDEXER_NORM_EPS = 1e-6
+
+
+class ConvWeight(nn.Module):
+    """One of q/k/v's depthwise conv kernels, [channels, 1, kernel] float32 (the checkpoint's q_conv1d etc.)."""
+
+    def __init__(self, channels: int, kernel: int):
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(channels, 1, kernel, dtype=torch.float32))
+
+
+class KdaAttention(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig):
+        super().__init__()
+        self.heads, self.dim, self.eps = cfg.linear_num_heads, cfg.linear_head_dim, cfg.rms_norm_eps
+        h, inner, dim = cfg.hidden_size, cfg.linear_dim, cfg.linear_head_dim
+        self.q_proj, self.k_proj, self.v_proj = Linear(h, inner), Linear(h, inner), Linear(h, inner)
+        self.q_conv1d, self.k_conv1d = ConvWeight(inner, cfg.conv_kernel), ConvWeight(inner, cfg.conv_kernel)
+        self.v_conv1d = ConvWeight(inner, cfg.conv_kernel)
+        self.f_a_proj, self.f_b_proj = Linear(h, dim), Linear(dim, inner)
+        self.dt_bias = nn.Parameter(torch.empty(inner, dtype=torch.float32))
+        self.A_log = nn.Parameter(torch.empty(self.heads, dtype=torch.float32))
+        self.b_proj = Linear(h, self.heads)
+        self.g_a_proj, self.g_b_proj = Linear(h, dim), Linear(dim, inner)
+        self.o_norm = RMSNorm(dim, cfg.rms_norm_eps)  # its weight; the gated norm is computed below
+        self.o_proj = Linear(inner, h)
+        self.lower_bound = cfg.gate_lower_bound
+
+    def log_decay(self, x: torch.Tensor) -> torch.Tensor:
+        """The forget gate g [b, s, heads, dim] (float32): lb * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))."""
+        batch, seq, _ = x.shape
+        g = (self.f_b_proj(self.f_a_proj(x)).float() + self.dt_bias.float()).view(batch, seq, self.heads, self.dim)
+        rate = elementwise_rows(torch.exp, self.A_log.float()[None])[0][:, None]  # [heads, 1]
+        if self.lower_bound is not None:
+            return self.lower_bound * elementwise_rows(torch.sigmoid, rate * g)
+        softplus = torch.where(g > 20.0, g, elementwise_rows(torch.log1p, elementwise_rows(torch.exp, g)))
+        return -rate * softplus
+
+    def forward(self, x: torch.Tensor, state: RecurrentState, slots: torch.Tensor, lengths: torch.Tensor):
+        """x [b, s, hidden] -> [b, s, hidden]. Starts each row from its slot's tip, leaves the tip after the row's
+        real tokens, and records their recurrence inputs for the commit."""
+        batch, seq, _ = x.shape
+        heads, dim = self.heads, self.dim
+        raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [b, s, 3 * inner]
+        kernel = torch.cat([self.q_conv1d.weight, self.k_conv1d.weight, self.v_conv1d.weight])[:, 0]  # [C, K]
+        window = state.tip_window[slots]  # [b, C, K-1]
+        mixed = elementwise_rows(F.silu, causal_conv(window, raw, kernel))  # [b, s, C] float32
+        q, k, v = (part.reshape(batch, seq, heads, dim) for part in mixed.split(heads * dim, -1))
+        q = l2_normalize(q) * dim**-0.5
+        k = l2_normalize(k)
+        decay = elementwise_rows(torch.exp, self.log_decay(x))  # [b, s, heads, dim]
+        beta = elementwise_rows(torch.sigmoid, self.b_proj(x).float())  # [b, s, heads]
+        current = state.tip[slots].reshape(batch * heads, dim, dim)  # [b * heads, dk, dv]
+        live = torch.arange(seq, device=x.device)[None] < lengths[:, None]  # [b, s]
+        outputs = []
+        for t in range(seq):
+            stepped, out = delta_step(current, q[:, t].reshape(-1, dim), k[:, t].reshape(-1, dim),
+                                      v[:, t].reshape(-1, dim), decay[:, t].reshape(-1, dim), beta[:, t].reshape(-1))
+            current = torch.where(live[:, t].repeat_interleave(heads)[:, None, None], stepped, current)
+            outputs.append(out.view(batch, heads, dim))
+        state.tip[slots] = current.view(batch, heads, dim, dim)
+        for row, slot in enumerate(slots.tolist()):
+            n = int(lengths[row])
+            series = torch.cat([window[row], raw[row, :n].t().float()], -1)  # [C, K-1+n]
+            state.tip_window[slot] = series[:, -window.shape[-1]:]
+            state.record(slot, TokenInputs(k[row, :n], v[row, :n], decay[row, :n], beta[row, :n], raw[row, :n]))
+        out = torch.stack(outputs, 1)  # [b, s, heads, dv]
+        gate = self.g_b_proj(self.g_a_proj(x)).view(batch, seq, heads, dim).float()
+        normed = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
+        normed = normed * elementwise_rows(torch.sigmoid, gate)
+        return self.o_proj(normed.to(x.dtype).reshape(batch, seq, -1))
+
+
+class PooledIndexer(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig):
+        super().__init__()
+        self.heads, self.dim, self.kpool = cfg.index_n_heads, cfg.index_head_dim, cfg.index_kpool
+        self.top_pools, self.tail = cfg.index_topk // cfg.index_kpool, cfg.always_select_tail
+        self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.dim)
+        self.wk = Linear(cfg.hidden_size, self.dim)
+        self.k_norm = nn.LayerNorm(self.dim, eps=INDEXER_NORM_EPS)
+        self.weights_proj = Linear(cfg.hidden_size, self.heads)
+        self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, self.dim))
+        self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.dim, cfg.hidden_size))
+
+    def entries(self, x: torch.Tensor) -> torch.Tensor:
+        """x [b, s, hidden] -> what the cache keeps per token [b, s, 2 * dim]: the key, then the pooling gate."""
+        return torch.cat([self.k_norm(self.wk(x)), linear_rows(x, self.index_kpool_compress_gate)], -1)
+
+    def select(self, x, q_resid, cached: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """cached [b, T, 2 * dim] -> the keys each query attends to [b, s, T] (bool)."""
+        batch, seq, _ = x.shape
+        total = cached.shape[1]
+        whole = total - total % self.kpool
+        pooled = pool_keys(cached[:, :whole, : self.dim], cached[:, :whole, self.dim:], self.index_kpool_compress_ape)
+        q = self.wq_b(q_resid).view(batch, seq, self.heads, self.dim)
+        weights = self.weights_proj(x).float() * self.heads**-0.5
+        return select_pooled(q, pooled, weights, positions, self.kpool, self.top_pools, total, self.tail)
+
+
+class NopeLatentAttention(nn.Module):
+    """MLA without a rotary part: keys and values come from the normalised latent alone."""
+
+    def __init__(self, cfg: Glm5NextConfig, layer_index: int):
+        super().__init__()
+        self.cfg, self.layer_index = cfg, layer_index
+        heads = cfg.num_heads
+        self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
+        self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
+        self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_nope_head_dim)
+        self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank)
+        self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size)
+        self.indexer = PooledIndexer(cfg) if cfg.indexer_types[layer_index] == "full" else None
+
+    def forward(self, x, cache: LatentCache, slots, positions, kv_len, selected):
+        cfg = self.cfg
+        batch, seq, _ = x.shape
+        q_resid = self.q_a_layernorm(self.q_a_proj(x))
+        q = self.q_b_proj(q_resid).view(batch, seq, cfg.num_heads, cfg.qk_nope_head_dim)
+        latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [b, s, kv_lora]
+        no_rope = latent[..., :0]
+        entries = self.indexer.entries(x) if self.indexer is not None else None
+        cache.write(self.layer_index, slots, positions, latent, no_rope, entries)
+        latents, key_ropes, cached = cache.read(self.layer_index, slots, kv_len)
+        if self.indexer is not None:
+            selected = self.indexer.select(x, q_resid, cached, positions)
+        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        out = absorbed_attention(q, q[..., :0], latents, key_ropes, w[:, : cfg.qk_nope_head_dim],
+                                 w[:, cfg.qk_nope_head_dim:], selected, cfg.qk_nope_head_dim**-0.5)
+        return self.o_proj(out), selected
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig, layer_index: int):
+        super().__init__()
+        self.linear = cfg.layer_types[layer_index] == "linear"
+        hc = dict(streams=cfg.hc_mult, hidden=cfg.hidden_size, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
+                  norm_eps=cfg.rms_norm_eps)
+        self.attn_hc, self.ffn_hc = HyperConnection(**hc), HyperConnection(**hc)
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = KdaAttention(cfg) if self.linear else NopeLatentAttention(cfg, layer_index)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        limit = cfg.swiglu_limit
+        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, limit=limit) \
+            if cfg.mlp_layer_types[layer_index] == "dense" else MoE(cfg, cfg.moe_intermediate_size, TensorParallel(),
+                                                                    limit)
+
+
+class DecoderStack(nn.Module):
+    def __init__(self, cfg: Glm5NextConfig):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+
+
+class Glm5NextModel(EmbeddingHead, nn.Module):
+    """The family interface (verify_worker/families/interface.py); its commit restores KDA states exactly."""
+
+    commits_state = True
+
+    def __init__(self, cfg: Glm5NextConfig, tp: TensorParallel = TensorParallel()):
+        super().__init__()
+        if tp.parallel:
+            raise ConfigError("glm5_next targets do not run tensor-parallel yet (--tp 1)")
+        self.config, self.tp = cfg, tp
+        self.model = DecoderStack(cfg)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+
+    def _attention_layers(self) -> tuple[list[int], list[int]]:
+        cfg = self.config
+        attention = [i for i, t in enumerate(cfg.layer_types) if t == "indexed"]
+        return attention, [i for i in attention if cfg.indexer_types[i] == "full"]
+
+    def new_state(self, num_slots: int, capacity: int) -> Glm5NextState:
+        cfg, device = self.config, self.embed_weight.device
+        attention, indexed = self._attention_layers()
+        latent = LatentCache(attention, indexed, num_slots, capacity, cfg.kv_lora_rank, 0, 2 * cfg.index_head_dim,
+                             self.embed_weight.dtype, device)
+        recurrent = {i: RecurrentState(num_slots, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim,
+                                       3 * cfg.linear_dim, cfg.conv_kernel, device)
+                     for i, t in enumerate(cfg.layer_types) if t == "linear"}
+        return Glm5NextState(latent, recurrent)
+
+    def state_bytes_per_slot(self, capacity: int) -> int:
+        """The caches per request: latent and indexer entries per position, and two KDA states and conv windows
+        per KDA layer (whatever the block size; the pending tokens' inputs come on top during a step)."""
+        cfg = self.config
+        attention, indexed = self._attention_layers()
+        per_position = (len(attention) * cfg.kv_lora_rank + len(indexed) * 2 * cfg.index_head_dim) * \
+            self.embed_weight.element_size()
+        kda_layers = cfg.layer_types.count("linear")
+        per_kda = 2 * 4 * (cfg.linear_num_heads * cfg.linear_head_dim**2 + 3 * cfg.linear_dim * (cfg.conv_kernel - 1))
+        return per_position * capacity + kda_layers * per_kda
+
+    def step(self, batch: StepBatch, state: Glm5NextState, taps: tuple[int, ...] = ()) -> TargetOutput:
+        lengths = batch.lengths if batch.lengths is not None else \
+            torch.full((batch.input_ids.shape[0],), batch.input_ids.shape[1], device=batch.input_ids.device)
+        return self(batch.input_ids, batch.positions, state, batch.slots, taps, lengths)
+
+    def forward(self, input_ids, positions, state: Glm5NextState, slots, tap_layers=(), lengths=None) -> TargetOutput:
+        if lengths is None:
+            lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], device=input_ids.device)
+        kv_len = invariant_key_length(int(positions.max()) + 1, state.capacity)
+        x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
+        streams = x[:, :, None].expand(-1, -1, self.config.hc_mult, -1).contiguous()  # [b, s, N, hidden]
+        taps, selected = {}, None
+        for index, layer in enumerate(self.model.layers):
+            post, comb, h = layer.attn_hc(streams)
+            h = layer.input_layernorm(h)
+            if layer.linear:
+                h = layer.self_attn(h, state.recurrent[index], slots, lengths)
+                selected = None
+            else:
+                h, selected = layer.self_attn(h, state.latent, slots, positions, kv_len, selected)
+            streams = expand(post, comb, h, streams)
+            post, comb, h = layer.ffn_hc(streams)
+            streams = expand(post, comb, layer.mlp(layer.post_attention_layernorm(h)), streams)
+            if index in tap_layers:
+                taps[index] = stream_mean(streams)
+        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
+        return TargetOutput(hidden=self.model.norm(stream_mean(streams)), taps=tapped)
+
+    def commit(self, state: Glm5NextState, slots: torch.Tensor, kept: torch.Tensor) -> None:
+        for slot, n in zip(slots.tolist(), kept.tolist()):
+            for recurrent in state.recurrent.values():
+                recurrent.commit(slot, n)
+
+    def reset(self, state: Glm5NextState, slot: int) -> None:
+        for recurrent in state.recurrent.values():
+            recurrent.reset(slot)
+
+    def logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return linear_rows(hidden, self.lm_head_weight).float()
+
+    def pack(self, layout: str | None = "auto") -> "Glm5NextModel":
+        return self
