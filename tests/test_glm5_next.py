@@ -31,7 +31,8 @@ TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermedia
             index_topk=8, index_kpool=4, index_head_dim=16, index_n_heads=4, index_kpool_always_select_tail=True,
             linear_attn_config={"num_heads": 2, "head_dim": 16, "short_conv_kernel_size": 4, "gate_lower_bound": -5.0},
             hc_mult=4, hc_sinkhorn_iters=20, hc_eps=1e-6, swiglu_limit=10.0, rms_norm_eps=1e-5,
-            pad_token_id=0, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False)
+            pad_token_id=0, eos_token_id=None, bos_token_id=None, tie_word_embeddings=False,
+            max_position_embeddings=256)
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, image_size=4, patch_size=2,
               temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32, projection_intermediate_size=32)
 CONTEXT = 36
@@ -224,3 +225,68 @@ def test_a_random_dflash2_drafter_attaches_and_stays_lossless(glm5):
     spec = SpeculativeEngine(target, proposer, max_requests=5, max_model_len=128).generate(requests)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert sum(r.stats.draft_tokens for r in spec) > 0
+
+
+def test_a_dflash2_drafter_shaped_like_the_published_one_loads_against_a_tiny_target(tmp_path):
+    """GLM-5.3-Flash's published DFlash 2 drafter: block 8, taps [5, 14, 24, 33, 42] of 45 layers. A tiny 45-layer
+    target (KDA everywhere but every fourth layer, as published) takes it: the engine checks the layer count and
+    the taps, and greedy speculative decoding equals plain decoding."""
+    from conftest import tiny_draft_config
+
+    from draft_worker.draft_checkpoint import load_drafter, random_drafter, save_drafter
+    from draft_worker.local_proposer import LocalProposer
+    from shared.draft_config import DFlash2Settings
+
+    random_glm5(seed=6, num_hidden_layers=45, layer_types=None, indexer_types=None, mlp_layer_types=None,
+                n_routed_experts=4, n_group=1).save_pretrained(tmp_path / "target")
+    target = load_target(tmp_path / "target")
+    assert target.config.layer_types.count("linear") == 34
+    draft = tiny_draft_config(target_layers=45, hidden=32, target_layer_ids=(5, 14, 24, 33, 42), block_size=8,
+                              dflash2=DFlash2Settings())
+    save_drafter(random_drafter(draft, seed=2, std=0.2), tmp_path / "draft")
+    drafter = load_drafter(tmp_path / "draft")
+    assert (drafter.config.target_layer_ids, drafter.config.block_size) == ((5, 14, 24, 33, 42), 8)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=1, max_model_len=64)
+    request = [GenerationRequest(tuple(prompt_ids(9, 7)[0].tolist()), 6)]
+    plain = SpeculativeEngine(target, None, max_requests=1, max_model_len=64).generate(request)
+    assert SpeculativeEngine(target, proposer, max_requests=1, max_model_len=64).generate(request)[0].token_ids == \
+        plain[0].token_ids
+
+
+def test_dflash_serve_serves_sixteen_streams_each_as_served_alone(tmp_path):
+    """The whole product on a GLM-5.3-Flash checkpoint with a DFlash 2 drafter and default flags; the start-up
+    line reports the state per request (two KDA states per KDA layer, whatever the block size)."""
+    import json
+    from concurrent.futures import ThreadPoolExecutor
+
+    from conftest import tiny_draft_config
+    from server_harness import CHAT_TEMPLATE, Server
+    from test_server_faults import completion_tokens, stream_tokens
+
+    from draft_worker.draft_checkpoint import random_drafter, save_drafter
+    from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
+    from shared.draft_config import DFlash2Settings
+
+    target_dir, draft_dir = tmp_path / "target", tmp_path / "draft"
+    random_glm5(seed=5, vocab_size=258, eos_token_id=256).save_pretrained(target_dir)
+    write_byte_tokenizer(target_dir)
+    (target_dir / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT,
+                                                                  "chat_template": CHAT_TEMPLATE}))
+    save_drafter(random_drafter(tiny_draft_config(
+        target_layers=TEXT["num_hidden_layers"], vocab=258, hidden=32, target_layer_ids=(1, 3, 5), block_size=8,
+        dflash2=DFlash2Settings(conv_group_size=8, selector_rank=8, selector_top_k=4)), seed=3, std=0.2), draft_dir)
+    server = Server(target_dir, draft_dir, log_dir=tmp_path)
+    prompts = [f"def f{i}(x):" + " y" * i for i in range(16)]
+    try:
+        server.wait_ready()
+        alone = [completion_tokens(server.url, p, 10, ignore_eos=True)["choices"][0]["token_ids"] for p in prompts]
+        with ThreadPoolExecutor(16) as pool:
+            together = list(pool.map(lambda p: stream_tokens(server.url, p, 10, ignore_eos=True), prompts))
+        for want, (got, error, done) in zip(alone, together):
+            assert error is None and done and got == want and len(got) == 10
+        target = load_target(target_dir)
+        capacity = target.config.max_position_embeddings + 8
+        per_request = target.state_bytes_per_slot(capacity)
+        assert f"{per_request / 2**20:.1f} MiB per request" in server.stderr_path.read_text()
+    finally:
+        assert server.stop() == 0

@@ -24,11 +24,12 @@ def models(tmp_path_factory):
     return (*write_server_models(root), root)
 
 
-def stream_tokens(url, prompt, max_tokens, started: threading.Event | None = None, timeout=120, times=None):
+def stream_tokens(url, prompt, max_tokens, started: threading.Event | None = None, timeout=120, times=None,
+                  **extra):
     """Greedy stream; returns (token ids, the error body if the stream ended with one, saw [DONE]). With a
-    list `times`, the arrival time of every chunk that carried tokens is appended to it."""
+    list `times`, the arrival time of every chunk that carried tokens is appended to it; extra: more body fields."""
     body = {"model": "tiny", "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "stream": True,
-            "return_token_ids": True}
+            "return_token_ids": True, **extra}
     tokens, error, done = [], None, False
     with httpx.stream("POST", f"{url}/v1/completions", json=body, timeout=timeout) as response:
         assert response.status_code == 200, response.read()

@@ -91,11 +91,10 @@ class KdaAttention(nn.Module):
             current = torch.where(live[:, t].repeat_interleave(heads)[:, None, None], stepped, current)
             outputs.append(out.view(batch, heads, dim))
         state.tip[slots] = current.view(batch, heads, dim, dim)
-        for row, slot in enumerate(slots.tolist()):
-            n = int(lengths[row])
-            series = torch.cat([window[row], raw[row, :n].t().float()], -1)  # [C, K-1+n]
-            state.tip_window[slot] = series[:, -window.shape[-1]:]
-            state.record(slot, TokenInputs(k[row, :n], v[row, :n], decay[row, :n], beta[row, :n], raw[row, :n]))
+        series = torch.cat([window, raw.transpose(1, 2).float()], -1)  # [b, C, K-1+s]
+        take = lengths[:, None] + torch.arange(window.shape[-1], device=x.device)  # the last K-1 real inputs
+        state.tip_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
+        state.record(slots.tolist(), lengths.tolist(), TokenInputs(k, v, decay, beta, raw))
         out = torch.stack(outputs, 1)  # [b, s, heads, dv]
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, seq, heads, dim).float()
         normed = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
@@ -256,9 +255,9 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         return TargetOutput(hidden=self.model.norm(stream_mean(streams)), taps=tapped)
 
     def commit(self, state: Glm5NextState, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        for slot, n in zip(slots.tolist(), kept.tolist()):
-            for recurrent in state.recurrent.values():
-                recurrent.commit(slot, n)
+        slots, kept = slots.tolist(), kept.tolist()
+        for recurrent in state.recurrent.values():
+            recurrent.commit(slots, kept)
 
     def reset(self, state: Glm5NextState, slot: int) -> None:
         for recurrent in state.recurrent.values():

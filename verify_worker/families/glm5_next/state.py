@@ -19,13 +19,13 @@ from verify_worker.families.common.latent_cache import LatentCache
 
 @dataclass
 class TokenInputs:
-    """The recurrence inputs of some tokens of one slot in one KDA layer (n tokens)."""
+    """The recurrence inputs of a step's rows in one KDA layer ([b, s, ...]; row r's first n tokens are real)."""
 
-    k: torch.Tensor  # [n, heads, dk] (normalised)
-    v: torch.Tensor  # [n, heads, dv]
-    decay: torch.Tensor  # [n, heads, dk]: exp(g)
-    beta: torch.Tensor  # [n, heads]
-    raw: torch.Tensor  # [n, conv channels]: the conv's inputs
+    k: torch.Tensor  # [b, s, heads, dk] (normalised)
+    v: torch.Tensor  # [b, s, heads, dv]
+    decay: torch.Tensor  # [b, s, heads, dk]: exp(g)
+    beta: torch.Tensor  # [b, s, heads]
+    raw: torch.Tensor  # [b, s, conv channels]: the conv's inputs
 
 
 class RecurrentState:
@@ -37,32 +37,71 @@ class RecurrentState:
         self.tip = torch.zeros(num_slots, heads, dk, dv, **f32)
         self.committed_window = torch.zeros(num_slots, channels, kernel - 1, **f32)
         self.tip_window = torch.zeros(num_slots, channels, kernel - 1, **f32)
-        self.pending: dict[int, list[TokenInputs]] = {}
+        self.pending: dict[int, list[tuple[TokenInputs, int, int]]] = {}  # slot -> (inputs, row, real tokens)
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.committed, self.tip, self.committed_window, self.tip_window]
 
-    def record(self, slot: int, inputs: TokenInputs) -> None:
-        self.pending.setdefault(slot, []).append(inputs)
+    def record(self, slots: list[int], lengths: list[int], inputs: TokenInputs) -> None:
+        for row, (slot, n) in enumerate(zip(slots, lengths)):
+            self.pending.setdefault(slot, []).append((inputs, row, n))
 
-    def commit(self, slot: int, kept: int) -> None:
-        records = self.pending.pop(slot, [])
-        total = sum(r.k.shape[0] for r in records)
-        if kept > total:
-            raise ValueError(f"slot {slot} keeps {kept} tokens but {total} are pending")
-        if kept == total:
-            self.committed[slot], self.committed_window[slot] = self.tip[slot], self.tip_window[slot]
-            return
-        if kept:
-            joined = TokenInputs(*(torch.cat([getattr(r, f) for r in records])[:kept] for f in
-                                   ("k", "v", "decay", "beta", "raw")))
-            state = self.committed[slot]
-            for t in range(kept):  # the same step the forward ran, on this slot's heads alone
-                state = delta_update(state, joined.k[t], joined.v[t], joined.decay[t], joined.beta[t])
-            window = torch.cat([self.committed_window[slot], joined.raw.t().float()], -1)
-            self.committed[slot] = state
-            self.committed_window[slot] = window[:, -self.committed_window.shape[-1]:]
-        self.tip[slot], self.tip_window[slot] = self.committed[slot], self.committed_window[slot]
+    def commit(self, slots: list[int], kept: list[int]) -> None:
+        """Each slot keeps its first kept pending tokens: the tip when all are kept, the committed state when none
+        are, else the committed state with the kept prefix replayed through the same update the forward ran
+        (all such slots in one batched replay)."""
+        adopt, drop, partial = [], [], []
+        for slot, n in zip(slots, kept):
+            records = self.pending.pop(slot, [])
+            total = sum(count for _, _, count in records)
+            if n > total:
+                raise ValueError(f"slot {slot} keeps {n} tokens but {total} are pending")
+            if n == total:
+                adopt.append(slot)
+            else:
+                drop.append(slot)
+                if n:
+                    partial.append((slot, records, n))
+        if partial:
+            self._replay(partial)
+        if adopt:
+            index = torch.tensor(adopt, device=self.tip.device)
+            self.committed[index], self.committed_window[index] = self.tip[index], self.tip_window[index]
+        if drop:
+            index = torch.tensor(drop, device=self.tip.device)
+            self.tip[index], self.tip_window[index] = self.committed[index], self.committed_window[index]
+
+    def _replay(self, partial: list[tuple[int, list[tuple[TokenInputs, int, int]], int]]) -> None:
+        """The committed states of these slots advanced through their kept tokens, batched over the slots (each
+        slot's heads are updated on their own, so the batch does not change a bit)."""
+        longest = max(n for _, _, n in partial)
+        names = ("k", "v", "decay", "beta", "raw")
+        first = partial[0][1][0][0]
+        if all(len(records) == 1 and records[0][0] is first for _, records, _ in partial):  # one forward's rows
+            rows = torch.tensor([records[0][1] for _, records, _ in partial], device=self.tip.device)
+            k, v, decay, beta, raw = (getattr(first, f)[rows, :longest] for f in names)  # [P, longest, ...]
+        else:  # a slot's pending tokens span forwards (a prompt chunk, then a decode block)
+            fields = {f: [] for f in names}
+            for _, records, n in partial:
+                for f in names:
+                    joined = torch.cat([getattr(inputs, f)[row, :count] for inputs, row, count in records])[:n]
+                    pad = [0] * (2 * (joined.dim() - 1)) + [0, longest - n]
+                    fields[f].append(torch.nn.functional.pad(joined, pad))
+            k, v, decay, beta, raw = (torch.stack(fields[f]) for f in names)  # [P, longest, ...]
+        index = torch.tensor([slot for slot, _, _ in partial], device=self.tip.device)
+        kept = torch.tensor([n for _, _, n in partial], device=self.tip.device)
+        count, heads, dk, dv = len(partial), *self.committed.shape[1:]
+        state = self.committed[index].reshape(count * heads, dk, dv)
+        for t in range(longest):
+            stepped = delta_update(state, k[:, t].reshape(-1, dk), v[:, t].reshape(-1, dv),
+                                   decay[:, t].reshape(-1, dk), beta[:, t].reshape(-1))
+            live = (t < kept).repeat_interleave(heads)[:, None, None]
+            state = torch.where(live, stepped, state)
+        self.committed[index] = state.view(count, heads, dk, dv)
+        window = self.committed_window[index]  # [P, C, K-1]
+        series = torch.cat([window, raw.transpose(1, 2).float()], -1)
+        take = kept[:, None] + torch.arange(window.shape[-1], device=window.device)
+        self.committed_window[index] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
 
     def reset(self, slot: int) -> None:
         for tensor in self.tensors():
