@@ -108,7 +108,8 @@ class DecoderLayer(nn.Module):
         self.self_attn = LatentAttention(cfg, layer_index, local, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         dense = cfg.mlp_layer_types[layer_index] == "dense"
-        self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, tp.all_reduce) if dense else MoE(cfg, local.moe_intermediate_size, tp)
+        self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, tp.all_reduce) if dense else \
+            MoE(cfg, local.moe_intermediate_size, tp)
 
 
 class DecoderStack(nn.Module):
