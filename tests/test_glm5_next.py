@@ -290,3 +290,31 @@ def test_dflash_serve_serves_sixteen_streams_each_as_served_alone(tmp_path):
         assert f"{per_request / 2**20:.1f} MiB per request" in server.stderr_path.read_text()
     finally:
         assert server.stop() == 0
+
+
+def test_flat_text_exports_and_an_mtp_layer_load_the_same_model(glm5, tmp_path, caplog):
+    """A text-only export (flat config, `model.` names) with the MTP layer and vLLM-only keys (mhc, mla_use_nope,
+    topk_method, scoring_func) loads to the same logits; the MTP layer and the vision tower are named in the log."""
+    import json
+    import logging
+
+    from safetensors.torch import load_file, save_file
+
+    _, target, folder = glm5
+    config = json.loads((folder / "config.json").read_text())
+    flat = {**config["text_config"], "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+            "mhc": True, "mla_use_nope": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
+    tensors = load_file(str(folder / "model.safetensors"))
+    renamed = {name.replace("model.language_model.", "model."): t for name, t in tensors.items()
+               if not name.startswith("model.visual.")}
+    renamed["model.layers.6.eh_proj.weight"] = torch.zeros(32, 64)  # the MTP layer
+    (tmp_path / "flat").mkdir()
+    save_file(renamed, str(tmp_path / "flat" / "model.safetensors"))
+    (tmp_path / "flat" / "config.json").write_text(json.dumps(flat))
+    with caplog.at_level(logging.INFO, logger="dflash.target"):
+        loaded = load_target(tmp_path / "flat")
+        load_target(folder)
+    assert "multi-token-prediction layer(s) [6]" in caplog.text and "vision-tower tensor(s)" in caplog.text
+    ids = prompt_ids(20, 8)
+    outs = [m.logits(run(m, m.new_state(1, 64), ids, 0, 0).hidden) for m in (loaded, target)]
+    assert torch.equal(*outs)

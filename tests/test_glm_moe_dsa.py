@@ -469,5 +469,5 @@ def test_an_unserved_architecture_is_refused_naming_the_served_ones():
 
     assert family_for({"architectures": ["GlmMoeDsaForCausalLM"]}).name == "glm_moe_dsa"
     assert family_for({"model_type": "glm_moe_dsa"}).name == "glm_moe_dsa"
-    with pytest.raises(ConfigError, match="Glm5NextForConditionalGeneration.*supported are .*GlmMoeDsaForCausalLM"):
-        family_for({"architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next"})
+    with pytest.raises(ConfigError, match="KimiLinearForCausalLM.*supported are .*GlmMoeDsaForCausalLM"):
+        family_for({"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"})

@@ -19,7 +19,8 @@ from shared.dtype_choice import resolve_dtype
 from shared.errors import CheckpointError
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.families.glm5_next.model import Glm5NextModel
-from verify_worker.families.glm_moe_dsa.loader import stack_experts
+from verify_worker.families.glm5_next.shard_plan import shard_slices
+from verify_worker.families.glm_moe_dsa.loader import read_slice, stack_experts
 from verify_worker.parallel.group import TensorParallel
 
 TEXT_PREFIX = "model.language_model."
@@ -45,6 +46,7 @@ def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp
     if (config.get("text_config") or config).get("quantization_config"):
         raise CheckpointError("FP8 GLM-5.3-Flash checkpoints are not supported yet (dequantize them to bf16)")
     compute = resolve_dtype(dtype, cfg.checkpoint_dtype, device)
+    plan = shard_slices(cfg, tp) if tp.parallel else {}
     tensors, skipped, mtp = {}, 0, set()
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as handle:
@@ -56,7 +58,8 @@ def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp
                 elif layer and int(layer.group(1)) >= cfg.num_layers:
                     mtp.add(int(layer.group(1)))
                 else:
-                    tensors[ours] = handle.get_tensor(name)
+                    cut = plan.get(ours)
+                    tensors[ours] = handle.get_tensor(name) if cut is None else read_slice(handle.get_slice(name), cut)
     if skipped:
         log.info("skipping %d vision-tower tensor(s) (model.visual.*): the verify worker serves text", skipped)
     if mtp:

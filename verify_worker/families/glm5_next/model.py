@@ -14,7 +14,6 @@ from torch import nn
 from torch.nn import functional as F
 
 from shared.attention import invariant_key_length
-from shared.errors import ConfigError
 from shared.layers import RMSNorm
 from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
@@ -26,9 +25,11 @@ from verify_worker.families.common.moe import MoE
 from verify_worker.families.common.pooled_indexer import pool_keys, select_pooled
 from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
 from verify_worker.families.glm5_next.config import Glm5NextConfig
+from verify_worker.families.glm5_next.shard_plan import LocalShapes, local_shapes
 from verify_worker.families.glm5_next.state import Glm5NextState, RecurrentState, TokenInputs
 from verify_worker.families.interface import StepBatch, TargetOutput
 from verify_worker.parallel.group import TensorParallel
+from verify_worker.parallel.layers import VocabParallelEmbedding, gather_vocab_logits
 
 INDEXER_NORM_EPS = 1e-6
 
@@ -42,10 +43,14 @@ class ConvWeight(nn.Module):
 
 
 class KdaAttention(nn.Module):
-    def __init__(self, cfg: Glm5NextConfig):
+    """This rank's KDA heads (all of them at TP 1); o_proj sums the ranks' partial outputs."""
+
+    def __init__(self, cfg: Glm5NextConfig, local: LocalShapes, tp: TensorParallel):
         super().__init__()
-        self.heads, self.dim, self.eps = cfg.linear_num_heads, cfg.linear_head_dim, cfg.rms_norm_eps
-        h, inner, dim = cfg.hidden_size, cfg.linear_dim, cfg.linear_head_dim
+        self.tp = tp
+        self.heads, self.dim, self.eps = local.linear_num_heads, cfg.linear_head_dim, cfg.rms_norm_eps
+        h, dim = cfg.hidden_size, cfg.linear_head_dim
+        inner = self.heads * dim
         self.q_proj, self.k_proj, self.v_proj = Linear(h, inner), Linear(h, inner), Linear(h, inner)
         self.q_conv1d, self.k_conv1d = ConvWeight(inner, cfg.conv_kernel), ConvWeight(inner, cfg.conv_kernel)
         self.v_conv1d = ConvWeight(inner, cfg.conv_kernel)
@@ -99,7 +104,7 @@ class KdaAttention(nn.Module):
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, seq, heads, dim).float()
         normed = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         normed = normed * elementwise_rows(torch.sigmoid, gate)
-        return self.o_proj(normed.to(x.dtype).reshape(batch, seq, -1))
+        return self.tp.all_reduce(self.o_proj(normed.to(x.dtype).reshape(batch, seq, -1)))
 
 
 class PooledIndexer(nn.Module):
@@ -132,10 +137,10 @@ class PooledIndexer(nn.Module):
 class NopeLatentAttention(nn.Module):
     """MLA without a rotary part: keys and values come from the normalised latent alone."""
 
-    def __init__(self, cfg: Glm5NextConfig, layer_index: int):
+    def __init__(self, cfg: Glm5NextConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
         super().__init__()
-        self.cfg, self.layer_index = cfg, layer_index
-        heads = cfg.num_heads
+        self.cfg, self.layer_index, self.tp = cfg, layer_index, tp
+        self.num_heads = heads = local.num_heads
         self.q_a_proj = Linear(cfg.hidden_size, cfg.q_lora_rank)
         self.q_a_layernorm = RMSNorm(cfg.q_lora_rank, cfg.rms_norm_eps)
         self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_nope_head_dim)
@@ -149,7 +154,7 @@ class NopeLatentAttention(nn.Module):
         cfg = self.cfg
         batch, seq, _ = x.shape
         q_resid = self.q_a_layernorm(self.q_a_proj(x))
-        q = self.q_b_proj(q_resid).view(batch, seq, cfg.num_heads, cfg.qk_nope_head_dim)
+        q = self.q_b_proj(q_resid).view(batch, seq, self.num_heads, cfg.qk_nope_head_dim)
         latent = self.kv_a_layernorm(self.kv_a_proj_with_mqa(x))  # [b, s, kv_lora]
         no_rope = latent[..., :0]
         entries = self.indexer.entries(x) if self.indexer is not None else None
@@ -157,33 +162,34 @@ class NopeLatentAttention(nn.Module):
         latents, key_ropes, cached = cache.read(self.layer_index, slots, kv_len)
         if self.indexer is not None:
             selected = self.indexer.select(x, q_resid, cached, positions)
-        w = self.kv_b_proj.weight.view(cfg.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         out = absorbed_attention(q, q[..., :0], latents, key_ropes, w[:, : cfg.qk_nope_head_dim],
                                  w[:, cfg.qk_nope_head_dim:], selected, cfg.qk_nope_head_dim**-0.5)
-        return self.o_proj(out), selected
+        return self.tp.all_reduce(self.o_proj(out)), selected
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: Glm5NextConfig, layer_index: int):
+    def __init__(self, cfg: Glm5NextConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
         super().__init__()
         self.linear = cfg.layer_types[layer_index] == "linear"
         hc = dict(streams=cfg.hc_mult, hidden=cfg.hidden_size, sinkhorn_iters=cfg.hc_sinkhorn_iters, eps=cfg.hc_eps,
                   norm_eps=cfg.rms_norm_eps)
         self.attn_hc, self.ffn_hc = HyperConnection(**hc), HyperConnection(**hc)
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = KdaAttention(cfg) if self.linear else NopeLatentAttention(cfg, layer_index)
+        self.self_attn = KdaAttention(cfg, local, tp) if self.linear else \
+            NopeLatentAttention(cfg, layer_index, local, tp)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         limit = cfg.swiglu_limit
-        self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size, limit=limit) \
-            if cfg.mlp_layer_types[layer_index] == "dense" else MoE(cfg, cfg.moe_intermediate_size, TensorParallel(),
-                                                                    limit)
+        self.mlp = GatedMLP(cfg.hidden_size, local.intermediate_size, tp.all_reduce, limit) \
+            if cfg.mlp_layer_types[layer_index] == "dense" else MoE(cfg, local.moe_intermediate_size, tp, limit)
 
 
 class DecoderStack(nn.Module):
-    def __init__(self, cfg: Glm5NextConfig):
+    def __init__(self, cfg: Glm5NextConfig, local: LocalShapes, tp: TensorParallel):
         super().__init__()
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, i) for i in range(cfg.num_layers))
+        self.embed_tokens = (VocabParallelEmbedding(local.vocab_shard, cfg.hidden_size, tp) if tp.parallel
+                             else nn.Embedding(cfg.vocab_size, cfg.hidden_size))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, i, local, tp) for i in range(cfg.num_layers))
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
 
 
@@ -194,11 +200,10 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
 
     def __init__(self, cfg: Glm5NextConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
-        if tp.parallel:
-            raise ConfigError("glm5_next targets do not run tensor-parallel yet (--tp 1)")
         self.config, self.tp = cfg, tp
-        self.model = DecoderStack(cfg)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, cfg.vocab_size)
+        self.local = local_shapes(cfg, tp)
+        self.model = DecoderStack(cfg, self.local, tp)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.local.vocab_shard)
 
     def _attention_layers(self) -> tuple[list[int], list[int]]:
         cfg = self.config
@@ -210,8 +215,8 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         attention, indexed = self._attention_layers()
         latent = LatentCache(attention, indexed, num_slots, capacity, cfg.kv_lora_rank, 0, 2 * cfg.index_head_dim,
                              self.embed_weight.dtype, device)
-        recurrent = {i: RecurrentState(num_slots, cfg.linear_num_heads, cfg.linear_head_dim, cfg.linear_head_dim,
-                                       3 * cfg.linear_dim, cfg.conv_kernel, device)
+        heads, dim = self.local.linear_num_heads, cfg.linear_head_dim
+        recurrent = {i: RecurrentState(num_slots, heads, dim, dim, 3 * heads * dim, cfg.conv_kernel, device)
                      for i, t in enumerate(cfg.layer_types) if t == "linear"}
         return Glm5NextState(latent, recurrent)
 
@@ -223,7 +228,8 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         per_position = (len(attention) * cfg.kv_lora_rank + len(indexed) * 2 * cfg.index_head_dim) * \
             self.embed_weight.element_size()
         kda_layers = cfg.layer_types.count("linear")
-        per_kda = 2 * 4 * (cfg.linear_num_heads * cfg.linear_head_dim**2 + 3 * cfg.linear_dim * (cfg.conv_kernel - 1))
+        heads, dim = self.local.linear_num_heads, cfg.linear_head_dim
+        per_kda = 2 * 4 * (heads * dim**2 + 3 * heads * dim * (cfg.conv_kernel - 1))
         return per_position * capacity + kda_layers * per_kda
 
     def step(self, batch: StepBatch, state: Glm5NextState, taps: tuple[int, ...] = ()) -> TargetOutput:
@@ -264,7 +270,9 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
             recurrent.reset(slot)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return linear_rows(hidden, self.lm_head_weight).float()
+        """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
+        local = linear_rows(hidden, self.lm_head_weight).float()
+        return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "Glm5NextModel":
         return self
