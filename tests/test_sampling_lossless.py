@@ -174,12 +174,12 @@ def tiny_vocab_glm(tmp_path_factory):
     from test_glm_moe_dsa import random_glm
 
     folder = tmp_path_factory.mktemp("tiny_vocab_glm")
-    random_glm(seed=2, vocab_size=VOCAB, num_hidden_layers=3, index_topk=2, indexer_types=["full", "shared", "full"],
+    random_glm(seed=2, vocab_size=VOCAB, num_hidden_layers=2, index_topk=2, indexer_types=["full", "shared"],
                first_k_dense_replace=1).save_pretrained(folder)
     target = load_target(folder)
     drafter = random_drafter(
-        tiny_draft_config(target_layers=3, vocab=VOCAB, hidden=32, head_dim=8, intermediate_size=64,
-                          target_layer_ids=(0, 2), block_size=4), seed=5, std=0.3)
+        tiny_draft_config(target_layers=2, vocab=VOCAB, hidden=32, head_dim=8, intermediate_size=64,
+                          target_layer_ids=(0, 1), block_size=4), seed=5, std=0.3)
     return target, drafter
 
 
