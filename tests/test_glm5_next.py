@@ -355,3 +355,21 @@ def test_tp2_engine_greedy_equals_tp1(glm5, tmp_path):
     run_ranks(engine_generate, 2, str(folder), str(tmp_path / "draft"), prompts, str(out))
     want = SpeculativeEngine(target, None, max_requests=2).generate([GenerationRequest(tuple(p), 24) for p in prompts])
     assert torch.load(out)["tokens"] == [r.token_ids for r in want]
+
+
+def test_verify_equals_decode_in_bfloat16_too(glm5):
+    """The same invariance with the weights and activations in bfloat16 (emulated on CPUs without native bfloat16:
+    the rows are still computed one at a time)."""
+    _, _, folder = glm5
+    target = load_target(folder, dtype="bfloat16")
+    ids = prompt_ids(CONTEXT, 3)
+    state = target.new_state(2, 64)
+    for slot in (0, 1):
+        run(target, state, ids[:, :28], 0, slot)
+        target.commit(state, torch.tensor([slot]), torch.tensor([28]))
+    steps = []
+    for i in range(8):
+        steps.append(run(target, state, ids[:, 28 + i: 29 + i], 28 + i, 0).hidden)
+        target.commit(state, torch.tensor([0]), torch.tensor([1]))
+    block = run(target, state, ids[:, 28:36], 28, 1).hidden
+    assert block.dtype == torch.bfloat16 and torch.equal(block, torch.cat(steps, 1))

@@ -467,3 +467,16 @@ def test_an_unserved_architecture_is_refused_naming_the_served_ones():
     assert family_for({"model_type": "glm_moe_dsa"}).name == "glm_moe_dsa"
     with pytest.raises(ConfigError, match="KimiLinearForCausalLM.*supported are .*GlmMoeDsaForCausalLM"):
         family_for({"architectures": ["KimiLinearForCausalLM"], "model_type": "kimi_linear"})
+
+
+def test_verify_equals_decode_in_bfloat16_too(glm):
+    _, _, folder = glm
+    target = load_target(folder, dtype="bfloat16")
+    ids = prompt_ids(CONTEXT, 3)
+    state = target.new_state(2, 64)
+    for slot in (0, 1):
+        run(target, state, ids[:, :32], torch.arange(32)[None], torch.tensor([slot]))
+    steps = [run(target, state, ids[:, 32 + i: 33 + i], torch.tensor([[32 + i]]), torch.tensor([0])).hidden
+             for i in range(8)]
+    block = run(target, state, ids[:, 32:40], torch.arange(32, 40)[None], torch.tensor([1])).hidden
+    assert block.dtype == torch.bfloat16 and torch.equal(block, torch.cat(steps, 1))
