@@ -373,3 +373,41 @@ def test_verify_equals_decode_in_bfloat16_too(glm5):
         target.commit(state, torch.tensor([0]), torch.tensor([1]))
     block = run(target, state, ids[:, 28:36], 28, 1).hidden
     assert block.dtype == torch.bfloat16 and torch.equal(block, torch.cat(steps, 1))
+
+
+def test_an_fp8_checkpoint_loads_as_its_dequantized_twin(glm5, tmp_path):
+    """GLM-5.3-Flash FP8 as vLLM describes it: the MLA projections and the experts block-quantized (KDA
+    projections stay bf16), kv_a_proj_with_mqa with a partial block (16 rows in blocks of 12). The FP8 target's
+    logits equal those of a float32 checkpoint holding the dequantized weights, bit for bit; at TP 2 too."""
+    import json
+
+    from safetensors.torch import load_file, save_file
+    from test_glm_moe_dsa import dequantize_reference, quantize_blocks
+    from tp_ranks import run_ranks, sparse_calls, sparse_logits
+
+    _, _, folder = glm5
+    tensors = load_file(str(folder / "model.safetensors"))
+    quantized = (".q_a_proj.weight", ".q_b_proj.weight", ".kv_a_proj_with_mqa.weight", ".kv_b_proj.weight",
+                 "mlp.experts.", "indexer.wk.weight")
+    fp8, twin = {}, {}
+    for name, tensor in tensors.items():
+        if tensor.dim() == 2 and any(part in name for part in quantized) and name.endswith(".weight"):
+            q, scale = quantize_blocks(tensor.float(), 12)
+            fp8[name], fp8[name[: -len(".weight")] + ".weight_scale_inv"] = q, scale
+            twin[name] = dequantize_reference(q, scale, 12)
+        else:
+            fp8[name] = twin[name] = tensor
+    config = json.loads((folder / "config.json").read_text())
+    for kind, checkpoint in (("fp8", fp8), ("twin", twin)):
+        (tmp_path / kind).mkdir()
+        save_file(checkpoint, str(tmp_path / kind / "model.safetensors"))
+        quant = {"quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [12, 12]}}
+        (tmp_path / kind / "config.json").write_text(json.dumps({**config, **(quant if kind == "fp8" else {})}))
+    ids = prompt_ids(24, 9)
+    got, want = (m.logits(run(m, m.new_state(1, 64), ids, 0, 0).hidden)
+                 for m in (load_target(tmp_path / "fp8", dtype="float32"), load_target(tmp_path / "twin")))
+    assert torch.equal(got, want)
+    out = tmp_path / "tp2.pt"
+    run_ranks(sparse_logits, 2, str(tmp_path / "fp8"), str(out))
+    reference = sparse_calls(load_target(tmp_path / "twin"))
+    assert (torch.load(out)["block"] - reference["block"]).abs().max() < 1e-4

@@ -1,7 +1,8 @@
 """Operations whose result for a row never depends on how many rows share the call.
 
 A verify block must give each token exactly what one-token decoding gives it, or a top-k selection (indexer,
-router) downstream can flip. Two things in PyTorch's CPU kernels break that for small widths:
+router) downstream can flip. Two things in PyTorch's CPU kernels break that for small widths (and a third, the
+alignment of a GEMM's weight in memory, makes the same weights loaded from two files differ: see aligned()):
 - a 2-D GEMM picks its blocking (and so its roundings) by the row count;
 - elementwise loops run whole vector chunks with vectorized maths (exp, sigmoid, cos...) and the leftover
   tail of the tensor with scalar maths, which rounds differently; which elements fall in the tail depends
@@ -29,3 +30,8 @@ def elementwise_rows(fn, x: torch.Tensor) -> torch.Tensor:
         return fn(x.contiguous())
     padded = torch.nn.functional.pad(x, (0, pad))  # [..., width + pad], contiguous
     return fn(padded)[..., :width]
+
+
+def aligned(tensor: torch.Tensor) -> torch.Tensor:
+    """A copy in a fresh allocation (the CPU allocator aligns it to 64 bytes), whatever the source's offset."""
+    return torch.empty_like(tensor, memory_format=torch.contiguous_format).copy_(tensor)

@@ -1,4 +1,5 @@
-"""Strict loading of a GLM-5.3-Flash checkpoint (bf16 / fp32) into Glm5NextModel.
+"""Strict loading of a GLM-5.3-Flash checkpoint (bf16 / fp32, or FP8 blocks dequantized at load) into
+Glm5NextModel.
 
 As published (and as transformers writes it): the text tower under `model.language_model.` (flat `model.` exports
 are accepted too), the head at `lm_head.weight`; `hc_attn_*` / `hc_ffn_*` per layer, per-q/k/v conv kernels,
@@ -17,10 +18,12 @@ from safetensors import safe_open
 from shared.checkpoint_io import safetensors_files
 from shared.dtype_choice import resolve_dtype
 from shared.errors import CheckpointError
+from verify_worker.families.common.row_invariant import aligned
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.families.glm5_next.model import Glm5NextModel
 from verify_worker.families.glm5_next.shard_plan import shard_slices
-from verify_worker.families.glm_moe_dsa.loader import read_slice, stack_experts
+from verify_worker.families.glm_moe_dsa.config import Fp8Settings
+from verify_worker.families.glm_moe_dsa.loader import SCALE, dequantize_slice, read_slice, stack_experts
 from verify_worker.parallel.group import TensorParallel
 
 TEXT_PREFIX = "model.language_model."
@@ -43,11 +46,10 @@ def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp
                    pack: bool) -> Glm5NextModel:
     log = logging.getLogger("dflash.target")
     cfg = Glm5NextConfig.from_dict(config)
-    if (config.get("text_config") or config).get("quantization_config"):
-        raise CheckpointError("FP8 GLM-5.3-Flash checkpoints are not supported yet (dequantize them to bf16)")
-    compute = resolve_dtype(dtype, cfg.checkpoint_dtype, device)
+    fp8 = Fp8Settings.from_config(config.get("text_config") or {}) or Fp8Settings.from_config(config)
+    compute = resolve_dtype(dtype, "bfloat16" if fp8 is not None else cfg.checkpoint_dtype, device)
     plan = shard_slices(cfg, tp) if tp.parallel else {}
-    tensors, skipped, mtp = {}, 0, set()
+    where, skipped, mtp = {}, 0, set()
     for path in safetensors_files(folder):
         with safe_open(str(path), framework="pt") as handle:
             for name in handle.keys():
@@ -58,8 +60,27 @@ def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp
                 elif layer and int(layer.group(1)) >= cfg.num_layers:
                     mtp.add(int(layer.group(1)))
                 else:
-                    cut = plan.get(ours)
-                    tensors[ours] = handle.get_tensor(name) if cut is None else read_slice(handle.get_slice(name), cut)
+                    where[name] = path
+    scales = {name[: -len(SCALE)] + ".weight": name for name in where if name.endswith(SCALE)}
+    if scales and fp8 is None:
+        raise CheckpointError(f"{str(folder)!r} has FP8 scales ({next(iter(scales.values()))}) but its config.json "
+                              "has no quantization_config")
+    tensors = {}
+    for name, path in where.items():
+        if name.endswith(SCALE):
+            continue
+        ours, cut = our_name(name), plan.get(our_name(name))
+        with safe_open(str(path), framework="pt") as handle:
+            tensor = handle.get_tensor(name) if cut is None else read_slice(handle.get_slice(name), cut)
+            if name in scales:  # FP8 blocks: dequantized with the scales that cover this rank's part
+                tensor = dequantize_slice(tensor, handle.get_slice(name).get_shape(), where[scales[name]],
+                                          scales[name], cut, fp8.block)
+            elif tensor.dtype in (torch.float8_e4m3fn, torch.float8_e5m2):
+                raise CheckpointError(f"{str(folder)!r}: FP8 tensor {name} has no weight_scale_inv")
+        tensors[ours] = tensor
+    orphans = [scale for weight, scale in scales.items() if weight not in where]
+    if orphans:
+        raise CheckpointError(f"{str(folder)!r} has {orphans[0]} but no {orphans[0][: -len(SCALE)]}.weight")
     if skipped:
         log.info("skipping %d vision-tower tensor(s) (model.visual.*): the verify worker serves text", skipped)
     if mtp:
@@ -79,7 +100,9 @@ def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp
         if tuple(tensor.shape) != expected[name]:
             raise CheckpointError(f"tensor {name!r} in {str(folder)!r} has shape {list(tensor.shape)}, expected "
                                   f"{list(expected[name])}")
-    state = {name: t.to(device=device, dtype=torch.float32 if name.endswith(FLOAT32_KEPT) else compute)
+    # fresh allocations: a tensor read from a file may sit at any offset, and a GEMM's roundings depend on
+    # its operands' alignment (the same weights loaded twice would differ in the last bits)
+    state = {name: aligned(t.to(device=device, dtype=torch.float32 if name.endswith(FLOAT32_KEPT) else compute))
              for name, t in tensors.items()}
     model.load_state_dict(state, strict=True, assign=True)
     model = model.eval().requires_grad_(False)

@@ -19,6 +19,7 @@ from shared.errors import CheckpointError
 from shared.rope import inverse_frequencies
 from shared.rope_settings import RopeSettings
 from verify_worker.families.common.fp8_blocks import dequantize, scale_grid
+from verify_worker.families.common.row_invariant import aligned
 from verify_worker.families.common.slices import Slice
 from verify_worker.families.glm_moe_dsa.config import GlmMoeDsaConfig
 from verify_worker.families.glm_moe_dsa.model import GlmMoeDsaModel
@@ -161,7 +162,9 @@ def load_glm_moe_dsa(folder: str | Path, config: dict, device: str, dtype: str, 
             raise CheckpointError(f"tensor {name!r} in {str(folder)!r} has shape {list(tensor.shape)}, expected "
                                   f"{list(expected[name])}")
     float32_kept = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router stays float32
-    state = {name: t.to(device=device, dtype=torch.float32 if name.endswith(float32_kept) else compute)
+    # fresh allocations: a tensor read from a file may sit at any offset, and a GEMM's roundings depend on
+    # its operands' alignment (the same weights loaded twice would differ in the last bits)
+    state = {name: aligned(t.to(device=device, dtype=torch.float32 if name.endswith(float32_kept) else compute))
              for name, t in tensors.items()}
     with torch.device("meta"):
         model = GlmMoeDsaModel(cfg, tp)
