@@ -11,17 +11,11 @@ from dataclasses import dataclass
 
 from shared.errors import ConfigError
 from shared.target_facts import eos_ids, text_config
+from verify_worker.families.common.config_values import config_int
 from verify_worker.families.glm_moe_dsa.config import indexer_schedule
 
 ARCHITECTURE = "Glm5NextForConditionalGeneration"
 INDEXED = ("deepseek_sparse_attention", "indexed_attention", "full_attention")
-
-
-def _int(config: dict, key: str, default: int, minimum: int = 1) -> int:
-    value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"config.json: {key!r} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def layer_schedule(config: dict, num_layers: int) -> tuple[str, ...]:
@@ -111,8 +105,8 @@ class Glm5NextConfig:
         for key, allowed in (("topk_method", "noaux_tc"), ("scoring_func", "sigmoid")):
             if text.get(key, allowed) != allowed:
                 raise ConfigError(f"config.json: {key} {text[key]!r} is not supported (only {allowed!r})")
-        layers = _int(text, "num_hidden_layers", 45)
-        heads = _int(text, "num_attention_heads", 64)
+        layers = config_int(text, "num_hidden_layers", 45)
+        heads = config_int(text, "num_attention_heads", 64)
         if text.get("num_key_value_heads", heads) != heads:
             raise ConfigError("config.json: MLA needs num_key_value_heads == num_attention_heads")
         linear = text.get("linear_attn_config") or {}
@@ -121,10 +115,10 @@ class Glm5NextConfig:
         lower = linear.get("gate_lower_bound", text.get("linear_lower_bound", -5.0))
         if lower is None and linear.get("safe_gate", True):
             lower = -5.0
-        kpool, topk = _int(text, "index_kpool", 16), _int(text, "index_topk", 2048)
+        kpool, topk = config_int(text, "index_kpool", 16), config_int(text, "index_topk", 2048)
         if topk % kpool:
             raise ConfigError(f"config.json: index_topk {topk} must be a multiple of index_kpool {kpool}")
-        experts, groups = _int(text, "n_routed_experts", 288), _int(text, "n_group", 1)
+        experts, groups = config_int(text, "n_routed_experts", 288), config_int(text, "n_group", 1)
         if experts % groups:
             raise ConfigError(f"config.json: n_group {groups} does not divide n_routed_experts {experts}")
         layer_types = layer_schedule(text, layers)
@@ -141,42 +135,42 @@ class Glm5NextConfig:
                               "layers")
         dtype = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
         return cls(
-            vocab_size=_int(text, "vocab_size", 154880),
-            hidden_size=_int(text, "hidden_size", 4096),
-            intermediate_size=_int(text, "intermediate_size", 12288),
-            moe_intermediate_size=_int(text, "moe_intermediate_size", 2048),
+            vocab_size=config_int(text, "vocab_size", 154880),
+            hidden_size=config_int(text, "hidden_size", 4096),
+            intermediate_size=config_int(text, "intermediate_size", 12288),
+            moe_intermediate_size=config_int(text, "moe_intermediate_size", 2048),
             num_layers=layers,
             layer_types=layer_types,
             mlp_layer_types=tuple(mlp),
             indexer_types=indexer_types,
             num_heads=heads,
-            q_lora_rank=_int(text, "q_lora_rank", 1536),
-            kv_lora_rank=_int(text, "kv_lora_rank", 512),
-            qk_nope_head_dim=_int(text, "qk_nope_head_dim", 256),
-            v_head_dim=_int(text, "v_head_dim", 256),
+            q_lora_rank=config_int(text, "q_lora_rank", 1536),
+            kv_lora_rank=config_int(text, "kv_lora_rank", 512),
+            qk_nope_head_dim=config_int(text, "qk_nope_head_dim", 256),
+            v_head_dim=config_int(text, "v_head_dim", 256),
             n_routed_experts=experts,
-            n_shared_experts=_int(text, "n_shared_experts", 1, minimum=0),
-            num_experts_per_tok=_int(text, "num_experts_per_tok", 8),
+            n_shared_experts=config_int(text, "n_shared_experts", 1, minimum=0),
+            num_experts_per_tok=config_int(text, "num_experts_per_tok", 8),
             n_group=groups,
-            topk_group=_int(text, "topk_group", 1),
+            topk_group=config_int(text, "topk_group", 1),
             norm_topk_prob=bool(text.get("norm_topk_prob", True)),
             routed_scaling_factor=float(text.get("routed_scaling_factor", 2.5)),
             swiglu_limit=float(text.get("swiglu_limit", 10.0)),
             index_topk=topk,
-            index_head_dim=_int(text, "index_head_dim", 128),
-            index_n_heads=_int(text, "index_n_heads", 32),
+            index_head_dim=config_int(text, "index_head_dim", 128),
+            index_n_heads=config_int(text, "index_n_heads", 32),
             index_kpool=kpool,
             always_select_tail=bool(text.get("index_kpool_always_select_tail", True)),
-            linear_num_heads=_int(linear, "num_heads", text.get("linear_num_heads", 64)),
-            linear_head_dim=_int(linear, "head_dim", text.get("linear_head_dim", 128)),
-            conv_kernel=_int(linear, "short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
+            linear_num_heads=config_int(linear, "num_heads", text.get("linear_num_heads", 64)),
+            linear_head_dim=config_int(linear, "head_dim", text.get("linear_head_dim", 128)),
+            conv_kernel=config_int(linear, "short_conv_kernel_size", text.get("linear_conv_kernel_dim", 4)),
             gate_lower_bound=None if lower is None else float(lower),
-            hc_mult=_int(text, "hc_mult", 4),
+            hc_mult=config_int(text, "hc_mult", 4),
             hc_eps=float(text.get("hc_eps", 1e-6)),
-            hc_sinkhorn_iters=_int(text, "hc_sinkhorn_iters", 20),
+            hc_sinkhorn_iters=config_int(text, "hc_sinkhorn_iters", 20),
             rms_norm_eps=float(text.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),
-            max_position_embeddings=_int(text, "max_position_embeddings", 1048576),
+            max_position_embeddings=config_int(text, "max_position_embeddings", 1048576),
             checkpoint_dtype=str(dtype or "bfloat16"),
             eos_token_ids=eos_ids(text) or eos_ids(config),
         )

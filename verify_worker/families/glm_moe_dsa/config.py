@@ -9,19 +9,13 @@ from dataclasses import dataclass
 
 from shared.errors import ConfigError
 from shared.target_facts import eos_ids
+from verify_worker.families.common.config_values import config_int
 
 ARCHITECTURE = "GlmMoeDsaForCausalLM"
 # the q/kv latent norms: transformers builds them with its RMSNorm default, not rms_norm_eps (vLLM uses
 # rms_norm_eps); we follow transformers, the oracle
 LATENT_NORM_EPS = 1e-6
 INDEXER_NORM_EPS = 1e-6  # the indexer key's LayerNorm
-
-
-def _int(config: dict, key: str, default: int | None = None, minimum: int = 1) -> int:
-    value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"config.json: {key!r} must be an integer >= {minimum}, got {value!r}")
-    return value
 
 
 def indexer_schedule(config: dict, num_layers: int) -> tuple[str, ...]:
@@ -33,8 +27,8 @@ def indexer_schedule(config: dict, num_layers: int) -> tuple[str, ...]:
             types = [{"F": "full", "S": "shared"}.get(c, c) for c in pattern] if isinstance(pattern, str) \
                 else list(pattern)
         else:
-            freq = max(_int(config, "index_topk_freq", 1), 1)
-            offset = _int(config, "index_skip_topk_offset", 2, minimum=0)
+            freq = max(config_int(config, "index_topk_freq", 1), 1)
+            offset = config_int(config, "index_skip_topk_offset", 2, minimum=0)
             types = ["full" if max(i - offset + 1, 0) % freq == 0 else "shared" for i in range(num_layers)]
     types = tuple(types)
     if len(types) != num_layers or any(t not in ("full", "shared") for t in types):
@@ -49,7 +43,7 @@ def indexer_schedule(config: dict, num_layers: int) -> tuple[str, ...]:
 def mlp_schedule(config: dict, num_layers: int) -> tuple[str, ...]:
     types = config.get("mlp_layer_types")
     if types is None:
-        dense = min(_int(config, "first_k_dense_replace", 3, minimum=0), num_layers)
+        dense = min(config_int(config, "first_k_dense_replace", 3, minimum=0), num_layers)
         types = ["dense"] * dense + ["sparse"] * (num_layers - dense)
     types = tuple(types)
     if len(types) != num_layers or any(t not in ("dense", "sparse") for t in types):
@@ -133,54 +127,54 @@ class GlmMoeDsaConfig:
         if config.get("moe_router_dtype", "float32") != "float32":
             raise ConfigError(f"config.json: moe_router_dtype {config.get('moe_router_dtype')!r} is not supported "
                               "(the router runs in float32)")
-        layers = _int(config, "num_hidden_layers", 78)
-        heads = _int(config, "num_attention_heads", 64)
+        layers = config_int(config, "num_hidden_layers", 78)
+        heads = config_int(config, "num_attention_heads", 64)
         kv_heads = config.get("num_key_value_heads", heads)
         if kv_heads != heads:
             raise ConfigError(f"config.json: MLA needs num_key_value_heads == num_attention_heads, got {kv_heads} "
                               f"and {heads}")
-        experts, groups = _int(config, "n_routed_experts", 256), _int(config, "n_group", 1)
+        experts, groups = config_int(config, "n_routed_experts", 256), config_int(config, "n_group", 1)
         if experts % groups:
             raise ConfigError(f"config.json: n_group {groups} does not divide n_routed_experts {experts}")
-        topk_group = _int(config, "topk_group", 1)
-        per_token = _int(config, "num_experts_per_tok", 8)
+        topk_group = config_int(config, "topk_group", 1)
+        per_token = config_int(config, "num_experts_per_tok", 8)
         if topk_group > groups or per_token > topk_group * (experts // groups):
             raise ConfigError(f"config.json: num_experts_per_tok {per_token} cannot be chosen from topk_group "
                               f"{topk_group} of {groups} expert groups")
-        rope_dim = _int(config, "qk_rope_head_dim", 64)
-        index_dim = _int(config, "index_head_dim", 128)
+        rope_dim = config_int(config, "qk_rope_head_dim", 64)
+        index_dim = config_int(config, "index_head_dim", 128)
         if rope_dim % 2 or index_dim < rope_dim:
             raise ConfigError(f"config.json: qk_rope_head_dim {rope_dim} must be even and at most index_head_dim "
                               f"{index_dim}")
         dtype = config.get("dtype") or config.get("torch_dtype") or "bfloat16"
         return cls(
-            vocab_size=_int(config, "vocab_size", 154880),
-            hidden_size=_int(config, "hidden_size", 6144),
-            intermediate_size=_int(config, "intermediate_size", 12288),
-            moe_intermediate_size=_int(config, "moe_intermediate_size", 2048),
+            vocab_size=config_int(config, "vocab_size", 154880),
+            hidden_size=config_int(config, "hidden_size", 6144),
+            intermediate_size=config_int(config, "intermediate_size", 12288),
+            moe_intermediate_size=config_int(config, "moe_intermediate_size", 2048),
             num_layers=layers,
             num_heads=heads,
-            q_lora_rank=_int(config, "q_lora_rank", 2048),
-            kv_lora_rank=_int(config, "kv_lora_rank", 512),
-            qk_nope_head_dim=_int(config, "qk_nope_head_dim", 192),
+            q_lora_rank=config_int(config, "q_lora_rank", 2048),
+            kv_lora_rank=config_int(config, "kv_lora_rank", 512),
+            qk_nope_head_dim=config_int(config, "qk_nope_head_dim", 192),
             qk_rope_head_dim=rope_dim,
-            v_head_dim=_int(config, "v_head_dim", 256),
+            v_head_dim=config_int(config, "v_head_dim", 256),
             n_routed_experts=experts,
-            n_shared_experts=_int(config, "n_shared_experts", 1, minimum=0),
+            n_shared_experts=config_int(config, "n_shared_experts", 1, minimum=0),
             num_experts_per_tok=per_token,
             n_group=groups,
             topk_group=topk_group,
             norm_topk_prob=bool(config.get("norm_topk_prob", True)),
             routed_scaling_factor=float(config.get("routed_scaling_factor", 2.5)),
-            index_topk=_int(config, "index_topk", 2048),
+            index_topk=config_int(config, "index_topk", 2048),
             index_head_dim=index_dim,
-            index_n_heads=_int(config, "index_n_heads", 32),
+            index_n_heads=config_int(config, "index_n_heads", 32),
             indexer_types=indexer_schedule(config, layers),
             mlp_layer_types=mlp_schedule(config, layers),
             rope_theta=float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
             rms_norm_eps=float(config.get("rms_norm_eps", 1e-5)),
             tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-            max_position_embeddings=_int(config, "max_position_embeddings", 202752),
+            max_position_embeddings=config_int(config, "max_position_embeddings", 202752),
             checkpoint_dtype=str(dtype),
             eos_token_ids=eos_ids(config),
             fp8=Fp8Settings.from_config(config),
