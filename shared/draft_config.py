@@ -4,6 +4,7 @@ import dataclasses
 from dataclasses import dataclass, field
 
 from shared.checkpoint_shapes import decoder_layer_shapes
+from shared.config_values import config_int
 from shared.errors import ConfigError
 from shared.rope_settings import RopeSettings
 
@@ -39,10 +40,7 @@ def default_target_layer_ids(num_target_layers: int, num_taps: int) -> list[int]
 
 
 def _int(config: dict, key: str, minimum: int = 1) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value < minimum:
-        raise ConfigError(f"drafter config.json: {key!r} must be an integer >= {minimum}, got {value!r}")
-    return value
+    return config_int(config, key, minimum=minimum, where="drafter config.json")
 
 
 @dataclass(frozen=True)

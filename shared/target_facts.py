@@ -7,6 +7,7 @@ families/) parses everything else. Multimodal configs keep the text model's keys
 
 from dataclasses import dataclass
 
+from shared.config_values import config_int
 from shared.errors import ConfigError
 
 # architecture -> the prefix of the text model's tensors in its published checkpoints
@@ -16,13 +17,6 @@ TEXT_PREFIXES = {
     "GlmMoeDsaForCausalLM": "model.",
     "Glm5NextForConditionalGeneration": "model.language_model.",  # multimodal; flat text-only exports: "model."
 }
-
-
-def _positive_int(config: dict, key: str, default: int | None = None) -> int:
-    value = config.get(key, default)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"config.json: {key!r} must be a positive integer, got {value!r}")
-    return value
 
 
 def text_config(config: dict) -> dict:
@@ -62,10 +56,10 @@ class TargetFacts:
         dtype = text.get("dtype") or text.get("torch_dtype") or config.get("dtype") or config.get("torch_dtype")
         return cls(
             architecture=str(arch),
-            vocab_size=_positive_int(text, "vocab_size"),
-            hidden_size=_positive_int(text, "hidden_size"),
-            num_layers=_positive_int(text, "num_hidden_layers"),
-            max_position_embeddings=_positive_int(text, "max_position_embeddings", 4096),
+            vocab_size=config_int(text, "vocab_size"),
+            hidden_size=config_int(text, "hidden_size"),
+            num_layers=config_int(text, "num_hidden_layers"),
+            max_position_embeddings=config_int(text, "max_position_embeddings", 4096),
             eos_token_ids=eos_ids(text) or eos_ids(config),
             checkpoint_dtype=str(dtype or "float32"),
             tie_word_embeddings=bool(text.get("tie_word_embeddings", config.get("tie_word_embeddings", False))),

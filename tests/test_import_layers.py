@@ -21,7 +21,8 @@ ALLOWED = {
 # inside verify_worker: the families know only each other, the TP layers and the family interface
 FAMILY_ALLOWED = ("verify_worker.families", "verify_worker.parallel.group", "verify_worker.parallel.layers")
 TORCH_FREE = ("gateway", "client", "shared.target_facts", "shared.config_json", "shared.draft_config",
-              "shared.rope_settings", "shared.checkpoint_shapes", "shared.demo_models")
+              "shared.rope_settings", "shared.checkpoint_shapes", "shared.demo_models",
+              "shared.config_values")
 
 
 def module_files() -> dict[str, Path]:

@@ -183,16 +183,6 @@ def tiny_vocab_glm(tmp_path_factory):
     return target, drafter
 
 
-def test_glm_moe_dsa_first_tokens_follow_the_target_distribution(tiny_vocab_glm):
-    target, drafter = tiny_vocab_glm
-    params = SETTINGS["t1_top_p0.9"]
-    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16,
-                             draft_sampling=DraftSampling.SPARSE, sparse_top_k=2)
-    counts = sample_counts(target, proposer, params)
-    p_value = chi_square_p_value(counts, exact_joint(target, params))
-    assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"
-
-
 @pytest.fixture(scope="module")
 def tiny_vocab_glm5(tmp_path_factory):
     """GLM-5.3-Flash (KDA, pooled DSA with a tail, mHC, clamped MoE) on the 5-token vocabulary: every verify
@@ -210,8 +200,9 @@ def tiny_vocab_glm5(tmp_path_factory):
     return target, drafter
 
 
-def test_glm5_next_first_tokens_follow_the_target_distribution(tiny_vocab_glm5):
-    target, drafter = tiny_vocab_glm5
+@pytest.mark.parametrize("family", ["tiny_vocab_glm", "tiny_vocab_glm5"])
+def test_glm_families_first_tokens_follow_the_target_distribution(family, request):
+    target, drafter = request.getfixturevalue(family)
     params = SETTINGS["t1_top_p0.9"]
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16,
                              draft_sampling=DraftSampling.SPARSE, sparse_top_k=2)

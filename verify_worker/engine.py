@@ -180,7 +180,7 @@ class SpeculativeEngine:
         decoding = sorted((s for s in self.running.values() if s.request_id in group), key=lambda s: s.slot)
         if decoding:
             self._decode(decoding, events, report, kept)
-        if kept:
+        if kept and self.target.commits_state:  # a positional cache needs no commit: nothing to build per step
             slots = torch.tensor(list(kept), device=self.device)
             self.target.commit(self.state, slots, torch.tensor(list(kept.values()), device=self.device))
         measured = sum(report.seconds.values())
@@ -216,7 +216,7 @@ class SpeculativeEngine:
     def _drop_pending(self, saved) -> None:
         """The undone step committed nothing: its slots keep none of its tokens (the family drops them)."""
         slots = [snapshot.state.slot for snapshot in saved[2] if snapshot.state.slot >= 0]
-        if slots:
+        if slots and self.target.commits_state:
             self.target.commit(self.state, torch.tensor(slots, device=self.device),
                                torch.zeros(len(slots), dtype=torch.long, device=self.device))
 

@@ -24,3 +24,22 @@ def vocab_slice(vocab_size: int, tp: TensorParallel) -> Slice:
     shard = vocab_shard(vocab_size, tp.world_size)
     start = tp.rank * shard
     return Slice(0, min(start, vocab_size), min(start + shard, vocab_size), padded=shard)
+
+
+def mlp_slices(plan: dict[str, Slice], cfg, layer: int, tp: TensorParallel) -> None:
+    """Add the MLP slices of one layer of an MoE family (cfg: mlp_layer_types, intermediate_size,
+    n_routed_experts, moe_intermediate_size, n_shared_experts): gate and up split by rows, down by columns, in
+    the dense MLP, each routed expert and the shared experts."""
+    prefix = f"model.layers.{layer}.mlp."
+
+    def gated(name: str, inner: int) -> None:
+        plan[name + "gate_proj.weight"] = plan[name + "up_proj.weight"] = even_slice(0, inner, tp)
+        plan[name + "down_proj.weight"] = even_slice(1, inner, tp)
+
+    if cfg.mlp_layer_types[layer] == "dense":
+        gated(prefix, cfg.intermediate_size)
+        return
+    for expert in range(cfg.n_routed_experts):
+        gated(f"{prefix}experts.{expert}.", cfg.moe_intermediate_size)
+    if cfg.n_shared_experts:
+        gated(prefix + "shared_experts.", cfg.moe_intermediate_size * cfg.n_shared_experts)

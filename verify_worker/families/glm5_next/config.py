@@ -9,10 +9,10 @@ gate_lower_bound}, and the keys vLLM reads that transformers does not declare (`
 
 from dataclasses import dataclass
 
+from shared.config_values import config_int
 from shared.errors import ConfigError
 from shared.target_facts import eos_ids, text_config
-from verify_worker.families.common.config_values import config_int
-from verify_worker.families.glm_moe_dsa.config import indexer_schedule
+from verify_worker.families.common.config_parts import indexer_schedule
 
 ARCHITECTURE = "Glm5NextForConditionalGeneration"
 INDEXED = ("deepseek_sparse_attention", "indexed_attention", "full_attention")

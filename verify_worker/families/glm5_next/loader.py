@@ -16,10 +16,10 @@ import torch
 
 from shared.dtype_choice import resolve_dtype
 from verify_worker.families.common.checkpoint_reader import placed, read_checkpoint, stack_experts
+from verify_worker.families.common.config_parts import Fp8Settings
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.families.glm5_next.model import Glm5NextModel
 from verify_worker.families.glm5_next.shard_plan import shard_slices
-from verify_worker.families.glm_moe_dsa.config import Fp8Settings
 from verify_worker.parallel.group import TensorParallel
 
 TEXT_PREFIX = "model.language_model."

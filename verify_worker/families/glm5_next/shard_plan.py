@@ -6,7 +6,7 @@ the router are replicated; the vocabulary is split in contiguous shards."""
 from dataclasses import dataclass
 
 from shared.errors import ConfigError
-from verify_worker.families.common.slices import Slice, even_slice, vocab_slice
+from verify_worker.families.common.slices import Slice, even_slice, mlp_slices, vocab_slice
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import vocab_shard
@@ -39,10 +39,6 @@ def shard_slices(cfg: Glm5NextConfig, tp: TensorParallel) -> dict[str, Slice]:
     plan = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
     kda = even_slice(0, cfg.linear_dim, tp)
 
-    def mlp(prefix: str, inner: int) -> None:
-        plan[prefix + "gate_proj.weight"] = plan[prefix + "up_proj.weight"] = even_slice(0, inner, tp)
-        plan[prefix + "down_proj.weight"] = even_slice(1, inner, tp)
-
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         if cfg.layer_types[i] == "linear":
@@ -56,11 +52,5 @@ def shard_slices(cfg: Glm5NextConfig, tp: TensorParallel) -> dict[str, Slice]:
             plan[p + "self_attn.kv_b_proj.weight"] = even_slice(
                 0, cfg.num_heads * (cfg.qk_nope_head_dim + cfg.v_head_dim), tp)
             plan[p + "self_attn.o_proj.weight"] = even_slice(1, cfg.num_heads * cfg.v_head_dim, tp)
-        if cfg.mlp_layer_types[i] == "dense":
-            mlp(p + "mlp.", cfg.intermediate_size)
-        else:
-            for expert in range(cfg.n_routed_experts):
-                mlp(p + f"mlp.experts.{expert}.", cfg.moe_intermediate_size)
-            if cfg.n_shared_experts:
-                mlp(p + "mlp.shared_experts.", cfg.moe_intermediate_size * cfg.n_shared_experts)
+        mlp_slices(plan, cfg, i, tp)
     return plan

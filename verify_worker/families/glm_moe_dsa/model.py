@@ -80,7 +80,7 @@ class LatentAttention(nn.Module):
         w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         return w[:, : cfg.qk_nope_head_dim], w[:, cfg.qk_nope_head_dim:]
 
-    def forward(self, x, cos, sin, cache: LatentCache, slots, read_slots, positions, kv_len, visible, selected):
+    def forward(self, x, cos, sin, cache: LatentCache, slots, positions, kv_len, visible, selected):
         """x [b, s, hidden]. selected: the previous layer's selection for a shared layer, else None.
         Returns (output [b, s, hidden], this layer's selection [b, s, kv_len])."""
         cfg = self.cfg
@@ -93,7 +93,7 @@ class LatentAttention(nn.Module):
         key_rope = interleaved_rotary(kv[..., cfg.kv_lora_rank:], cos, sin)
         index_keys = self.indexer.keys(x, cos, sin) if self.indexer is not None else None
         cache.write(self.layer_index, slots, positions, latent, key_rope, index_keys)
-        latents, key_ropes, cached_index_keys = cache.read(self.layer_index, read_slots, kv_len)
+        latents, key_ropes, cached_index_keys = cache.read(self.layer_index, slots, kv_len)
         if self.indexer is not None:
             selected = self.indexer.select(x, q_resid, cos, sin, cached_index_keys, visible)
         w_uk, w_uv = self.absorbed_weights()
@@ -163,12 +163,11 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         # whole key chunks: masked keys past a row's own then only add exact zeros (see absorbed_attention)
         kv_len = invariant_key_length(int(positions.max()) + 1, cache.capacity)
         visible = visibility_mask(positions, kv_len)[:, 0]  # [b, s, kv_len]
-        read_slots = slots
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         cos, sin = rotary_angles(self.inv_freq, positions, x.dtype)
         taps, selected = {}, None
         for index, layer in enumerate(self.model.layers):
-            attention, selected = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, slots, read_slots,
+            attention, selected = layer.self_attn(layer.input_layernorm(x), cos, sin, cache, slots,
                                                   positions, kv_len, visible, selected)
             x = x + attention
             x = x + layer.mlp(layer.post_attention_layernorm(x))

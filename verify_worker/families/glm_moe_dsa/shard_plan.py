@@ -6,7 +6,7 @@ stream); the vocabulary is split in contiguous shards."""
 from dataclasses import dataclass
 
 from shared.errors import ConfigError
-from verify_worker.families.common.slices import Slice, even_slice, vocab_slice
+from verify_worker.families.common.slices import Slice, even_slice, mlp_slices, vocab_slice
 from verify_worker.families.glm_moe_dsa.config import GlmMoeDsaConfig
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import vocab_shard
@@ -37,20 +37,10 @@ def shard_slices(cfg: GlmMoeDsaConfig, tp: TensorParallel) -> dict[str, Slice]:
     vocab = vocab_slice(cfg.vocab_size, tp)
     plan = {"model.embed_tokens.weight": vocab, "lm_head.weight": vocab}
 
-    def mlp(prefix: str, inner: int) -> None:
-        plan[prefix + "gate_proj.weight"] = plan[prefix + "up_proj.weight"] = even_slice(0, inner, tp)
-        plan[prefix + "down_proj.weight"] = even_slice(1, inner, tp)
-
     for i in range(cfg.num_layers):
         p = f"model.layers.{i}."
         plan[p + "self_attn.q_b_proj.weight"] = heads(cfg.qk_head_dim, 0)
         plan[p + "self_attn.kv_b_proj.weight"] = heads(cfg.qk_nope_head_dim + cfg.v_head_dim, 0)
         plan[p + "self_attn.o_proj.weight"] = heads(cfg.v_head_dim, 1)
-        if cfg.mlp_layer_types[i] == "dense":
-            mlp(p + "mlp.", cfg.intermediate_size)
-        else:
-            for expert in range(cfg.n_routed_experts):
-                mlp(p + f"mlp.experts.{expert}.", cfg.moe_intermediate_size)
-            if cfg.n_shared_experts:
-                mlp(p + "mlp.shared_experts.", cfg.moe_intermediate_size * cfg.n_shared_experts)
+        mlp_slices(plan, cfg, i, tp)
     return plan

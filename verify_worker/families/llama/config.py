@@ -3,18 +3,12 @@
 from dataclasses import dataclass
 
 from shared.checkpoint_shapes import decoder_layer_shapes
+from shared.config_values import config_int
 from shared.errors import ConfigError
 from shared.rope_settings import RopeSettings
 
 ARCHITECTURES = {"Qwen3ForCausalLM": "qwen3", "LlamaForCausalLM": "llama"}
 MODEL_TYPES = {"qwen3": "qwen3", "llama": "llama"}
-
-
-def _positive_int(config: dict, key: str) -> int:
-    value = config.get(key)
-    if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
-        raise ConfigError(f"config.json: {key!r} must be a positive integer, got {value!r}")
-    return value
 
 
 @dataclass(frozen=True)
@@ -57,8 +51,8 @@ class TargetConfig:
             raise ConfigError(f"config.json: hidden_act {act!r} is not supported (only 'silu')")
         if config.get("use_sliding_window"):
             raise ConfigError("config.json: sliding-window targets are not supported (use_sliding_window is true)")
-        hidden = _positive_int(config, "hidden_size")
-        heads = _positive_int(config, "num_attention_heads")
+        hidden = config_int(config, "hidden_size")
+        heads = config_int(config, "num_attention_heads")
         kv_heads = config.get("num_key_value_heads") or heads
         head_dim = config.get("head_dim") or hidden // heads
         if heads % kv_heads:
@@ -68,10 +62,10 @@ class TargetConfig:
         dtype = config.get("dtype") or config.get("torch_dtype") or "float32"
         return cls(
             family=family,
-            vocab_size=_positive_int(config, "vocab_size"),
+            vocab_size=config_int(config, "vocab_size"),
             hidden_size=hidden,
-            intermediate_size=_positive_int(config, "intermediate_size"),
-            num_layers=_positive_int(config, "num_hidden_layers"),
+            intermediate_size=config_int(config, "intermediate_size"),
+            num_layers=config_int(config, "num_hidden_layers"),
             num_heads=heads,
             num_kv_heads=int(kv_heads),
             head_dim=int(head_dim),
