@@ -12,9 +12,10 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from cuda_ext.dflash2_walk.op import walk
+from cuda_ext.dflash2_walk.reference import pair_scores
 from draft_worker.draft_model import DFlashDraftModel, DraftDecoderLayer
 from shared.draft_config import DraftConfig
-from shared.sampling import sample_from
 
 
 class DynamicConv(nn.Module):
@@ -98,12 +99,8 @@ class CandidateSelector(nn.Module):
     def scores(self, unary: torch.Tensor, candidates: torch.Tensor, previous: torch.Tensor,
                projected: torch.Tensor) -> torch.Tensor:
         """unary, candidates [..., K]; previous [...]; projected [..., r] -> float32 scores [..., K]."""
-        query = self.predecessor_codebook[previous] * projected  # [..., r]
-        if candidates.shape[-1] * 16 >= self.successor_codebook.shape[0]:  # many candidates: one matmul
-            pair = (query @ self.successor_codebook.T).gather(-1, candidates)  # [..., V] -> [..., K]
-        else:
-            pair = (self.successor_codebook[candidates] * query[..., None, :]).sum(-1)  # [..., K]
-        return unary.float() + pair.float()
+        return pair_scores(unary, candidates, previous, projected, self.predecessor_codebook,
+                           self.successor_codebook)
 
 
 class DFlash2DraftModel(DFlashDraftModel):
@@ -150,26 +147,10 @@ class DFlash2DraftModel(DFlashDraftModel):
         ordered = not sampling or bool(greedy.any())
         unary, candidates = self.candidates(logits, k) if ordered else self.candidate_set(logits, k or self.top_k)
         projected = self.candidate_selector.hidden_projection(hidden)  # [b, n, r]
-        if not sampling and self.kernels is not None and hidden.device.type == "cpu":  # one C++ call for the path
-            selector = self.candidate_selector
-            tokens, choices = self.kernels.greedy_walk(unary, candidates, anchors, projected,
-                                                       selector.predecessor_codebook, selector.successor_codebook)
-            return tokens, F.one_hot(choices, candidates.shape[-1]).float(), candidates
-        previous = anchors
-        tokens, choices, qs = [], [], []
-        for t in range(hidden.shape[1]):
-            score = self.candidate_selector.scores(unary[:, t], candidates[:, t], previous, projected[:, t])  # [b, K]
-            choice = score.argmax(-1)
-            if sampling:
-                q = torch.softmax(score / temperatures.clamp(min=1e-6)[:, None], -1)
-                choice = torch.where(greedy, choice, sample_from(q.double(), uniforms[:, t]))
-                qs.append(q)
-            previous = candidates[:, t].gather(1, choice[:, None])[:, 0]
-            tokens.append(previous)
-            choices.append(choice)
-        one_hot = F.one_hot(torch.stack(choices, 1), candidates.shape[-1]).float()  # [b, n, K]
-        q = torch.where(greedy[:, None, None], one_hot, torch.stack(qs, 1)) if sampling else one_hot
-        return torch.stack(tokens, 1), q, candidates
+        selector = self.candidate_selector
+        tokens, _, q = walk(unary, candidates, anchors, projected, selector.predecessor_codebook,
+                            selector.successor_codebook, temperatures, uniforms if sampling else None)
+        return tokens, q, candidates
 
     def selector_loss(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
                       labels: torch.Tensor, target_logp: torch.Tensor | None = None) -> torch.Tensor:

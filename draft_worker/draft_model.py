@@ -7,6 +7,8 @@ borrows the target's, passed in as tensors.
 import torch
 from torch import nn
 
+from cuda_ext.block_attention.op import block_attention
+from cuda_ext.block_attention.op import kernel_available as block_attention_available
 from shared.attention import cached_attention, visibility_mask
 from shared.cpu_kernels.library import cpu_kernels
 from shared.draft_config import DraftConfig
@@ -84,6 +86,10 @@ class DraftAttention(nn.Module):
     def forward(self, x, cos, sin, cache: PositionalKVCache, slots, positions, block_end):
         q = self._queries(x, cos, sin, cache, slots, positions)  # [b, heads, block, dim]
         self.write_keys_values(x, cos, sin, cache, slots, positions)  # block rows join the cached context rows
+        keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
+        if keys.dtype in (torch.float32, torch.bfloat16) and block_attention_available(q.device):  # no padding
+            return self.o_proj(block_attention(q, keys, values, slots, block_end, positions, self.window or 0,
+                                               self.causal, self.head_dim**-0.5, use_kernel=True))
         kv_len = int(block_end.max())
         keys, values = cache.read(self.layer_index, slot_selector(slots), kv_len)
         if self.causal:

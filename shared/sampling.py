@@ -104,12 +104,26 @@ def batch_sampling_probs(logits: torch.Tensor, params: list[SamplingParams]) -> 
     )
 
 
+CDF_CHUNK = 256  # the draw's summation chunk; the kernels' kCdfChunk (cuda_ext/common/hd.h)
+
+
 def sample_from(probs: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
-    """Inverse-CDF draw: probs [..., vocab] (need not be normalised), uniforms [...] in [0, 1) -> ids [...]."""
-    cdf = probs.double().cumsum(-1)  # [..., vocab]
-    target = uniforms.double() * cdf[..., -1]
+    """Inverse-CDF draw: probs [..., vocab] (need not be normalised), uniforms [...] in [0, 1) -> ids [...]: the
+    first id whose cumulative probability exceeds u times the total.
+
+    The sums are float64 in a fixed order that the kernels reproduce exactly (cuda_ext/common/hd.h): in order
+    within chunks of CDF_CHUNK ids, and the chunk totals in order before them. So every build draws the same
+    token from the same probabilities and uniform."""
+    vocab = probs.shape[-1]
+    chunks = -(-vocab // CDF_CHUNK)
+    padded = torch.nn.functional.pad(probs.double(), (0, chunks * CDF_CHUNK - vocab))  # zeros add nothing
+    within = padded.view(*probs.shape[:-1], chunks, CDF_CHUNK).cumsum(-1)  # [..., chunks, CDF_CHUNK]
+    ends = within[..., -1].cumsum(-1)  # [..., chunks]: the running total after each chunk
+    starts = torch.cat([torch.zeros_like(ends[..., :1]), ends[..., :-1]], -1)
+    cdf = (starts[..., None] + within).flatten(-2)[..., :vocab].contiguous()  # [..., vocab], non-decreasing
+    target = uniforms.double() * ends[..., -1]
     ids = torch.searchsorted(cdf, target[..., None], right=True)[..., 0]
-    return ids.clamp_(max=probs.shape[-1] - 1)
+    return ids.clamp_(max=vocab - 1)
 
 
 def request_generator(seed: int, stream: int) -> torch.Generator:

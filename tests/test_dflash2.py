@@ -11,9 +11,10 @@ from conftest import tiny_draft_config
 from greedy_check import assert_same_or_near_tie
 from safetensors import safe_open
 
+from cuda_ext.dflash2_walk.reference import walk as walk_reference
 from draft_worker.dflash2_model import DFlash2DraftModel, upgrade_to_dflash2
 from draft_worker.draft_checkpoint import load_drafter, random_drafter, save_drafter
-from draft_worker.local_proposer import DraftSampling, LocalProposer
+from draft_worker.local_proposer import LocalProposer
 from shared.cpu_kernels.library import cpu_kernels
 from shared.draft_config import DFlash2Settings, DraftConfig
 from shared.errors import ConfigError
@@ -286,11 +287,11 @@ def test_dflash_serve_serves_a_dflash2_drafter_and_says_so(tmp_path):
         server.stop()
 
 
-@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
 @pytest.mark.parametrize("top_k", [1, 4, 32])
-def test_the_cpu_kernel_walks_the_reference_greedy_path(top_k):
-    """The C++ greedy walk (shared/cpu_kernels/dflash2_walk.cpp) picks what the PyTorch walk picks, row after
-    row (each choice feeding the next row's pair term); sampled walks stay on the PyTorch path."""
+def test_the_walk_kernel_walks_the_reference_path(top_k):
+    """The drafter's walk on the host build of cuda_ext's walk kernel (the CPU default) picks what the PyTorch
+    reference picks, row after row (each choice feeding the next row's pair term), greedy and sampled rows
+    mixed; a token id outside the selector's vocabulary is refused."""
     settings = dataclasses.replace(SMALL, selector_top_k=top_k, selector_rank=16)
     drafter = random_drafter(tiny_draft_config(dflash2=settings), seed=4, std=0.2)
     with torch.no_grad():  # codebooks large enough that the pair term changes choices
@@ -299,14 +300,20 @@ def test_the_cpu_kernel_walks_the_reference_greedy_path(top_k):
     gen = torch.Generator().manual_seed(6)
     hidden, logits = torch.randn(5, 7, 64, generator=gen), torch.randn(5, 7, 128, generator=gen)
     anchors = torch.tensor([1, 2, 3, 127, 0])
+    temperatures = torch.tensor([0.0, 0.8, 0.0, 1.3, 0.5])
+    uniforms = torch.rand(5, 7, generator=gen, dtype=torch.float64)
     with torch.inference_mode():
-        want = drafter.walk(hidden, logits, anchors, torch.zeros(5), None)
-        drafter.kernels = cpu_kernels()
-        got = drafter.walk(hidden, logits, anchors, torch.zeros(5), None)
-    assert all(torch.equal(g, w) for g, w in zip(got, want))
+        for temps in (torch.zeros(5), temperatures):
+            unary, candidates = drafter.candidates(logits)
+            projected = drafter.candidate_selector.hidden_projection(hidden)
+            books = drafter.candidate_selector.predecessor_codebook, drafter.candidate_selector.successor_codebook
+            want = walk_reference(unary, candidates, anchors, projected, *books, temps, uniforms)
+            got = drafter.walk(hidden, logits, anchors, temps, uniforms)  # tokens, q, candidates
+            assert torch.equal(got[0], want[0]) and torch.equal(got[2], candidates)
+            assert torch.allclose(got[1], want[2], atol=1e-6)
     if top_k > 1:  # the pair term mattered: not simply each row's argmax
-        assert not torch.equal(got[0], logits.argmax(-1))
-    with pytest.raises(IndexError, match="outside the selector's vocabulary"):
+        assert not torch.equal(drafter.walk(hidden, logits, anchors, torch.zeros(5), None)[0], logits.argmax(-1))
+    with pytest.raises(IndexError, match="outside the vocabulary"):
         drafter.walk(hidden, logits, torch.tensor([1, 2, 3, 128, 0]), torch.zeros(5), None)
 
 

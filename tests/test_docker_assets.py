@@ -331,6 +331,11 @@ def test_dockerfile_copies_real_paths_and_runs_a_declared_script(monkeypatch):
     assert (ROOT / "models/demo" / Path(ns.draft).name / "config.json").exists()
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
     assert "runs" in ignore and ".git" in ignore
+    # every package the distribution installs is copied into the image (and not filtered out of the context)
+    packages = re.search(r'include = \[([^\]]*)\]', (ROOT / "pyproject.toml").read_text()).group(1)
+    copied = {line.split()[1] for line in lines if line.startswith("COPY")}
+    for package in re.findall(r'"(\w+)\*"', packages):
+        assert package in copied and package not in ignore, f"the image lacks the package {package}"
 
 
 @pytest.mark.parametrize("path", DASHBOARDS, ids=lambda p: p.name)

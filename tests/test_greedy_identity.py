@@ -53,6 +53,21 @@ def test_dflash_drafter_greedy_equals_plain(family_setup, block_size, batch):
         assert_same_or_near_tie(target, prompt, result.token_ids, hf_want)
 
 
+@pytest.mark.parametrize("block_size", [4, 16])
+def test_greedy_equals_plain_with_every_host_kernel(family_setup, block_size, monkeypatch):
+    """DFLASH_KERNELS=host: the drafter's block attention and the verify step on cuda_ext's host builds (the CUDA
+    kernels' per-row code); still the plain tokens."""
+    monkeypatch.setenv("DFLASH_KERNELS", "host")
+    target, drafter, _, plain = family_setup
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=block_size,
+                             max_requests=5, max_model_len=256)
+    engine = SpeculativeEngine(target, proposer, max_requests=5, max_model_len=256)
+    results = engine.generate([GenerationRequest(tuple(p), NEW_TOKENS) for p in PROMPTS])
+    for prompt, result, want in zip(PROMPTS, results, plain):
+        assert result.stats.draft_tokens > 0
+        assert_same_or_near_tie(target, prompt, result.token_ids, want)
+
+
 @pytest.mark.parametrize("block_size", [2, 4, 8, 16])
 @pytest.mark.parametrize("batch", [1, 5])
 def test_high_acceptance_greedy_equals_plain(family_setup, block_size, batch):

@@ -7,16 +7,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-PACKAGES = ("shared", "draft_worker", "verify_worker", "gateway", "client", "training", "demo_build")
+PACKAGES = ("shared", "cuda_ext", "draft_worker", "verify_worker", "gateway", "client", "training", "demo_build")
 # package -> the project packages its modules may import (besides itself)
 ALLOWED = {
     "shared": set(),
-    "draft_worker": {"shared"},
-    "verify_worker": {"shared", "draft_worker"},  # local placement hosts the drafter in-process
+    "cuda_ext": {"shared"},
+    "draft_worker": {"shared", "cuda_ext"},
+    "verify_worker": {"shared", "cuda_ext", "draft_worker"},  # local placement hosts the drafter in-process
     "gateway": {"shared"},
     "client": {"shared"},
-    "training": {"shared", "draft_worker", "verify_worker"},
-    "demo_build": {"shared", "draft_worker", "verify_worker", "training"},
+    "training": {"shared", "cuda_ext", "draft_worker", "verify_worker"},
+    "demo_build": {"shared", "cuda_ext", "draft_worker", "verify_worker", "training"},
 }
 # inside verify_worker: the families know only each other, the TP layers and the family interface
 FAMILY_ALLOWED = ("verify_worker.families", "verify_worker.parallel.group", "verify_worker.parallel.layers")

@@ -18,10 +18,10 @@ import pytest
 import torch
 from conftest import tiny_draft_config, write_hf_checkpoint
 
+from cuda_ext.verify import reference as verify_reference
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared.sampling import SamplingParams, sample_from, sampling_probs
-from verify_worker import engine as engine_module
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
 from verify_worker.spec_policy import AdaptiveSpeculation
@@ -103,9 +103,11 @@ def test_first_tokens_follow_the_target_distribution(tiny_vocab_pair, setting, m
 
 
 def test_power_a_wrong_residual_is_detected(tiny_vocab_pair, monkeypatch):
-    """The same test with the same N rejects a verifier that resamples from p after a rejection."""
+    """The same test with the same N rejects a verifier that resamples from p after a rejection (the PyTorch
+    reference, patched; its kernel equals it token for token: tests/test_cuda_ext.py)."""
     target, drafter = tiny_vocab_pair
-    real = engine_module.verify_sampled
+    monkeypatch.setenv("DFLASH_KERNELS", "reference")
+    real = verify_reference.verify_sampled
 
     def wrong_residual(draft, num_drafts, target_probs, draft_probs, accept_u, sample_u):
         accepted, next_token = real(draft, num_drafts, target_probs, draft_probs, accept_u, sample_u)
@@ -113,18 +115,21 @@ def test_power_a_wrong_residual_is_detected(tiny_vocab_pair, monkeypatch):
         from_p = sample_from(target_probs[rows, accepted], sample_u)
         return accepted, from_p
 
-    monkeypatch.setattr(engine_module, "verify_sampled", wrong_residual)
+    monkeypatch.setattr(verify_reference, "verify_sampled", wrong_residual)
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16)
     params = SETTINGS["t1"]
     counts = sample_counts(target, proposer, params)
     assert chi_square_p_value(counts, exact_joint(target, params)) < ALPHA
 
 
-@pytest.mark.parametrize("setting", list(SETTINGS))
-def test_dflash2_selector_sparse_q_is_lossless(tiny_vocab_pair, setting):
+@pytest.mark.parametrize("setting,kernels", [("t1", "auto"), ("t1_top_p0.9", "host")])
+def test_dflash2_selector_sparse_q_is_lossless(tiny_vocab_pair, setting, kernels, monkeypatch):
     """DFlash 2: tokens drawn by the sampled selector walk over 3 of the 5 tokens (selector_sample_top_k; a
-    greedy walk would use 2), q reported sparse."""
+    greedy walk would use 2), q reported sparse. The walk and verification run on cuda_ext's host builds (the
+    CPU default); with DFLASH_KERNELS=host the drafter's block attention too."""
     from shared.draft_config import DFlash2Settings
+
+    monkeypatch.setenv("DFLASH_KERNELS", kernels)
 
     target, _ = tiny_vocab_pair
     drafter = random_drafter(

@@ -14,7 +14,15 @@ PROMPT = "def add(a, b):"
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    yield from serving(tmp_path_factory.mktemp("serve"), "--max-running", "16")
+    """The served product with every cuda_ext host build switched in (DFLASH_KERNELS=host: verification, the
+    drafter's block attention, the walk), so these tests run the kernels' code through real processes; the other
+    server tests run the defaults."""
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv("DFLASH_KERNELS", "host")  # read by the child processes, which inherit it at start
+        servers = serving(tmp_path_factory.mktemp("serve"), "--max-running", "16")
+        server = next(servers)
+    yield server
+    next(servers, None)
 
 
 @pytest.fixture(scope="module")

@@ -2,8 +2,8 @@
 
 import torch
 
+from cuda_ext.verify.reference import dense_proposal, verify_greedy, verify_sampled
 from shared.sampling import sample_from, sampling_probs
-from verify_worker.verification import dense_proposal, verify_greedy, verify_sampled
 
 
 def one_hot_logits(argmaxes, vocab=6):

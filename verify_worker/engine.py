@@ -19,6 +19,8 @@ import time
 
 import torch
 
+from cuda_ext.verify.op import verify_block
+from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
@@ -30,7 +32,6 @@ from verify_worker.request import GenerationRequest, GenerationResult, RequestSt
 from verify_worker.request_snapshot import RequestSnapshot
 from verify_worker.scheduler import num_drafts, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
-from verify_worker.verification import dense_proposal, verify_greedy, verify_sampled
 
 
 class SpeculativeEngine:
@@ -298,17 +299,14 @@ class SpeculativeEngine:
             seeded_sampling=any(s.request.sampling.seed is not None and not s.request.sampling.greedy for s in states))
         report.policy_plain = not speculate
         asked = [num_drafts(s, self.block_size, self.proposer is not None and speculate) for s in states]
-        drafts, q_rows, counts = self._draft(states, asked, report)  # drafts [b, n]
+        drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
         started = time.perf_counter()
         n = drafts.shape[1]
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
         positions = torch.tensor([s.cache_len for s in states])[:, None] + torch.arange(n + 1)  # [b, n+1]
         out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
         logits = self.target.logits(out.hidden)  # [b, n+1, vocab]
-        accepted, next_tokens = self._verify(
-            states, drafts.to(self.device), torch.tensor(counts, device=self.device), q_rows, logits
-        )
-        accepted, next_tokens = accepted.tolist(), next_tokens.tolist()
+        accepted, next_tokens = self._verify(states, drafts, counts, proposals, logits)
         report.seconds["verify"] += time.perf_counter() - started
         report.decode_requests = len(states)
         report.drafted_at, report.accepted_at = [0] * n, [0] * n
@@ -353,9 +351,10 @@ class SpeculativeEngine:
         return self.target.step(batch, self.state, self.tap_layers)
 
     def _draft(self, states: list[RequestState], counts: list[int], report: StepReport):
-        """Ask the proposer for drafts. Returns drafts [b, n] (zero-padded), per-row dense q or None, and the
+        """Ask the proposer for drafts. Returns drafts [b, n] (zero-padded), per-row proposals for sampled rows
+        ((q_probs, q_ids) on this device, q_ids None for a dense q; None for a point mass or a greedy row), and the
         draft counts actually obtained (0 for rows the proposer could not serve this step)."""
-        q_rows: list[torch.Tensor | None] = [None] * len(states)
+        q_rows: list[tuple | None] = [None] * len(states)
         rows = [r for r, k in enumerate(counts) if k > 0]
         if not rows:
             return torch.zeros(len(states), 0, dtype=torch.long), q_rows, counts
@@ -384,7 +383,6 @@ class SpeculativeEngine:
         report.seconds["transfer"] += max(0.0, elapsed - timing.get("draft", elapsed))
         counts = list(counts)
         drafts = torch.zeros(len(states), max(counts), dtype=torch.long)
-        vocab = self.target.config.vocab_size
         for r, result in zip(rows, results):
             state = states[r]
             if result.tokens is None:  # the proposer lost this context: resend it with the next call
@@ -396,38 +394,52 @@ class SpeculativeEngine:
             if not k:
                 continue
             drafts[r, :k] = result.tokens[:k].cpu()
-            if not state.request.sampling.greedy:
-                q_probs, q_ids = (None if t is None else t[:k].to(self.device) for t in (result.q_probs, result.q_ids))
-                q_rows[r] = dense_proposal(result.tokens[:k].to(self.device), vocab, q_probs, q_ids)  # scattered there
+            if not state.request.sampling.greedy and result.q_probs is not None:
+                q_rows[r] = tuple(None if t is None else t[:k].to(self.device) for t in (result.q_probs, result.q_ids))
         return drafts[:, : max(counts)], q_rows, counts
 
     def _no_features(self) -> torch.Tensor:
         width = len(self.tap_layers) * self.target.config.hidden_size
         return torch.zeros(0, width, dtype=self.target.embed_weight.dtype, device=self.device)
 
-    def _verify(self, states, drafts, counts, q_rows, logits):
-        """Greedy rows by prefix match, sampled rows by rejection sampling; returns (accepted, next) [b]."""
-        accepted, next_tokens = verify_greedy(drafts, counts, logits)
-        sampled = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
-        if not sampled:
-            return accepted, next_tokens
-        b_s, n, vocab = len(sampled), drafts.shape[1], logits.shape[-1]
-        probs = batch_sampling_probs(logits[sampled], [states[r].request.sampling for r in sampled])  # [s, n+1, V]
-        q = torch.zeros(b_s, n, vocab, device=self.device)
-        accept_u = torch.ones(b_s, n, dtype=torch.float64)
-        sample_u = torch.zeros(b_s, dtype=torch.float64)
-        per_row = counts.tolist()  # one host copy, not one per row
-        for i, r in enumerate(sampled):
-            k = per_row[r]
-            if k:
-                q[i, :k] = q_rows[r]
+    def _verify(self, states, drafts, counts: list[int], proposals, logits) -> tuple[list[int], list[int]]:
+        """Greedy rows by prefix match, sampled rows by rejection sampling, in one call of the verify kernel (or its
+        reference: cuda_ext/verify). drafts [b, n]; proposals[r]: (q_probs, q_ids) of a sampled row's drafts (None,
+        None for a point mass). Returns the accepted counts and next tokens."""
+        b, n = drafts.shape
+        device = self.device
+        num = torch.tensor(counts, device=device)
+        sampled_rows = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
+        if not sampled_rows:
+            out = verify_block(logits, drafts.to(device), num, torch.zeros(b, dtype=torch.bool, device=device))
+            return out[:, 0].tolist(), out[:, 1].tolist()
+        index = torch.tensor(sampled_rows, device=device)
+        probs = batch_sampling_probs(logits[sampled_rows], [states[r].request.sampling for r in sampled_rows])
+        scores = logits.float().index_copy(0, index, probs)  # [b, n+1, V]: logits, or p for sampled rows
+        vocab = scores.shape[-1]
+        forms, sparse, dense = torch.zeros(b, dtype=torch.int32), {}, {}
+        accept_u, sample_u = torch.ones(b, n, dtype=torch.float64), torch.zeros(b, dtype=torch.float64)
+        for r in sampled_rows:
+            k = counts[r]
+            q_probs, q_ids = proposals[r] if proposals[r] is not None else (None, None)
+            if k and q_probs is not None:
+                forms[r] = SPARSE if q_ids is not None else DENSE
+                (sparse if q_ids is not None else dense)[r] = (q_probs[:k], None if q_ids is None else q_ids[:k])
             draws = states[r].uniforms(k + 1)  # k acceptance tests, then one draw
-            accept_u[i, :k], sample_u[i] = draws[:k], draws[k]
-        acc_s, next_s = verify_sampled(
-            drafts[sampled], counts[sampled], probs, q, accept_u.to(self.device), sample_u.to(self.device)
-        )
-        index = torch.tensor(sampled, device=self.device)
-        return accepted.index_copy(0, index, acc_s), next_tokens.index_copy(0, index, next_s)
+            accept_u[r, :k], sample_u[r] = draws[:k], draws[k]
+        width = max((q.shape[-1] for q, _ in sparse.values()), default=0)
+        q_ids = torch.zeros(b, n, width, dtype=torch.long, device=device)  # padding: id 0 with probability 0
+        q_probs = torch.zeros(b, n, width, device=device)
+        for r, (q, ids) in sparse.items():
+            q_ids[r, : len(q), : ids.shape[-1]], q_probs[r, : len(q), : q.shape[-1]] = ids, q
+        q_dense = torch.zeros(b, n, vocab, device=device) if dense else torch.zeros(0, device=device)
+        for r, (q, _) in dense.items():
+            q_dense[r, : len(q)] = q
+        sampled = torch.zeros(b, dtype=torch.bool)
+        sampled[sampled_rows] = True
+        out = verify_block(scores, drafts.to(device), num, sampled.to(device), forms.to(device), q_dense, q_ids,
+                           q_probs, accept_u.to(device), sample_u.to(device))
+        return out[:, 0].tolist(), out[:, 1].tolist()
 
     def _sample(self, states: list[RequestState], logits: torch.Tensor) -> torch.Tensor:
         """One token per row from logits [b, 1, vocab]: argmax for greedy rows, a draw for sampled rows."""

@@ -1,4 +1,4 @@
-"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp, dflash2_walk.cpp): compiled on first use with the system's C++
+"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp): compiled on first use with the system's C++
 compiler (about a second; no torch headers) into a cache folder keyed by the source and flags, loaded with
 ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with DFLASH_CPU_KERNELS=off, `cpu_kernels()` is
 None and every caller keeps its PyTorch path.
@@ -8,21 +8,19 @@ Cache folder: $DFLASH_KERNEL_CACHE, else ~/.cache/dflash-serve/kernels. Compiler
 
 import ctypes
 import functools
-import hashlib
 import logging
 import os
 import platform
 import shutil
 import subprocess
-import tempfile
 from pathlib import Path
 
 import torch
 
 from shared.attention import cached_attention
+from shared.native_build import cached_library
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp", "layer_ops.cpp",
-                                                          "dflash2_walk.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp", "layer_ops.cpp")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 
@@ -50,9 +48,6 @@ class CpuKernels:
         self._qk_rotary_cache.restype = ctypes.c_int
         self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] * 2 + \
             [pointer]
-        self._greedy_walk = library.dflash_greedy_walk
-        self._greedy_walk.restype = ctypes.c_int
-        self._greedy_walk.argtypes = [pointer] * 6 + [count] * 5 + [pointer] * 2
 
     def __deepcopy__(self, memo) -> "CpuKernels":
         return self  # the loaded library is shared (ctypes functions cannot be copied)
@@ -148,26 +143,6 @@ class CpuKernels:
                              f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
         return q
 
-    def greedy_walk(self, unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor,
-                    projected: torch.Tensor, predecessor: torch.Tensor, successor: torch.Tensor) -> torch.Tensor:
-        """The DFlash 2 selector's greedy path (see dflash2_walk.cpp): unary, candidates [b, n, K]; anchors [b];
-        projected [b, n, rank]; the codebooks [vocab, rank]. Returns tokens and choices (each token's index
-        among its row's candidates), both [b, n]."""
-        unary, projected = unary.float().contiguous(), projected.float().contiguous()
-        candidates, anchors = candidates.to(torch.int64).contiguous(), anchors.to(torch.int64).contiguous()
-        predecessor, successor = predecessor.float().contiguous(), successor.float().contiguous()
-        batch, rows, k = candidates.shape
-        _check(unary.shape == candidates.shape and anchors.shape == (batch,) and projected.shape[:2] == (batch, rows)
-               and predecessor.shape == successor.shape and projected.shape[2] == predecessor.shape[1],
-               "greedy_walk", unary, candidates, anchors, projected, predecessor, successor)
-        tokens, choices = torch.empty(batch, rows, dtype=torch.int64), torch.empty(batch, rows, dtype=torch.int64)
-        status = self._greedy_walk(unary.data_ptr(), candidates.data_ptr(), anchors.data_ptr(), projected.data_ptr(),
-                                   predecessor.data_ptr(), successor.data_ptr(), batch, rows, k, predecessor.shape[1],
-                                   predecessor.shape[0], tokens.data_ptr(), choices.data_ptr())
-        if status != 0:
-            raise IndexError(f"a token id outside the selector's vocabulary ({predecessor.shape[0]})")
-        return tokens, choices
-
 
 def _check(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:
     """The kernels trust their arguments' shapes: a mismatch is a bug, refused before any memory is touched."""
@@ -179,11 +154,6 @@ def _check(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:
 def bf16_exact(weight: torch.Tensor) -> bool:
     """Whether every value of a float32 tensor survives a round trip through bfloat16 unchanged."""
     return bool(torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight))
-
-
-def cache_folder() -> Path:
-    configured = os.environ.get("DFLASH_KERNEL_CACHE")
-    return Path(configured) if configured else Path.home() / ".cache" / "dflash-serve" / "kernels"
 
 
 def _why_unavailable(compiler: str | None) -> str:
@@ -199,16 +169,6 @@ def _why_unavailable(compiler: str | None) -> str:
     return ""
 
 
-def _build(compiler: str, target: Path) -> None:
-    """Compile into a private file, then rename: processes that build at once never load a half-written one."""
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent) as scratch:
-        built = Path(scratch) / target.name
-        subprocess.run([compiler, *FLAGS, "-o", str(built), *map(str, SOURCES)], check=True, capture_output=True,
-                       text=True, timeout=120)
-        os.replace(built, target)
-
-
 @functools.cache
 def cpu_kernels() -> CpuKernels | None:
     """The kernels, built if needed (once per process); None where they cannot run (logged once)."""
@@ -218,14 +178,8 @@ def cpu_kernels() -> CpuKernels | None:
     if why:
         log.info("C++ CPU kernels off (%s): float32 projections use PyTorch's GEMM", why)
         return None
-    sources = b"".join(source.read_bytes() for source in SOURCES)
-    key = hashlib.sha256(sources + " ".join([compiler, *FLAGS]).encode()).hexdigest()[:16]
-    target = cache_folder() / key / "libdflash_cpu.so"
     try:
-        if not target.exists():
-            log.info("compiling the C++ CPU kernels (first use) into %s", target.parent)
-            _build(compiler, target)
-        return CpuKernels(ctypes.CDLL(str(target)))
+        return CpuKernels(ctypes.CDLL(str(cached_library("libdflash_cpu.so", [compiler, *FLAGS], SOURCES))))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("C++ CPU kernels unavailable (build or load failed: %s): float32 projections use PyTorch's GEMM",

@@ -1,4 +1,5 @@
-"""Lossless acceptance rules as pure functions: tensors in, accepted counts and next tokens out.
+"""The PyTorch reference of the verify kernel, and the lossless acceptance rules it is made of, as pure functions:
+tensors in, accepted counts and next tokens out. This is the CPU path and the kernels' test oracle.
 
 All functions take a padded batch: row b drafted num_drafts[b] tokens (0 = plain decoding); draft positions
 at or past num_drafts[b] are ignored. Position i of the target distributions scores the token that follows
@@ -8,6 +9,8 @@ the block's i-th token, so target[:, i] checks draft[:, i] and target[:, a] give
 import torch
 
 from shared.sampling import sample_from
+
+POINT_MASS, SPARSE, DENSE = 0, 1, 2  # a sampled row's proposal form (rows.h: QForm)
 
 
 def _accepted_prefix(matches: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
@@ -66,3 +69,37 @@ def verify_sampled(
     residual = torch.where(usable, residual, p_next)
     distribution = torch.where(rejected[:, None], residual, p_next)
     return accepted, sample_from(distribution, sample_uniforms)
+
+
+def proposal_rows(draft: torch.Tensor, vocab: int, q_form: torch.Tensor, q_dense: torch.Tensor, q_ids: torch.Tensor,
+                  q_probs: torch.Tensor) -> torch.Tensor:
+    """The dense q [rows, n, vocab] of rows whose proposals come in the kernel's forms (see verify_block)."""
+    rows = []
+    for r, form in enumerate(q_form.tolist()):
+        if form == POINT_MASS:
+            rows.append(dense_proposal(draft[r], vocab, None, None))
+        elif form == SPARSE:
+            rows.append(dense_proposal(draft[r], vocab, q_probs[r], q_ids[r]))
+        else:
+            rows.append(q_dense[r].float())
+    return torch.stack(rows) if rows else torch.zeros(0, draft.shape[1], vocab, device=draft.device)
+
+
+def verify_block(scores: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor, sampled: torch.Tensor,
+                 q_form: torch.Tensor, q_dense: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
+                 accept_u: torch.Tensor, sample_u: torch.Tensor) -> torch.Tensor:
+    """One verify step for a batch, greedy and sampled rows mixed; the contract of the verify kernel.
+
+    scores [b, n+1, vocab] float32: logits for greedy rows, probabilities after logits processing for sampled
+    rows; draft [b, n]; num_drafts [b]; sampled [b] bool. Sampled rows' proposals: q_form [b] (POINT_MASS: the
+    draft itself; SPARSE: q_ids, q_probs [b, n, K]; DENSE: q_dense [b, n, vocab]); accept_u [b, n] and
+    sample_u [b] float64 uniforms. Returns [b, 2] int64: accepted count, next token.
+    """
+    accepted, next_tokens = verify_greedy(draft, num_drafts, scores)
+    rows = sampled.nonzero()[:, 0]
+    if len(rows):
+        q = proposal_rows(draft[rows], scores.shape[-1], q_form[rows], q_dense[rows] if q_dense.dim() == 3 else
+                          q_dense, q_ids[rows], q_probs[rows])
+        acc_s, next_s = verify_sampled(draft[rows], num_drafts[rows], scores[rows], q, accept_u[rows], sample_u[rows])
+        accepted, next_tokens = accepted.index_copy(0, rows, acc_s), next_tokens.index_copy(0, rows, next_s)
+    return torch.stack([accepted, next_tokens], 1)

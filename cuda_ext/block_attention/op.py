@@ -1,0 +1,59 @@
+"""The drafter's block attention as a torch custom op (dflash::block_attention, with a fake implementation), and
+`block_attention`, which picks the kernel or the reference (cuda_ext/dispatch.py). On CPU the reference (or the
+drafter's own AVX2 kernel) stays the default: the host build runs one row at a time in plain scalar code."""
+
+import torch
+
+from cuda_ext.block_attention import reference
+from cuda_ext.dispatch import built_entry, check_status, kernel_entry, stream_argument
+
+
+@torch.library.custom_op("dflash::block_attention", mutates_args=())
+def block_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                           ends: torch.Tensor, positions: torch.Tensor, window: int, causal: bool,
+                           scale: float) -> torch.Tensor:
+    """reference.block_attention's contract in one launch: q and the (contiguous) cache in float32 or bfloat16, the
+    arithmetic in float32, the result in q's dtype."""
+    device = q.device
+    entry = built_entry("block_attention", device)
+    if entry is None:
+        raise RuntimeError("dflash::block_attention: no kernel build for this device")
+    batch, heads, queries, dim = q.shape
+    num_slots, kv_heads, capacity = keys.shape[0], keys.shape[1], keys.shape[2]
+    dtype = keys.dtype
+    q = q.to(dtype).contiguous()
+    slots, ends, positions = slots.long().contiguous(), ends.long().contiguous(), positions.long().contiguous()
+    if not (keys.dtype == values.dtype and dtype in (torch.float32, torch.bfloat16) and keys.is_contiguous() and values.is_contiguous()
+            and keys.shape == values.shape and keys.shape[3] == dim and heads % kv_heads == 0
+            and slots.shape == ends.shape == (batch,) and positions.shape == (batch, queries)):
+        described = ", ".join(str(tuple(t.shape)) for t in (q, keys, values, slots, ends, positions))
+        raise ValueError(f"dflash::block_attention: inconsistent arguments ({described})")
+    out = torch.empty(batch, queries, heads * dim, dtype=torch.float32, device=device)
+    status = entry(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), ends.data_ptr(),
+                   positions.data_ptr(), batch, heads, kv_heads, queries, dim, capacity, num_slots, window,
+                   int(causal), int(dtype == torch.bfloat16), scale, out.data_ptr(), *stream_argument(device))
+    check_status("block_attention", status)
+    return out.to(dtype)
+
+
+@block_attention_kernel.register_fake
+def _(q, keys, values, slots, ends, positions, window, causal, scale):
+    batch, heads, queries, dim = q.shape
+    return q.new_empty(batch, queries, heads * dim, dtype=keys.dtype)
+
+
+def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
+                    ends: torch.Tensor, positions: torch.Tensor, window: int, causal: bool, scale: float,
+                    use_kernel: bool | None = None) -> torch.Tensor:
+    """reference.block_attention, on the kernel where dispatch picks it (use_kernel forces the choice)."""
+    if use_kernel is None:
+        use_kernel = kernel_entry("block_attention", q.device) is not None
+    if not use_kernel:
+        return reference.block_attention(q, keys, values, slots, ends, positions, window, causal, scale)
+    return block_attention_kernel(q, keys, values, slots, ends, positions, int(window or 0), bool(causal),
+                                  float(scale))
+
+
+def kernel_available(device: torch.device) -> bool:
+    """Whether dispatch sends this device's block attention to a kernel build (CUDA, or DFLASH_KERNELS=host)."""
+    return kernel_entry("block_attention", device) is not None

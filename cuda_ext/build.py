@@ -1,0 +1,133 @@
+"""Building the kernels of cuda_ext/: each kernel folder holds rows.h (its per-row logic, DFLASH_HD functions),
+host.cpp (the host build: those functions on one CPU thread) and kernel.cu (the CUDA kernel calling the same
+functions). Both builds export plain C functions, loaded with ctypes; no torch headers are compiled (the CPU torch
+wheel ships incomplete CUDA headers, and a torch extension takes a minute per file on a small machine).
+
+- The host build compiles on first use with the system C++ compiler ($CXX, else c++), about a second.
+- The CUDA build compiles on first use with nvcc ($DFLASH_NVCC, else nvcc on PATH, else $CUDA_HOME/bin/nvcc) for
+  the device's own architecture, only where torch sees a GPU.
+- `compile_objects` compiles every kernel.cu to objects for sm_90 and sm_121 (H100/H200 and the DGX Spark's
+  GB10) without a GPU: the CI check that the CUDA sources build.
+
+Builds are cached by content (shared/native_build.py): $DFLASH_KERNEL_CACHE, else ~/.cache/dflash-serve/kernels.
+"""
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+from shared.native_build import cached_library
+
+ROOT = Path(__file__).resolve().parent
+KERNELS = ("verify", "block_attention", "dflash2_walk")
+HOST_FLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-shared", "-fPIC"]
+NVCC_FLAGS = ["-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-fPIC,-ffp-contract=off"]
+CI_ARCHS = ("90", "121")
+
+P, I64, F32, F64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float, ctypes.c_double
+# each kernel's C entry point (dflash_<kernel>_host / _cuda) and its arguments; the CUDA one adds a stream
+SIGNATURES = {
+    "verify": [P] * 11 + [I64] * 4 + [P],
+    "block_attention": [P] * 6 + [I64] * 10 + [F32, P],
+    "dflash2_walk": [P] * 8 + [I64] * 5 + [P] * 3,
+}
+
+
+def headers() -> list[Path]:
+    return sorted([*ROOT.rglob("*.h"), *ROOT.rglob("*.cuh")])
+
+
+def host_sources() -> list[Path]:
+    return [ROOT / kernel / "host.cpp" for kernel in KERNELS]
+
+
+def cuda_sources() -> list[Path]:
+    return [ROOT / kernel / "kernel.cu" for kernel in KERNELS]
+
+
+def _bind(library: ctypes.CDLL, suffix: str, extra: list) -> dict:
+    functions = {}
+    for kernel, argtypes in SIGNATURES.items():
+        function = getattr(library, f"dflash_{kernel}_{suffix}")
+        function.restype = ctypes.c_int
+        function.argtypes = argtypes + extra
+        functions[kernel] = function
+    return functions
+
+
+@functools.cache
+def host_library() -> dict | None:
+    """The host build's entry points by kernel name, built if needed; None without a C++ compiler (logged)."""
+    log = logging.getLogger("dflash.cuda_ext")
+    compiler = shutil.which(os.environ.get("CXX", "c++"))
+    if compiler is None:
+        log.info("cuda_ext host build off (no C++ compiler: $CXX or c++): the PyTorch references run")
+        return None
+    try:
+        path = cached_library("libdflash_ext_host.so", [compiler, *HOST_FLAGS], host_sources(), headers())
+        return _bind(ctypes.CDLL(str(path)), "host", [])
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("cuda_ext host build failed (%s): the PyTorch references run",
+                    str(getattr(exc, "stderr", "") or exc).strip()[:500])
+        return None
+
+
+def find_nvcc() -> str | None:
+    configured = os.environ.get("DFLASH_NVCC")
+    if configured:
+        return shutil.which(configured)
+    found = shutil.which("nvcc")
+    if found:
+        return found
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    candidate = Path(home) / "bin" / "nvcc" if home else None
+    return str(candidate) if candidate is not None and candidate.exists() else None
+
+
+def gencode(arch: str) -> list[str]:
+    return ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
+
+
+@functools.cache
+def cuda_library() -> dict | None:
+    """The CUDA build's entry points by kernel name (each takes a cudaStream_t last), built for this GPU's
+    architecture if needed; None without a GPU or nvcc (logged: the PyTorch references run on the GPU)."""
+    import torch
+
+    log = logging.getLogger("dflash.cuda_ext")
+    if not torch.cuda.is_available():
+        return None
+    nvcc = find_nvcc()
+    if nvcc is None:
+        log.warning("cuda_ext CUDA kernels off (no nvcc: set DFLASH_NVCC or CUDA_HOME): the PyTorch references run")
+        return None
+    major, minor = torch.cuda.get_device_capability()
+    command = [nvcc, *NVCC_FLAGS, "-shared", *gencode(f"{major}{minor}")]
+    try:
+        path = cached_library(f"libdflash_ext_cuda_sm{major}{minor}.so", command, cuda_sources(), headers(), 900)
+        return _bind(ctypes.CDLL(str(path)), "cuda", [P])
+    except (OSError, subprocess.SubprocessError) as exc:
+        log.warning("cuda_ext CUDA build failed (%s): the PyTorch references run",
+                    str(getattr(exc, "stderr", "") or exc).strip()[:500])
+        return None
+
+
+def compile_objects(out_dir: Path, archs=CI_ARCHS, nvcc: str | None = None) -> list[Path]:
+    """nvcc -c of every kernel.cu for the given architectures (no GPU needed); raises CalledProcessError with
+    the compiler's output on an error. Returns the objects."""
+    nvcc = nvcc or find_nvcc()
+    if nvcc is None:
+        raise FileNotFoundError("nvcc not found (set DFLASH_NVCC or CUDA_HOME)")
+    out_dir.mkdir(parents=True, exist_ok=True)
+    objects = []
+    for source in cuda_sources():
+        target = out_dir / f"{source.parent.name}.o"
+        command = [nvcc, *NVCC_FLAGS, "-c", *[flag for arch in archs for flag in gencode(arch)], "-o", str(target),
+                   str(source)]
+        subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
+        objects.append(target)
+    return objects

@@ -1,0 +1,63 @@
+"""The DFlash 2 walk as a torch custom op (dflash::dflash2_walk, with a fake implementation), and `walk`, which
+picks the kernel or the reference (cuda_ext/dispatch.py). On CPU the host build is the default: one call for the
+whole path where the reference runs a handful of PyTorch ops per row."""
+
+import torch
+
+from cuda_ext.dflash2_walk import reference
+from cuda_ext.dispatch import built_entry, check_status, kernel_entry, stream_argument
+
+
+@torch.library.custom_op("dflash::dflash2_walk", mutates_args=())
+def walk_kernel(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, projected: torch.Tensor,
+                predecessor: torch.Tensor, successor: torch.Tensor, temperatures: torch.Tensor,
+                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.walk's contract in one launch (uniforms [b, n] float64, read for sampled rows only). A row with a
+    token id outside the selector's vocabulary gets tokens and choices of -1 (on CPU: an IndexError)."""
+    device = unary.device
+    entry = built_entry("dflash2_walk", device)
+    if entry is None:
+        raise RuntimeError("dflash::dflash2_walk: no kernel build for this device")
+    unary, projected = unary.float().contiguous(), projected.float().contiguous()
+    candidates, anchors = candidates.long().contiguous(), anchors.long().contiguous()
+    predecessor, successor = predecessor.float().contiguous(), successor.float().contiguous()
+    temperatures, uniforms = temperatures.float().contiguous(), uniforms.double().contiguous()
+    batch, rows, k = candidates.shape
+    rank, vocab = predecessor.shape[1], predecessor.shape[0]
+    if not (unary.shape == candidates.shape and anchors.shape == temperatures.shape == (batch,)
+            and projected.shape == (batch, rows, rank) and successor.shape == predecessor.shape
+            and uniforms.shape == (batch, rows) and k >= 1):
+        described = ", ".join(str(tuple(t.shape)) for t in (unary, candidates, anchors, projected, predecessor,
+                                                            successor, temperatures, uniforms))
+        raise ValueError(f"dflash::dflash2_walk: inconsistent shapes ({described})")
+    tokens = torch.empty(batch, rows, dtype=torch.int64, device=device)
+    choices = torch.empty(batch, rows, dtype=torch.int64, device=device)
+    q = torch.empty(batch, rows, k, dtype=torch.float32, device=device)
+    status = entry(unary.data_ptr(), candidates.data_ptr(), anchors.data_ptr(), projected.data_ptr(),
+                   predecessor.data_ptr(), successor.data_ptr(), temperatures.data_ptr(), uniforms.data_ptr(),
+                   batch, rows, k, rank, vocab, tokens.data_ptr(), choices.data_ptr(), q.data_ptr(),
+                   *stream_argument(device))
+    check_status("dflash2_walk", status)
+    return tokens, choices, q
+
+
+@walk_kernel.register_fake
+def _(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms):
+    shape = candidates.shape
+    return (candidates.new_empty(shape[:2]), candidates.new_empty(shape[:2]),
+            unary.new_empty(shape, dtype=torch.float32))
+
+
+def walk(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, projected: torch.Tensor,
+         predecessor: torch.Tensor, successor: torch.Tensor, temperatures: torch.Tensor,
+         uniforms: torch.Tensor | None, use_kernel: bool | None = None):
+    """reference.walk, on the kernel where dispatch picks it (use_kernel forces the choice)."""
+    if use_kernel is None:
+        use_kernel = kernel_entry("dflash2_walk", unary.device, cpu_default=True) is not None
+    if not use_kernel:
+        return reference.walk(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms)
+    if uniforms is None:
+        if unary.device.type == "cpu" and bool((temperatures > 0).any()):  # (no read-back of device values)
+            raise ValueError("dflash2_walk: sampled rows need uniforms")
+        uniforms = torch.zeros(candidates.shape[:2], dtype=torch.float64, device=unary.device)
+    return walk_kernel(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms)
