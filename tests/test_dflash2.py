@@ -288,10 +288,11 @@ def test_dflash_serve_serves_a_dflash2_drafter_and_says_so(tmp_path):
 
 
 @pytest.mark.parametrize("top_k", [1, 4, 32])
-def test_the_walk_kernel_walks_the_reference_path(top_k):
-    """The drafter's walk on the host build of cuda_ext's walk kernel (the CPU default) picks what the PyTorch
-    reference picks, row after row (each choice feeding the next row's pair term), greedy and sampled rows
-    mixed; a token id outside the selector's vocabulary is refused."""
+def test_the_walk_kernel_walks_the_reference_path(top_k, monkeypatch):
+    """The drafter's walk on the host build of cuda_ext's walk kernel (the CPU default for greedy walks; switched
+    in for sampled ones) picks what the PyTorch reference picks, row after row (each choice feeding the next
+    row's pair term), greedy and sampled rows mixed; a token id outside the selector's vocabulary is refused."""
+    monkeypatch.setenv("DFLASH_KERNELS", "host")
     settings = dataclasses.replace(SMALL, selector_top_k=top_k, selector_rank=16)
     drafter = random_drafter(tiny_draft_config(dflash2=settings), seed=4, std=0.2)
     with torch.no_grad():  # codebooks large enough that the pair term changes choices

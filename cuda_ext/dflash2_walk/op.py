@@ -1,6 +1,8 @@
 """The DFlash 2 walk as a torch custom op (dflash::dflash2_walk, with a fake implementation), and `walk`, which
-picks the kernel or the reference (cuda_ext/dispatch.py). On CPU the host build is the default: one call for the
-whole path where the reference runs a handful of PyTorch ops per row."""
+picks the kernel or the reference (cuda_ext/dispatch.py). On CPU the host build is the default for greedy walks:
+one call for the whole path where the reference runs a handful of PyTorch ops per row. A sampled walk (over
+selector_sample_top_k candidates, 1024 for the demo drafter) stays on the reference, whose pair terms are one
+batched product: the host build's sequential sums made sampled demo decoding 20% slower."""
 
 import torch
 
@@ -52,8 +54,10 @@ def walk(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, p
          predecessor: torch.Tensor, successor: torch.Tensor, temperatures: torch.Tensor,
          uniforms: torch.Tensor | None, use_kernel: bool | None = None):
     """reference.walk, on the kernel where dispatch picks it (use_kernel forces the choice)."""
-    if use_kernel is None:
-        use_kernel = kernel_entry("dflash2_walk", unary.device, cpu_default=True) is not None
+    if use_kernel is None:  # on CPU the host build serves greedy walks (few candidates); a sampled walk over
+        # many candidates is faster as the reference's batched products (the host build's sums are sequential)
+        greedy = unary.device.type == "cpu" and (uniforms is None or not bool((temperatures > 0).any()))
+        use_kernel = kernel_entry("dflash2_walk", unary.device, cpu_default=greedy) is not None
     if not use_kernel:
         return reference.walk(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms)
     if uniforms is None:

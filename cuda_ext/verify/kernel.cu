@@ -45,13 +45,18 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(dflash::VerifyArgs a) 
   const float* values = dflash::scores_at(a, b, accepted);
   if (accepted < k) {
     dflash::residual_fill(a, b, accepted, threadIdx.x, a.vocab, kThreads);
+    if (a.q_form[b] == dflash::kSparse) {  // uniform across the block: one row's form
+      for (int64_t j = threadIdx.x; j < a.K; j += kThreads) dflash::sparse_q_reset(a, b, accepted, j);
+      __syncthreads();
+      if (threadIdx.x == 0) dflash::sparse_q_accumulate(a, b, accepted);
+    }
     __syncthreads();
-    // duplicate sparse ids write the same value (q_at sums all of them): a benign race
+    // a repeated sparse id is patched by several threads with the same value: a benign race
     for (int64_t j = threadIdx.x; j < dflash::touched_entries(a, b); j += kThreads) {
       dflash::residual_patch(a, b, accepted, j);
     }
     __syncthreads();
-    const float* residual = a.workspace + b * a.vocab;
+    const float* residual = a.workspace + 2 * b * a.vocab;
     if (__syncthreads_or(dflash::any_positive(residual, threadIdx.x, a.vocab, kThreads))) values = residual;
   }
   const int64_t token = dflash::block_draw<kThreads>(dflash::RowValues{values}, a.vocab, a.sample_u[b], chunk_starts,

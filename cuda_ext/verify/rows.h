@@ -27,7 +27,7 @@ struct VerifyArgs {
   const float* q_probs;       // [batch, width, K]
   const double* accept_u;     // [batch, width]
   const double* sample_u;     // [batch]
-  float* workspace;           // [batch, vocab]: a sampled row's residual
+  float* workspace;           // [batch, 2, vocab]: a sampled row's residual, and its sparse q summed per id
   int64_t batch, width, vocab, K;
   int64_t* out;               // [batch, 2]: accepted count, next token; (-1, -1) for a row row_ids_valid refuses
 };
@@ -96,11 +96,12 @@ DFLASH_HD int64_t sampled_accepted(const VerifyArgs& a, int64_t b) {
 DFLASH_HD float clamp_nonnegative(float x) { return x > 0.0f ? x : 0.0f; }
 
 // The residual max(0, p - q) at the rejected position i, for v in [begin, end) every stride-th: the entries a
-// sparse or point-mass q leaves at p, and a dense q's differences. residual_patch then sets the entries that a
-// sparse or point-mass q touches.
+// sparse or point-mass q leaves at p, and a dense q's differences. The entries a sparse or point-mass q touches
+// are then set by residual_patch, after a sparse q's probabilities are summed per id (sparse_q_reset, then
+// sparse_q_accumulate): O(vocab + K), where looking each id up among the K would be O(K^2).
 DFLASH_HD void residual_fill(const VerifyArgs& a, int64_t b, int64_t i, int64_t begin, int64_t end, int64_t stride) {
   const float* p = scores_at(a, b, i);
-  float* r = a.workspace + b * a.vocab;
+  float* r = a.workspace + 2 * b * a.vocab;
   if (a.q_form[b] == kDense) {
     const float* q = a.q_dense + (b * a.width + i) * a.vocab;
     for (int64_t v = begin; v < end; v += stride) r[v] = clamp_nonnegative(p[v] - q[v]);
@@ -109,12 +110,36 @@ DFLASH_HD void residual_fill(const VerifyArgs& a, int64_t b, int64_t i, int64_t 
   }
 }
 
-// The j-th touched entry (j < K for sparse q, j == 0 for a point mass), after residual_fill.
+DFLASH_HD float* q_sums(const VerifyArgs& a, int64_t b) { return a.workspace + (2 * b + 1) * a.vocab; }
+
+// The j-th sparse id's sum slot to 0 (any order; duplicates write the same 0).
+DFLASH_HD void sparse_q_reset(const VerifyArgs& a, int64_t b, int64_t i, int64_t j) {
+  q_sums(a, b)[a.q_ids[(b * a.width + i) * a.K + j]] = 0.0f;
+}
+
+// Each id's probabilities summed in the order of the K entries, as scattering them onto a zero row does (one
+// thread: the order of a repeated id's additions is the reference's).
+DFLASH_HD void sparse_q_accumulate(const VerifyArgs& a, int64_t b, int64_t i) {
+  const int64_t* ids = a.q_ids + (b * a.width + i) * a.K;
+  const float* probs = a.q_probs + (b * a.width + i) * a.K;
+  float* sums = q_sums(a, b);
+  for (int64_t j = 0; j < a.K; ++j) sums[ids[j]] += probs[j];
+}
+
+// The j-th touched entry (j < K for sparse q, j == 0 for a point mass), after residual_fill and, for sparse q,
+// sparse_q_accumulate. A repeated id writes the same value each time.
 DFLASH_HD void residual_patch(const VerifyArgs& a, int64_t b, int64_t i, int64_t j) {
   const int32_t form = a.q_form[b];
   if (form == kDense || (form == kPointMass && j > 0)) return;
-  const int64_t token = form == kPointMass ? a.draft[b * a.width + i] : a.q_ids[(b * a.width + i) * a.K + j];
-  a.workspace[b * a.vocab + token] = clamp_nonnegative(scores_at(a, b, i)[token] - q_at(a, b, i, token));
+  const float* p = scores_at(a, b, i);
+  float* r = a.workspace + 2 * b * a.vocab;
+  if (form == kPointMass) {
+    const int64_t token = a.draft[b * a.width + i];
+    r[token] = clamp_nonnegative(p[token] - 1.0f);
+    return;
+  }
+  const int64_t token = a.q_ids[(b * a.width + i) * a.K + j];
+  r[token] = clamp_nonnegative(p[token] - q_sums(a, b)[token]);
 }
 
 DFLASH_HD int64_t touched_entries(const VerifyArgs& a, int64_t b) {
@@ -159,8 +184,12 @@ DFLASH_HD void verify_row_sequential(const VerifyArgs& a, int64_t b) {
   const float* values = scores_at(a, b, accepted);  // the bonus position, or the p of a rejected one
   if (accepted < k) {
     residual_fill(a, b, accepted, 0, a.vocab, 1);
+    if (a.q_form[b] == kSparse) {
+      for (int64_t j = 0; j < a.K; ++j) sparse_q_reset(a, b, accepted, j);
+      sparse_q_accumulate(a, b, accepted);
+    }
     for (int64_t j = 0; j < touched_entries(a, b); ++j) residual_patch(a, b, accepted, j);
-    const float* residual = a.workspace + b * a.vocab;
+    const float* residual = a.workspace + 2 * b * a.vocab;
     if (any_positive(residual, 0, a.vocab, 1)) values = residual;
   }
   out[0] = accepted;
