@@ -46,7 +46,7 @@ def host_sources() -> list[Path]:
 
 
 def cuda_sources() -> list[Path]:
-    return [ROOT / kernel / "kernel.cu" for kernel in KERNELS]
+    return [ROOT / kernel / "kernel.cu" for kernel in KERNELS] + [ROOT / "common" / "errors.cu"]
 
 
 def _bind(library: ctypes.CDLL, suffix: str, extra: list) -> dict:
@@ -92,10 +92,38 @@ def gencode(arch: str) -> list[str]:
     return ["-gencode", f"arch=compute_{arch},code=sm_{arch}"]
 
 
+class CudaBuild:
+    """The CUDA build's entry points by kernel name (each takes a cudaStream_t last), and the name of a CUDA error
+    behind a positive status."""
+
+    def __init__(self, library: ctypes.CDLL):
+        self.entries = _bind(library, "cuda", [P])
+        self._error_name = library.dflash_cuda_error_name
+        self._error_name.restype, self._error_name.argtypes = ctypes.c_char_p, [ctypes.c_int]
+        self._probes = {kernel: getattr(library, f"dflash_{kernel}_probe") for kernel in KERNELS}
+        for probe in self._probes.values():
+            probe.restype, probe.argtypes = ctypes.c_int, []
+
+    def __getitem__(self, kernel: str):
+        return self.entries[kernel]
+
+    def error_name(self, error: int) -> str:
+        return self._error_name(error).decode(errors="replace")
+
+    def probe(self) -> str:
+        """"" if every kernel can run on the current device, else what stops it (a driver older than the
+        runtime nvcc linked in, no code for this architecture)."""
+        for kernel, probe in self._probes.items():
+            error = probe()
+            if error:
+                return f"{kernel}: {self.error_name(error)}"
+        return ""
+
+
 @functools.cache
-def cuda_library() -> dict | None:
-    """The CUDA build's entry points by kernel name (each takes a cudaStream_t last), built for this GPU's
-    architecture if needed; None without a GPU or nvcc (logged: the PyTorch references run on the GPU)."""
+def cuda_library(device_index: int = 0) -> CudaBuild | None:
+    """The CUDA build for the architecture of GPU `device_index`, built if needed and probed there once; None
+    without a GPU, without nvcc, or when it cannot run (logged: the PyTorch references run on the GPU)."""
     import torch
 
     log = logging.getLogger("dflash.cuda_ext")
@@ -105,15 +133,21 @@ def cuda_library() -> dict | None:
     if nvcc is None:
         log.warning("cuda_ext CUDA kernels off (no nvcc: set DFLASH_NVCC or CUDA_HOME): the PyTorch references run")
         return None
-    major, minor = torch.cuda.get_device_capability()
+    major, minor = torch.cuda.get_device_capability(device_index)
     command = [nvcc, *NVCC_FLAGS, "-shared", *gencode(f"{major}{minor}")]
     try:
         path = cached_library(f"libdflash_ext_cuda_sm{major}{minor}.so", command, cuda_sources(), headers(), 900)
-        return _bind(ctypes.CDLL(str(path)), "cuda", [P])
+        built = CudaBuild(ctypes.CDLL(str(path)))
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("cuda_ext CUDA build failed (%s): the PyTorch references run",
                     str(getattr(exc, "stderr", "") or exc).strip()[:500])
         return None
+    with torch.cuda.device(device_index):
+        why = built.probe()
+    if why:
+        log.warning("cuda_ext CUDA kernels cannot run on GPU %d (%s): the PyTorch references run", device_index, why)
+        return None
+    return built
 
 
 def compile_objects(out_dir: Path, archs=CI_ARCHS, nvcc: str | None = None) -> list[Path]:
@@ -125,7 +159,7 @@ def compile_objects(out_dir: Path, archs=CI_ARCHS, nvcc: str | None = None) -> l
     out_dir.mkdir(parents=True, exist_ok=True)
     objects = []
     for source in cuda_sources():
-        target = out_dir / f"{source.parent.name}.o"
+        target = out_dir / f"{source.parent.name if source.parent.name != 'common' else source.stem}.o"
         command = [nvcc, *NVCC_FLAGS, "-c", *[flag for arch in archs for flag in gencode(arch)], "-o", str(target),
                    str(source)]
         subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)

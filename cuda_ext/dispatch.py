@@ -23,10 +23,16 @@ def kernel_mode() -> str:
     return mode
 
 
+def _build_for(device: torch.device):
+    if device.type == "cuda":
+        return cuda_library(device.index if device.index is not None else torch.cuda.current_device())
+    return host_library() if device.type == "cpu" else None
+
+
 def built_entry(kernel: str, device: torch.device):
     """The C entry point of `kernel` in the build for `device` (CUDA or host), whatever the mode; None if unbuilt."""
-    functions = cuda_library() if device.type == "cuda" else host_library() if device.type == "cpu" else None
-    return None if functions is None else functions[kernel]
+    build = _build_for(device)
+    return None if build is None else build[kernel]
 
 
 def kernel_entry(kernel: str, device: torch.device, cpu_default: bool = False):
@@ -39,15 +45,20 @@ def kernel_entry(kernel: str, device: torch.device, cpu_default: bool = False):
     return built_entry(kernel, device)
 
 
-def stream_argument(device: torch.device) -> list:
-    """The trailing cudaStream_t of a CUDA entry point (the current stream, so graph capture records it)."""
-    return [torch.cuda.current_stream(device).cuda_stream] if device.type == "cuda" else []
-
-
-def check_status(kernel: str, status: int) -> None:
+def call_kernel(kernel: str, device: torch.device, *arguments) -> None:
+    """Run `kernel`'s build for `device` on C arguments (pointers and sizes); on CUDA with that device current
+    and on its current stream (so a CUDA graph being captured records the launch). Raises on a refused call."""
+    entry = built_entry(kernel, device)
+    if entry is None:
+        raise RuntimeError(f"dflash::{kernel}: no kernel build for {device}")
+    if device.type != "cuda":
+        status = entry(*arguments)
+    else:
+        with torch.cuda.device(device):
+            status = entry(*arguments, torch.cuda.current_stream(device).cuda_stream)
     if status == -1:
-        raise ValueError(f"{kernel}: arguments the kernel does not take")
+        raise ValueError(f"dflash::{kernel}: arguments the kernel does not take")
     if status == -2:
-        raise IndexError(f"{kernel}: a token id outside the vocabulary")
+        raise IndexError(f"dflash::{kernel}: a token id outside the vocabulary")
     if status != 0:
-        raise RuntimeError(f"{kernel}: the CUDA launch failed (status {status})")
+        raise RuntimeError(f"dflash::{kernel}: the CUDA launch failed ({_build_for(device).error_name(status)})")

@@ -87,7 +87,7 @@ class DraftAttention(nn.Module):
         q = self._queries(x, cos, sin, cache, slots, positions)  # [b, heads, block, dim]
         self.write_keys_values(x, cos, sin, cache, slots, positions)  # block rows join the cached context rows
         keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
-        if keys.dtype in (torch.float32, torch.bfloat16) and block_attention_available(q.device):  # no padding
+        if block_attention_available(q, keys):  # the kernel: ragged lengths, no padding work
             return self.o_proj(block_attention(q, keys, values, slots, block_end, positions, self.window or 0,
                                                self.causal, self.head_dim**-0.5, use_kernel=True))
         kv_len = int(block_end.max())

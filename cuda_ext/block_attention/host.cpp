@@ -11,12 +11,13 @@ int attend_all(const dflash::AttentionArgs<T>& a) {
   const int64_t batch = a.batch, heads = a.heads, kv_heads = a.kv_heads, queries = a.queries, dim = a.dim;
   const T *keys = a.keys, *values = a.values;
   const float scale = a.scale;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (!dflash::attention_row_valid(a, b)) return dflash::kBadArgument;
-  }
   std::vector<float> acc(dim);
   const int64_t group = heads / kv_heads;
   for (int64_t b = 0; b < batch; ++b) {
+    if (!dflash::attention_row_valid(a, b)) {  // a slot or length outside the cache: zeros, as the CUDA kernel
+      for (int64_t e = 0; e < queries * heads * dim; ++e) a.out[b * queries * heads * dim + e] = 0.0f;
+      continue;
+    }
     for (int64_t h = 0; h < heads; ++h) {
       const int64_t base = dflash::cache_offset(a, b, h / group);
       for (int64_t i = 0; i < queries; ++i) {
@@ -43,7 +44,7 @@ extern "C" int dflash_block_attention_host(const void* q, const void* keys, cons
                                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t queries,
                                            int64_t dim, int64_t capacity, int64_t num_slots, int64_t window,
                                            int64_t causal, int64_t bf16, float scale, float* out) {
-  if (batch < 0 || kv_heads < 1 || heads % kv_heads != 0 || dim < 1 || dim > dflash::kMaxHeadDim) {
+  if (batch < 0 || kv_heads < 1 || heads < 1 || heads % kv_heads != 0 || dim < 1 || dim > dflash::kMaxHeadDim) {
     return dflash::kBadArgument;
   }
   if (bf16) {

@@ -4,12 +4,13 @@
 // position order, as the host build does. No padding work: a tile spans only the keys some row sees.
 #include <cuda_runtime.h>
 
+#include "../common/launch.cuh"
 #include "rows.h"
 
 namespace {
 
 constexpr int64_t kTileKeys = 16;
-constexpr int kMaxRows = 256;
+constexpr int kMaxRows = dflash::kAttentionMaxRows;
 
 template <typename T>
 __global__ void block_attention_kernel(dflash::AttentionArgs<T> a) {
@@ -71,10 +72,15 @@ int launch(const dflash::AttentionArgs<T>& a, cudaStream_t stream) {
   const int threads = (int)(((a.heads / a.kv_heads) * a.queries + 31) / 32 * 32);
   const size_t shared_bytes = 2 * kTileKeys * a.dim * sizeof(T);
   block_attention_kernel<T><<<(unsigned)(a.batch * a.kv_heads), threads, shared_bytes, stream>>>(a);
-  return cudaGetLastError() == cudaSuccess ? dflash::kOk : dflash::kLaunchFailed;
+  return dflash::launch_status();
 }
 
 }  // namespace
+
+extern "C" int dflash_block_attention_probe() {
+  const int f32 = dflash::probe(block_attention_kernel<float>);
+  return f32 != 0 ? f32 : dflash::probe(block_attention_kernel<uint16_t>);
+}
 
 // q, keys, values: float32, or bfloat16 (their bits) when bf16 is 1. out: float32.
 extern "C" int dflash_block_attention_cuda(const void* q, const void* keys, const void* values,
@@ -82,8 +88,8 @@ extern "C" int dflash_block_attention_cuda(const void* q, const void* keys, cons
                                            int64_t batch, int64_t heads, int64_t kv_heads, int64_t queries,
                                            int64_t dim, int64_t capacity, int64_t num_slots, int64_t window,
                                            int64_t causal, int64_t bf16, float scale, float* out, void* stream) {
-  if (batch < 0 || kv_heads < 1 || heads % kv_heads != 0 || dim < 1 || dim > dflash::kMaxHeadDim
-      || (heads / kv_heads) * queries > kMaxRows) {
+  if (batch < 0 || kv_heads < 1 || heads < 1 || heads % kv_heads != 0 || dim < 1 || dim > dflash::kMaxHeadDim
+      || (heads / kv_heads) * queries > kMaxRows || batch * kv_heads > dflash::kMaxGrid) {
     return dflash::kBadArgument;
   }
   if (batch == 0 || queries == 0) return dflash::kOk;

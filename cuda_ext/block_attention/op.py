@@ -5,7 +5,9 @@ drafter's own AVX2 kernel) stays the default: the host build runs one row at a t
 import torch
 
 from cuda_ext.block_attention import reference
-from cuda_ext.dispatch import built_entry, check_status, kernel_entry, stream_argument
+from cuda_ext.dispatch import call_kernel, kernel_entry
+
+MAX_HEAD_DIM, CUDA_MAX_ROWS = 256, 256  # rows.h: kMaxHeadDim, kAttentionMaxRows
 
 
 @torch.library.custom_op("dflash::block_attention", mutates_args=())
@@ -15,9 +17,6 @@ def block_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
     """reference.block_attention's contract in one launch: q and the (contiguous) cache in float32 or bfloat16, the
     arithmetic in float32, the result in q's dtype."""
     device = q.device
-    entry = built_entry("block_attention", device)
-    if entry is None:
-        raise RuntimeError("dflash::block_attention: no kernel build for this device")
     batch, heads, queries, dim = q.shape
     num_slots, kv_heads, capacity = keys.shape[0], keys.shape[1], keys.shape[2]
     dtype = keys.dtype
@@ -29,10 +28,13 @@ def block_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Te
         described = ", ".join(str(tuple(t.shape)) for t in (q, keys, values, slots, ends, positions))
         raise ValueError(f"dflash::block_attention: inconsistent arguments ({described})")
     out = torch.empty(batch, queries, heads * dim, dtype=torch.float32, device=device)
-    status = entry(q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(), ends.data_ptr(),
-                   positions.data_ptr(), batch, heads, kv_heads, queries, dim, capacity, num_slots, window,
-                   int(causal), int(dtype == torch.bfloat16), scale, out.data_ptr(), *stream_argument(device))
-    check_status("block_attention", status)
+    if device.type == "cpu" and len(slots) and not (bool(((slots >= 0) & (slots < num_slots)).all())
+                                                     and bool(((ends >= 0) & (ends <= capacity)).all())):
+        raise ValueError(f"dflash::block_attention: slots {slots.tolist()} or ends {ends.tolist()} outside the cache "
+                         f"({num_slots} slots x {capacity} positions)")  # (the CUDA kernel writes zeros for them)
+    call_kernel("block_attention", device, q.data_ptr(), keys.data_ptr(), values.data_ptr(), slots.data_ptr(),
+                ends.data_ptr(), positions.data_ptr(), batch, heads, kv_heads, queries, dim, capacity, num_slots,
+                window, int(causal), int(dtype == torch.bfloat16), scale, out.data_ptr())
     return out.to(dtype)
 
 
@@ -54,6 +56,10 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
                                   float(scale))
 
 
-def kernel_available(device: torch.device) -> bool:
-    """Whether dispatch sends this device's block attention to a kernel build (CUDA, or DFLASH_KERNELS=host)."""
-    return kernel_entry("block_attention", device) is not None
+def kernel_available(q: torch.Tensor, keys: torch.Tensor) -> bool:
+    """Whether dispatch sends this block attention to a kernel build (CUDA, or DFLASH_KERNELS=host on CPU) and
+    the kernel takes its sizes: head size <= 256; on CUDA, GQA group x block queries <= 256 (a thread each)."""
+    heads, queries, dim = q.shape[1], q.shape[2], q.shape[3]
+    fits = dim <= MAX_HEAD_DIM and keys.dtype in (torch.float32, torch.bfloat16) and (
+        q.device.type != "cuda" or heads // keys.shape[1] * queries <= CUDA_MAX_ROWS)
+    return fits and kernel_entry("block_attention", q.device) is not None

@@ -19,4 +19,5 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
     else:
         mask = visibility_mask(positions, length, visible_end=ends, sliding_window=window)
     out = cached_attention(q, k, v, mask, scale)
-    return out * mask[:, 0].any(-1)[..., None]  # a row that sees no key: zeros (SDPA gives NaN)
+    sees = mask[:, 0].any(-1)[..., None]  # [b, queries, 1]
+    return torch.where(sees, out, torch.zeros_like(out))  # a row that sees no key: zeros (SDPA gives NaN)

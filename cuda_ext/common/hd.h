@@ -15,11 +15,12 @@
 
 namespace dflash {
 
-// Return codes of the C entry points (0 = done).
+// Return codes of the C entry points: 0 done; negative: refused before any memory was read; positive: the
+// cudaError_t of a failed launch (common/launch.cuh).
 constexpr int kOk = 0;
-constexpr int kBadArgument = -1;  // a shape the kernel does not take (checked before any memory is read)
+constexpr int kBadArgument = -1;  // a shape or size the kernel does not take
 constexpr int kBadToken = -2;     // a token id outside the vocabulary (nothing meaningful written)
-constexpr int kLaunchFailed = -3;  // the CUDA launch itself failed
+constexpr int64_t kMaxGrid = 2147483647;  // thread blocks in a launch's x dimension
 
 // The inverse-CDF draw sums probabilities in chunks of this many entries: sequentially inside a chunk, then the
 // chunk totals sequentially. The PyTorch reference (shared/sampling.py: sample_from) sums in the same order, so
@@ -43,6 +44,7 @@ DFLASH_HD bool is_nan(float x) { return x != x; }
 // exp(x) for x <= 0 (Cephes' polynomial after a power-of-two range reduction), float32 accuracy; -inf and
 // anything below -87.3 give the smallest normal's neighbourhood, i.e. ~0. Plain mul/add, no libm call.
 DFLASH_HD float exp_nonpositive(float x) {
+  if (is_nan(x)) return x;  // (a NaN's conversion to an integer below differs between CPU and GPU)
   x = x < -87.3365f ? -87.3365f : x;
   const float scaled = x * 1.44269504088896341f;
   const float n = (float)(int32_t)(scaled < 0.0f ? scaled - 0.5f : scaled + 0.5f);  // round half away from 0

@@ -9,15 +9,15 @@ extern "C" int dflash_dflash2_walk_host(const float* unary, const int64_t* candi
                                         const float* temperatures, const double* uniforms, int64_t batch,
                                         int64_t rows, int64_t K, int64_t rank, int64_t vocab, int64_t* tokens,
                                         int64_t* choices, float* q) {
-  if (batch < 0 || rows < 0 || K < 1 || rank < 1) return dflash::kBadArgument;
+  if (batch < 0 || rows < 0 || K < 1 || rank < 1 || uniforms == nullptr) return dflash::kBadArgument;
   const dflash::WalkArgs a{unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms,
                            batch, rows, K, rank, vocab, tokens, choices, q};
   std::vector<float> query(rank), scores(K), scratch(K);
   for (int64_t b = 0; b < batch; ++b) {
-    if (!dflash::walk_ids_valid(a, b)) return dflash::kBadToken;
-    if (temperatures[b] > 0.0f && uniforms == nullptr) return dflash::kBadArgument;
-  }
-  for (int64_t b = 0; b < batch; ++b) {
+    if (!dflash::walk_ids_valid(a, b)) {  // refused as the CUDA kernel refuses it
+      for (int64_t t = 0; t < rows; ++t) dflash::walk_refuse(a, b, t);
+      continue;
+    }
     int64_t previous = anchors[b];
     for (int64_t t = 0; t < rows; ++t) {
       dflash::walk_query(a, b, t, previous, query.data(), 0, 1);

@@ -3,13 +3,14 @@
 // softmax and the draw, in candidate order as the host build does). One launch for the whole path.
 #include <cuda_runtime.h>
 
+#include "../common/launch.cuh"
 #include "rows.h"
 
 namespace {
 
 constexpr int kThreads = 128;
-constexpr int64_t kMaxRank = 1024;
-constexpr int64_t kMaxCandidates = 2048;
+constexpr int64_t kMaxRank = dflash::kWalkMaxRank;
+constexpr int64_t kMaxCandidates = dflash::kWalkMaxCandidates;
 
 __global__ void __launch_bounds__(kThreads) walk_kernel(dflash::WalkArgs a) {
   __shared__ float query[kMaxRank];
@@ -23,8 +24,8 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(dflash::WalkArgs a) {
     previous = a.anchors[b];
   }
   __syncthreads();
-  if (!valid) {  // a token id outside the vocabulary: the row's tokens say -1, nothing is read
-    for (int64_t t = threadIdx.x; t < a.rows; t += kThreads) a.tokens[b * a.rows + t] = a.choices[b * a.rows + t] = -1;
+  if (!valid) {  // a token id outside the vocabulary: the host build's refused row (rows.h: walk_refuse)
+    for (int64_t t = threadIdx.x; t < a.rows; t += kThreads) dflash::walk_refuse(a, b, t);
     return;
   }
   for (int64_t t = 0; t < a.rows; ++t) {
@@ -44,15 +45,20 @@ __global__ void __launch_bounds__(kThreads) walk_kernel(dflash::WalkArgs a) {
 
 }  // namespace
 
+extern "C" int dflash_dflash2_walk_probe() { return dflash::probe(walk_kernel); }
+
 extern "C" int dflash_dflash2_walk_cuda(const float* unary, const int64_t* candidates, const int64_t* anchors,
                                         const float* projected, const float* predecessor, const float* successor,
                                         const float* temperatures, const double* uniforms, int64_t batch,
                                         int64_t rows, int64_t K, int64_t rank, int64_t vocab, int64_t* tokens,
                                         int64_t* choices, float* q, void* stream) {
-  if (batch < 0 || rows < 0 || K < 1 || rank < 1 || rank > kMaxRank || K > kMaxCandidates) return dflash::kBadArgument;
+  if (batch < 0 || batch > dflash::kMaxGrid || rows < 0 || K < 1 || rank < 1 || rank > kMaxRank
+      || K > kMaxCandidates || uniforms == nullptr) {
+    return dflash::kBadArgument;
+  }
   if (batch == 0 || rows == 0) return dflash::kOk;
   const dflash::WalkArgs a{unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms,
                            batch, rows, K, rank, vocab, tokens, choices, q};
   walk_kernel<<<(unsigned)batch, kThreads, 0, (cudaStream_t)stream>>>(a);
-  return cudaGetLastError() == cudaSuccess ? dflash::kOk : dflash::kLaunchFailed;
+  return dflash::launch_status();
 }

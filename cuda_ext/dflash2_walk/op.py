@@ -7,7 +7,9 @@ batched product: the host build's sequential sums made sampled demo decoding 20%
 import torch
 
 from cuda_ext.dflash2_walk import reference
-from cuda_ext.dispatch import built_entry, check_status, kernel_entry, stream_argument
+
+CUDA_MAX_CANDIDATES, CUDA_MAX_RANK = 2048, 1024  # rows.h: kWalkMaxCandidates, kWalkMaxRank
+from cuda_ext.dispatch import call_kernel, kernel_entry
 
 
 @torch.library.custom_op("dflash::dflash2_walk", mutates_args=())
@@ -15,11 +17,9 @@ def walk_kernel(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Te
                 predecessor: torch.Tensor, successor: torch.Tensor, temperatures: torch.Tensor,
                 uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """reference.walk's contract in one launch (uniforms [b, n] float64, read for sampled rows only). A row with a
-    token id outside the selector's vocabulary gets tokens and choices of -1 (on CPU: an IndexError)."""
+    token id outside the selector's vocabulary gets tokens and choices of -1 and a zero q (`walk` raises an
+    IndexError for it on CPU)."""
     device = unary.device
-    entry = built_entry("dflash2_walk", device)
-    if entry is None:
-        raise RuntimeError("dflash::dflash2_walk: no kernel build for this device")
     unary, projected = unary.float().contiguous(), projected.float().contiguous()
     candidates, anchors = candidates.long().contiguous(), anchors.long().contiguous()
     predecessor, successor = predecessor.float().contiguous(), successor.float().contiguous()
@@ -35,33 +35,43 @@ def walk_kernel(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Te
     tokens = torch.empty(batch, rows, dtype=torch.int64, device=device)
     choices = torch.empty(batch, rows, dtype=torch.int64, device=device)
     q = torch.empty(batch, rows, k, dtype=torch.float32, device=device)
-    status = entry(unary.data_ptr(), candidates.data_ptr(), anchors.data_ptr(), projected.data_ptr(),
-                   predecessor.data_ptr(), successor.data_ptr(), temperatures.data_ptr(), uniforms.data_ptr(),
-                   batch, rows, k, rank, vocab, tokens.data_ptr(), choices.data_ptr(), q.data_ptr(),
-                   *stream_argument(device))
-    check_status("dflash2_walk", status)
+    call_kernel("dflash2_walk", device, unary.data_ptr(), candidates.data_ptr(), anchors.data_ptr(),
+                projected.data_ptr(), predecessor.data_ptr(), successor.data_ptr(), temperatures.data_ptr(),
+                uniforms.data_ptr(), batch, rows, k, rank, vocab, tokens.data_ptr(), choices.data_ptr(), q.data_ptr())
     return tokens, choices, q
 
 
 @walk_kernel.register_fake
 def _(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms):
     shape = candidates.shape
-    return (candidates.new_empty(shape[:2]), candidates.new_empty(shape[:2]),
+    return (candidates.new_empty(shape[:2], dtype=torch.int64), candidates.new_empty(shape[:2], dtype=torch.int64),
             unary.new_empty(shape, dtype=torch.float32))
+
+
+def kernel_fits(candidates: torch.Tensor, predecessor: torch.Tensor) -> bool:
+    """Whether the CUDA kernel takes these sizes (its shared memory holds a row's K scores and the rank's query);
+    the host build takes any."""
+    return candidates.device.type != "cuda" or (candidates.shape[-1] <= CUDA_MAX_CANDIDATES
+                                                and predecessor.shape[1] <= CUDA_MAX_RANK)
 
 
 def walk(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, projected: torch.Tensor,
          predecessor: torch.Tensor, successor: torch.Tensor, temperatures: torch.Tensor,
          uniforms: torch.Tensor | None, use_kernel: bool | None = None):
-    """reference.walk, on the kernel where dispatch picks it (use_kernel forces the choice)."""
+    """reference.walk, on the kernel where dispatch picks it (use_kernel forces the choice). Without uniforms
+    every row is greedy, as in the reference."""
     if use_kernel is None:  # on CPU the host build serves greedy walks (few candidates); a sampled walk over
         # many candidates is faster as the reference's batched products (the host build's sums are sequential)
         greedy = unary.device.type == "cpu" and (uniforms is None or not bool((temperatures > 0).any()))
-        use_kernel = kernel_entry("dflash2_walk", unary.device, cpu_default=greedy) is not None
+        use_kernel = (kernel_entry("dflash2_walk", unary.device, cpu_default=greedy) is not None
+                      and kernel_fits(candidates, predecessor))
     if not use_kernel:
         return reference.walk(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms)
     if uniforms is None:
-        if unary.device.type == "cpu" and bool((temperatures > 0).any()):  # (no read-back of device values)
-            raise ValueError("dflash2_walk: sampled rows need uniforms")
+        temperatures = temperatures.clamp(max=0)  # all greedy (no read-back of device values)
         uniforms = torch.zeros(candidates.shape[:2], dtype=torch.float64, device=unary.device)
-    return walk_kernel(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms)
+    tokens, choices, q = walk_kernel(unary, candidates, anchors, projected, predecessor, successor, temperatures,
+                                     uniforms)
+    if tokens.device.type == "cpu" and bool((tokens < 0).any()):
+        raise IndexError(f"dflash2_walk: a token id outside the vocabulary of the selector ({predecessor.shape[0]})")
+    return tokens, choices, q

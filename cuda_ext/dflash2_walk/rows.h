@@ -27,6 +27,8 @@ struct WalkArgs {
 };
 
 constexpr float kMinTemperature = 1e-6f;  // the reference clamps temperatures to this before dividing
+constexpr int64_t kWalkMaxRank = 1024;        // the CUDA kernel's shared-memory limits (op.py falls back above)
+constexpr int64_t kWalkMaxCandidates = 2048;
 
 DFLASH_HD bool walk_ids_valid(const WalkArgs& a, int64_t b) {
   if (a.anchors[b] < 0 || a.anchors[b] >= a.vocab) return false;
@@ -81,6 +83,14 @@ DFLASH_HD int64_t walk_choose(const WalkArgs& a, int64_t b, int64_t t, const flo
   }
   walk_softmax(scores, a.K, a.temperatures[b], q);
   return draw_sequential(QValues{q}, a.K, a.uniforms[b * a.rows + t]);
+}
+
+// A refused row (a token id outside the vocabulary): tokens and choices -1, q zero.
+DFLASH_HD void walk_refuse(const WalkArgs& a, int64_t b, int64_t t) {
+  a.tokens[b * a.rows + t] = a.choices[b * a.rows + t] = -1;
+  if (a.q != nullptr) {
+    for (int64_t k = 0; k < a.K; ++k) a.q[(b * a.rows + t) * a.K + k] = 0.0f;
+  }
 }
 
 DFLASH_HD void walk_record(const WalkArgs& a, int64_t b, int64_t t, int64_t choice) {

@@ -4,6 +4,7 @@
 #include <cuda_runtime.h>
 
 #include "../common/block_reduce.cuh"
+#include "../common/launch.cuh"
 #include "rows.h"
 
 namespace {
@@ -69,17 +70,27 @@ __global__ void __launch_bounds__(kThreads) verify_kernel(dflash::VerifyArgs a) 
 
 }  // namespace
 
+int64_t kSharedBudget() {
+  static const int64_t budget = dflash::dynamic_shared_budget(verify_kernel);  // once per process
+  return budget;
+}
+
+extern "C" int dflash_verify_probe() { return dflash::probe(verify_kernel); }
+
 extern "C" int dflash_verify_cuda(const float* scores, const int64_t* draft, const int64_t* num_drafts,
                                   const uint8_t* sampled, const int32_t* q_form, const float* q_dense,
                                   const int64_t* q_ids, const float* q_probs, const double* accept_u,
                                   const double* sample_u, float* workspace, int64_t batch, int64_t width,
                                   int64_t vocab, int64_t K, int64_t* out, void* stream) {
   const int64_t chunks = (vocab + dflash::kCdfChunk - 1) / dflash::kCdfChunk;
-  const size_t shared_bytes = (size_t)chunks * sizeof(double);
-  if (batch < 0 || width < 0 || vocab < 1 || K < 0 || shared_bytes > 40 * 1024) return dflash::kBadArgument;
+  const int64_t shared_bytes = chunks * (int64_t)sizeof(double);
+  if (batch < 0 || batch > dflash::kMaxGrid || width < 0 || vocab < 1 || K < 0
+      || shared_bytes > kSharedBudget()) {
+    return dflash::kBadArgument;
+  }
   if (batch == 0) return dflash::kOk;
   const dflash::VerifyArgs args{scores, draft, num_drafts, sampled, q_form, q_dense, q_ids, q_probs,
                                 accept_u, sample_u, workspace, batch, width, vocab, K, out};
-  verify_kernel<<<(unsigned)batch, kThreads, shared_bytes, (cudaStream_t)stream>>>(args);
-  return cudaGetLastError() == cudaSuccess ? dflash::kOk : dflash::kLaunchFailed;
+  verify_kernel<<<(unsigned)batch, kThreads, (size_t)shared_bytes, (cudaStream_t)stream>>>(args);
+  return dflash::launch_status();
 }
