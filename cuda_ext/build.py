@@ -151,17 +151,21 @@ def cuda_library(device_index: int = 0) -> CudaBuild | None:
 
 
 def compile_objects(out_dir: Path, archs=CI_ARCHS, nvcc: str | None = None) -> list[Path]:
-    """nvcc -c of every kernel.cu for the given architectures (no GPU needed); raises CalledProcessError with
-    the compiler's output on an error. Returns the objects."""
+    """nvcc -c of every CUDA source for the given architectures (no GPU needed), the files side by side; raises
+    CalledProcessError with the compiler's output on an error. Returns the objects."""
     nvcc = nvcc or find_nvcc()
     if nvcc is None:
         raise FileNotFoundError("nvcc not found (set DFLASH_NVCC or CUDA_HOME)")
     out_dir.mkdir(parents=True, exist_ok=True)
-    objects = []
+    running = []
     for source in cuda_sources():
         target = out_dir / f"{source.parent.name if source.parent.name != 'common' else source.stem}.o"
         command = [nvcc, *NVCC_FLAGS, "-c", *[flag for arch in archs for flag in gencode(arch)], "-o", str(target),
                    str(source)]
-        subprocess.run(command, check=True, capture_output=True, text=True, timeout=600)
-        objects.append(target)
-    return objects
+        running.append((command, target, subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                                           text=True)))
+    for command, _, process in running:
+        output, _ = process.communicate(timeout=600)
+        if process.returncode:
+            raise subprocess.CalledProcessError(process.returncode, command, output=output, stderr=output)
+    return [target for _, target, _ in running]
