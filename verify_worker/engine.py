@@ -25,7 +25,7 @@ from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.request_limits import is_int64
-from shared.sampling import SamplingParams, batch_sampling_probs, sample_from
+from shared.sampling import SamplingParams, batch_sampling_probs
 from verify_worker.families.interface import StepBatch, TargetFamily
 from verify_worker.logprobs import TokenLogprob, token_logprobs
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
@@ -273,7 +273,9 @@ class SpeculativeEngine:
         if done:
             last = torch.tensor([chunks[row][1] - 1 for row in done], device=self.device)
             logits = self.target.logits(out.hidden[torch.tensor(done, device=self.device), last])  # [d, vocab]
-            first = self._sample([chunks[row][0] for row in done], logits[:, None])[:, 0]
+            none = torch.zeros(len(done), 0, dtype=torch.long)  # the first token: a verify step with no drafts
+            first = self._verify([chunks[row][0] for row in done], none, [0] * len(done), [None] * len(done),
+                                 logits[:, None])[1]
         report.prefill_tokens = sum(n for _, n in chunks)
         for row, (state, n) in enumerate(chunks):
             if state.request.prompt_logprobs:
@@ -440,16 +442,6 @@ class SpeculativeEngine:
         out = verify_block(scores, drafts.to(device), num, sampled.to(device), forms.to(device), q_dense, q_ids,
                            q_probs, accept_u.to(device), sample_u.to(device))
         return out[:, 0].tolist(), out[:, 1].tolist()
-
-    def _sample(self, states: list[RequestState], logits: torch.Tensor) -> torch.Tensor:
-        """One token per row from logits [b, 1, vocab]: argmax for greedy rows, a draw for sampled rows."""
-        tokens = logits.argmax(-1)  # [b, 1]
-        sampled = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
-        if sampled:
-            probs = batch_sampling_probs(logits[sampled], [states[r].request.sampling for r in sampled])  # [s, 1, V]
-            draws = torch.stack([states[r].uniforms(1) for r in sampled]).to(self.device)  # [s, 1]
-            tokens[sampled] = sample_from(probs, draws)
-        return tokens
 
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, floats_at_once: int = 1 << 24) -> None:
         """Log-probabilities of the prompt tokens that this chunk's rows (hidden [n, H], from position
