@@ -47,9 +47,10 @@ def _(q, keys, values, slots, ends, positions, window, causal, scale):
 def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slots: torch.Tensor,
                     ends: torch.Tensor, positions: torch.Tensor, window: int, causal: bool, scale: float,
                     use_kernel: bool | None = None) -> torch.Tensor:
-    """reference.block_attention, on the kernel where dispatch picks it (use_kernel forces the choice)."""
+    """reference.block_attention, on the kernel where dispatch picks it and its sizes fit (use_kernel forces the
+    choice)."""
     if use_kernel is None:
-        use_kernel = kernel_entry("block_attention", q.device) is not None
+        use_kernel = kernel_available(q, keys)
     if not use_kernel:
         return reference.block_attention(q, keys, values, slots, ends, positions, window, causal, scale)
     return block_attention_kernel(q, keys, values, slots, ends, positions, int(window or 0), bool(causal),
