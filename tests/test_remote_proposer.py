@@ -122,15 +122,57 @@ def test_a_silent_drafter_is_given_up_on_at_its_measured_deadline():
 
 
 def test_a_call_waits_in_proportion_to_its_context_rows():
-    """The first draft after plain steps carries a few steps' rows (a steady call still: at most STEADY_BLOCKS
-    blocks a request): its deadline is the steady one scaled by its rows, not the cap, so a hung drafter costs
-    the streams a fraction of a second; a new prompt's whole context may wait up to the cap."""
+    """Until a large call has measured what a context row costs, a call's deadline is the steady one scaled by
+    its rows (an upper bound): the first draft after a few plain steps waits a fraction of a second, a new
+    prompt's whole context up to the cap."""
     deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
     for _ in range(8):
         deadline.observe(0.02, catch_up=False, rows=4)
     assert deadline.timeout(rows=12) == pytest.approx(0.48)  # 3 x 0.02 s, times 8
     assert deadline.timeout(rows=2) == 0.25  # never below the steady deadline
     assert deadline.timeout(rows=4000) == 5.0
+
+
+def test_large_calls_measure_the_cost_of_a_row():
+    """Calls carrying many context rows (a new prompt, the draft after a run of plain steps) measure the cost of
+    one more row; with it a large call's deadline is the steady call plus its extra rows at that cost, not the
+    steady call scaled by its rows: after 64 plain steps of 16 requests (1024 rows) a hung drafter costs the
+    streams 8 x 50 ms, where the scaled rule waited out the 5 s cap."""
+    deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
+    for _ in range(8):
+        deadline.observe(0.02, catch_up=False, rows=4)
+    assert deadline.timeout(rows=1024) == 5.0  # 0.02 s x 256, times 8: the cap
+    deadline.observe(0.05, catch_up=True, rows=1004)  # 30 us a row above the steady call
+    deadline.observe(0.35, catch_up=True, rows=2004)  # a slow one (a fresh kernel): the median ignores it
+    deadline.observe(0.08, catch_up=True, rows=2004)
+    assert deadline.row_seconds(0.02, 4) == pytest.approx(30e-6)
+    assert deadline.timeout(rows=1024) == pytest.approx(8 * (0.02 + 30e-6 * 1020))
+    assert deadline.timeout(rows=4) == 0.25  # a steady call keeps the steady deadline
+    assert deadline.timeout(rows=10 ** 6) == 5.0  # and the cap holds
+    deadline.observe(0.05, catch_up=True, rows=6)  # too few rows to say what a row costs: not used
+    assert deadline.row_seconds(0.02, 4) == pytest.approx(30e-6)
+    for _ in range(4):  # large calls faster than the steady median (noise): a row costs at least nothing
+        deadline.observe(0.01, catch_up=True, rows=3004)
+    assert deadline.row_seconds(0.02, 4) == 0.0 and deadline.timeout(rows=1024) == 0.25
+    deadline.reset()
+    assert deadline.timeout(rows=1024) == 5.0 and not deadline.large
+
+
+def test_a_restarted_drafter_is_timed_from_its_first_answered_calls_of_either_kind():
+    """A drafter restarted while 16 streams decode plainly answers few steady calls (probes are rare) and some
+    large ones (new prompts): after min_samples answered calls of either kind its deadline follows them (the
+    SIGSTOP drill after a SIGKILL stalled 16 streams for the 5 s cap with 2 steady calls measured)."""
+    deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
+    deadline.observe(0.006, catch_up=False, rows=1)
+    deadline.observe(0.004, catch_up=False, rows=9)
+    deadline.observe(0.005, catch_up=True, rows=17)
+    assert deadline.timeout(rows=299) == 5.0  # three answers: still the cap
+    deadline.observe(0.017, catch_up=True, rows=92)
+    assert deadline.timeout(rows=299) == 0.25  # 5 ms + 290 rows at the median marginal cost: under the floor
+    only_large = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
+    for rows in (100, 200, 300, 400):
+        only_large.observe(0.001 * rows / 10, catch_up=True, rows=rows)  # 0.1 ms a row
+    assert only_large.timeout(rows=1000) == pytest.approx(8 * 0.1)  # each large call scaled by its rows
 
 
 def test_draft_deadline():

@@ -30,7 +30,40 @@ def test_it_measures_both_modes_then_runs_the_faster_and_probes_the_other():
     for _ in range(12):
         schedule.append(policy.speculate(batch))
         policy.observe(batch, schedule[-1], None, 0.0, [1], [False])  # untimed steps still count towards probes
-    assert schedule == [False] * 3 + [True] + [False] * 4 + [True] + [False] * 3  # a probe after 4 plain steps
+    # a probe after 4 plain steps; it confirmed plain decoding, so the next one comes after 8
+    assert schedule == [False] * 3 + [True] + [False] * 8
+
+
+def test_probes_that_confirm_plain_decoding_come_less_often():
+    """Speculation loses (2 tokens per 10 ms against 4 ms per token): each probe that confirms it doubles the
+    plain steps before the next (4, 8, 16, then the cap of 16); a probe that finds speculation paying (the
+    request now commits 8 tokens per step) brings back the first spacing, and so does a request never
+    measured."""
+    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=16)
+    batch = ["a"]
+    policy.observe(batch, True, True, 0.010, [2], [True])
+    policy.observe(batch, False, False, 0.004, [1], [False])
+    gaps, plain_run = [], 0
+    for _ in range(70):
+        if policy.speculate(batch):
+            gaps.append(plain_run)
+            plain_run = 0
+            policy.observe(batch, True, True, 0.010, [2], [True])
+        else:
+            plain_run += 1
+            policy.observe(batch, False, False, 0.004, [1], [False])
+    assert gaps[:5] == [3, 8, 16, 16, 16]  # (the first run counts the plain step measured above)
+    while not policy.speculate(batch):
+        policy.observe(batch, False, False, 0.004, [1], [False])
+    for _ in range(40):  # the probe commits 8 tokens: now speculation pays, and stays preferred
+        policy.observe(batch, True, True, 0.010, [8], [True])
+    assert policy.preferred_mode(batch) == "speculative" and policy.probe_spacing[1] == 4
+    policy.probe_spacing[1] = 16
+    policy.speculate(batch)  # a measured request: the spacing is kept
+    assert policy.probe_spacing[1] == 16
+    policy.observe(["b"], False, False, 0.004, [1], [False])
+    policy.speculate(["b"])  # b was never measured: probes come at the first spacing again
+    assert policy.probe_spacing[1] == 4
 
 
 def test_requests_that_ask_for_drafts_and_seeded_sampled_ones_pin_their_steps_to_speculation():
@@ -76,7 +109,7 @@ def test_a_probe_that_catches_up_on_context_still_measures_acceptance(tmp_path):
     target = load_target(tmp_path)
     drafter = random_drafter(tiny_draft_config(block_size=4), seed=2, std=0.2)
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4, max_requests=1)
-    policy = AdaptiveSpeculation(probe_every=4)
+    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=4)  # a probe after every 4 plain steps
     policy.step_samples[(1, True)] = deque([1.0])  # drafting looks slow: plain decoding is preferred
     policy.step_samples[(1, False)] = deque([1e-6])
     engine = SpeculativeEngine(target, proposer, max_requests=1, policy=policy)

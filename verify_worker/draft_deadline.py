@@ -1,13 +1,22 @@
-"""How long to wait for a draft: a multiple of the drafter's recent latency, with a floor and a cap.
+"""How long to wait for a draft: a multiple of what the call should take, with a floor and a cap.
 
 A fixed timeout has to be long enough for the slowest legitimate call (the first calls of a fresh drafter, a
 call that catches up on a whole prompt's context) and so is far too long for a drafter that stopped answering
-in the middle of a stream: every stream waits it out. Steady calls (each request sends what a few steps
-committed: at most STEADY_BLOCKS blocks of rows, which covers the first draft after `--spec-policy adaptive`'s
-plain steps) take about the same time, so their deadline follows their measured median. Every call's deadline
-is that latency scaled by its context rows over the steady calls' typical rows (never below 1x), which bounds
-its cost from above (a call is a fixed block cost plus a cost per context row): a catch-up call (a new prompt's
-whole context) may wait longer, up to the cap. A fresh drafter, with nothing measured, gets the cap.
+in the middle of a stream: every stream waits it out. So the deadline follows the drafter's measured latency:
+
+- Steady calls (each request sends what a few steps committed: at most STEADY_BLOCKS blocks of rows) take about
+  the same time: their median `base` at their median rows `base_rows` is the usual call.
+- A call costs a fixed block cost plus a cost per context row (the drafter projects each row into its cache).
+  The cost per row is measured on the calls that carry many more rows than the steady ones (a new prompt's
+  context, the draft after a run of plain steps): the median of (seconds - base) / (rows - base_rows) over the
+  last of them. Until one is measured, a row is assumed to cost base / base_rows (the whole call scaled by its
+  rows), an upper bound, since the block cost is part of base.
+- A call's deadline is `multiple` x (base + per-row cost x its rows above base_rows), at least the floor, at
+  most the cap. A fresh drafter gets the cap until `min_samples` calls of either kind have been answered (a
+  drafter restarted while 16 streams decode plainly may see only large calls and rare probes for a while).
+
+Scaling the whole call by its rows (the old rule) gave the draft after 64 plain steps of 16 requests (1024 rows,
+against 4 rows in a steady one-request call) a deadline of seconds, which a hung drafter then cost every stream.
 """
 
 from collections import deque
@@ -23,20 +32,33 @@ class DraftDeadline:
             raise ValueError(f"draft deadlines must be positive, got cap {cap_s} and floor {floor_s}")
         self.cap_s, self.floor_s, self.multiple, self.min_samples = cap_s, min(floor_s, cap_s), multiple, min_samples
         self.steady: deque[tuple[float, int]] = deque(maxlen=window)  # (seconds, context rows) of steady calls
+        self.large: deque[tuple[float, int]] = deque(maxlen=window)  # the same, of the other (catch-up) calls
 
     def timeout(self, rows: int = 0) -> float:
         """Seconds to wait for the reply to a call carrying `rows` context rows."""
-        if len(self.steady) < self.min_samples:
+        if len(self.steady) + len(self.large) < self.min_samples:
             return self.cap_s
-        seconds = median(s for s, _ in self.steady)
-        seconds *= max(1.0, rows / max(1.0, median(r for _, r in self.steady)))
+        if self.steady:
+            base = median(s for s, _ in self.steady)
+            base_rows = max(1.0, median(r for _, r in self.steady))
+            row_seconds = self.row_seconds(base, base_rows)
+        else:  # only large calls so far (a fresh drafter meeting new prompts): each scaled by its rows
+            base = median(s for s, _ in self.large)
+            base_rows = max(1.0, median(r for _, r in self.large))
+            row_seconds = base / base_rows
+        seconds = base + row_seconds * max(0.0, rows - base_rows)
         return min(self.cap_s, max(self.floor_s, self.multiple * seconds))
 
+    def row_seconds(self, base: float, base_rows: float) -> float:
+        """The measured cost of one more context row (never below 0), or the upper bound base / base_rows."""
+        marginal = [(s - base) / (r - base_rows) for s, r in self.large if r >= 2 * base_rows]
+        return max(0.0, median(marginal)) if marginal else base / base_rows
+
     def observe(self, seconds: float, catch_up: bool, rows: int = 1) -> None:
-        """A call that was answered: steady calls set the deadline of the next ones."""
-        if not catch_up:
-            self.steady.append((seconds, rows))
+        """A call that was answered: steady calls set the usual latency, the others the cost of a row."""
+        (self.large if catch_up else self.steady).append((seconds, rows))
 
     def reset(self) -> None:
         """A new drafter (or one that came back): its latency is not known yet."""
         self.steady.clear()
+        self.large.clear()

@@ -14,6 +14,12 @@ mode, since a step that builds new kernels or catches up on context can take ten
 speculative steps in a row one step is plain, to re-measure Tp. Until a mode is measured for a batch size the
 same schedule applies, speculation first.
 
+A probe that leaves plain decoding preferred doubles the plain steps before the next one at that batch size
+(up to `max_probe_every`): where speculation clearly loses (16 demo streams: a speculative step takes 5.6
+plain steps and commits 3.4 tokens a request) a probe every 8 steps cost 15% of the throughput. A probe that
+makes speculation preferred, or a batch with a request whose A was never measured, starts again at
+`probe_every`.
+
 Some requests pin their steps to speculation (the engine tells `speculate` whether a step has one):
 - a request that asks for drafts itself (num_speculative_tokens > 0): the policy is for requests that leave the
   choice to the server (the gateway's readiness probe and dflash-bench's speculative waves ask);
@@ -38,7 +44,8 @@ def _decayed(old: float | None, new: float, keep: float) -> float:
 
 @dataclass
 class AdaptiveSpeculation:
-    probe_every: int = 8  # plain steps between speculative probes
+    probe_every: int = 8  # plain steps between speculative probes (at first)
+    max_probe_every: int = 128  # the most they grow to while probes keep confirming plain decoding
     refresh_every: int = 64  # speculative steps between plain probes
     window: int = 15  # steps whose median is a mode's step time
     keep_acceptance: float = 0.9  # and in each request's acceptance length (a bursty figure: keep it long)
@@ -48,6 +55,8 @@ class AdaptiveSpeculation:
     mean_acceptance: float | None = None  # over every request's speculative steps
     steps_in_mode: int = 0
     last_mode: bool | None = None
+    probe_spacing: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps between probes
+    probing: list[str] | None = None  # the requests of a probe in flight (a speculative step against preference)
 
     def speculate(self, request_ids: list[str], asked: bool = False, seeded_sampling: bool = False) -> bool:
         """Whether the next decode step of these running requests drafts: always when one asked for drafts, or
@@ -55,10 +64,15 @@ class AdaptiveSpeculation:
         if asked or (seeded_sampling and self.pin_seeded):
             return True
         preferred = self._preferred(request_ids)
-        if preferred is None:  # measure speculation first, then plain decoding (probing as below meanwhile)
+        measured = preferred is not None
+        if not measured:  # measure speculation first, then plain decoding (probing as below meanwhile)
             preferred = self.step_seconds(len(request_ids), True) is None
-        limit = self.refresh_every if preferred else self.probe_every
+        bucket = batch_bucket(len(request_ids))
+        if not measured or any(r not in self.acceptance for r in request_ids):
+            self.probe_spacing[bucket] = self.probe_every  # someone to measure: probe at the first spacing
+        limit = self.refresh_every if preferred else self.probe_spacing.get(bucket, self.probe_every)
         if self.last_mode == preferred and self.steps_in_mode >= limit:
+            self.probing = None if preferred else list(request_ids)
             return not preferred  # one step of the other mode, to keep it measured
         return preferred
 
@@ -92,6 +106,12 @@ class AdaptiveSpeculation:
             if drew:
                 self.acceptance[request_id] = _decayed(self.acceptance.get(request_id), tokens, self.keep_acceptance)
                 self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
+        if self.probing is not None and chosen and request_ids:  # the probe's verdict sets the next spacing
+            bucket = batch_bucket(len(request_ids))
+            spacing = self.probe_spacing.get(bucket, self.probe_every)
+            still_plain = self._preferred(request_ids) is False
+            self.probe_spacing[bucket] = min(2 * spacing, self.max_probe_every) if still_plain else self.probe_every
+        self.probing = None
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
