@@ -268,9 +268,10 @@ def parse_args(argv):
     parser.add_argument("--kv-cache-budget-mb", type=float, default=None,
                         help="cap on KV-cache memory: max-running is lowered to fit (error if one slot does not)")
     parser.add_argument("--draft-timeout", type=float, default=5.0,
-                        help="the longest wait for a draft, for calls whose latency is not known yet (a fresh "
-                             "drafter, a call catching up on a prompt); steady calls wait 8x their recent median, "
-                             "at least --draft-deadline-floor; a drafter that closes its connection is noticed at once")
+                        help="the longest wait for a draft (a fresh drafter waits it until 4 calls are answered); "
+                             "other calls wait 8x their recent median plus their extra context rows at the measured "
+                             "cost of a row, at least --draft-deadline-floor; a drafter that closes its connection "
+                             "is noticed at once")
     parser.add_argument("--draft-deadline-floor", type=float, default=0.25,
                         help="the shortest deadline of a steady draft call (seconds)")
     parser.add_argument("--stall-timeout", type=float, default=float(env("DFLASH_STALL_TIMEOUT", "300")),
