@@ -2,7 +2,8 @@
 (TargetModel.pack: fused q/k/v and gate/up, the device's fastest weight layout, q and k heads normalized and
 rotated together), measured in interleaved rounds in one process; prints medians and ratios. For float32 on
 CPU it times both packed layouts: "transposed" (PyTorch's GEMM on [in, out] weights) and "bf16" (the C++
-kernel on the checkpoint's bfloat16 weights, the default where it builds).
+kernel on the checkpoint's bfloat16 weights, the default where it builds), and "bf16 per-op", the same
+kernels called op by op instead of two calls a layer (shared/cpu_kernels/decoder_layer.cpp).
 
     python benchmarks/bench_forward.py                         # demo target, float32, 1 thread
     python benchmarks/bench_forward.py --dtype bfloat16 --threads 2
@@ -55,6 +56,10 @@ def main(argv=None) -> int:
     layouts = [default] if default in (None, "fused", "transposed") else ["transposed", default]
     for layout in layouts:  # float32 on CPU: PyTorch's GEMM on [in, out] weights, then the default (C++ bf16)
         models[f"packed {layout}"] = load_target(folder, dtype=args.dtype, pack=False).pack(layout)
+    if getattr(models[f"packed {layouts[-1]}"], "whole_layers", None) is not None:  # the C++ kernels op by op too
+        per_op = load_target(folder, dtype=args.dtype, pack=False).pack(layouts[-1])
+        per_op.whole_layers = None
+        models[f"{layouts[-1]} per-op"] = per_op
     vocab = models["as loaded"].config.vocab_size
     names = list(models)
     print(f"target {folder}, {args.dtype}, {args.threads} thread(s), context {args.context}; ms per forward, "

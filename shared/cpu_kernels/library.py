@@ -1,4 +1,4 @@
-"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp): compiled on first use with the system's C++
+"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp, decoder_layer.cpp): compiled on first use with the system's C++
 compiler (about a second; no torch headers) into a cache folder keyed by the source and flags, loaded with
 ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with DFLASH_CPU_KERNELS=off, `cpu_kernels()` is
 None and every caller keeps its PyTorch path.
@@ -14,13 +14,18 @@ import platform
 import shutil
 import subprocess
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
 from shared.attention import cached_attention
 from shared.native_build import cached_library
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp", "layer_ops.cpp")]
+if TYPE_CHECKING:  # layer_step imports this module
+    from shared.cpu_kernels.layer_step import DenseLayerWeights, LayerScratch, LayerStepInputs
+
+SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp", "layer_ops.cpp",
+                                                        "decoder_layer.cpp")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 
@@ -49,6 +54,14 @@ class CpuKernels:
         self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] * 2 + \
             [pointer]
 
+        self._layer_attention = library.dflash_layer_attention
+        self._layer_attention.restype = ctypes.c_int
+        self._layer_attention.argtypes = [pointer, pointer] + [count] * 3 + [pointer] + [count] * 3 + [pointer, real] + \
+            [pointer] * 6 + [count] * 2 + [pointer, count, real, pointer, pointer, real, pointer, count] + [pointer] * 7
+        self._layer_mlp_out = library.dflash_layer_mlp_out
+        self._layer_mlp_out.restype = None
+        self._layer_mlp_out.argtypes = [pointer, count, count, pointer, pointer, count, pointer, real] + [pointer] * 3
+
     def __deepcopy__(self, memo) -> "CpuKernels":
         return self  # the loaded library is shared (ctypes functions cannot be copied)
 
@@ -65,7 +78,7 @@ class CpuKernels:
     def bf16_matmul(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [..., in] float32 @ the tiled weight -> [..., out] float32 (rows computed independently)."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
-        _check(rows.dtype == torch.float32 and tiles.dtype == torch.bfloat16 and tiles.shape[1] == rows.shape[1]
+        check_arguments(rows.dtype == torch.float32 and tiles.dtype == torch.bfloat16 and tiles.shape[1] == rows.shape[1]
                and tiles.shape[0] * TILE >= out_features, "bf16_matmul", rows, tiles)
         out = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device=x.device)
         if rows.shape[0]:
@@ -83,7 +96,7 @@ class CpuKernels:
         kv_heads, keys = k.shape[1], k.shape[2]
         if q.dtype != torch.float32 or dim % 8 or dim > 256:
             return cached_attention(q, k, v, mask, scale)
-        _check(k.shape == v.shape == (batch, kv_heads, keys, dim) and k.dtype == v.dtype == torch.float32
+        check_arguments(k.shape == v.shape == (batch, kv_heads, keys, dim) and k.dtype == v.dtype == torch.float32
                and heads % kv_heads == 0 and mask.shape[-2:] == (queries, keys), "attention", q, k, v, mask)
         q = q.contiguous()
         k, v = (t if t.stride(-1) == 1 and t.stride(-2) == dim else t.contiguous() for t in (k, v))
@@ -98,7 +111,7 @@ class CpuKernels:
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """shared.layers.rms_normalize for float32 x [..., n] and weight [n]."""
         x, weight = x.contiguous(), weight.float().contiguous()
-        _check(x.dtype == torch.float32 and weight.shape == x.shape[-1:], "rms_norm", x, weight)
+        check_arguments(x.dtype == torch.float32 and weight.shape == x.shape[-1:], "rms_norm", x, weight)
         out = torch.empty_like(x)
         self._rms_norm(x.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(), eps, out.data_ptr())
         return out
@@ -106,7 +119,7 @@ class CpuKernels:
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
         """(x + delta, rms_normalize(x + delta, weight, eps)): a residual add and the next sublayer's norm."""
         x, delta, weight = x.contiguous(), delta.contiguous(), weight.float().contiguous()
-        _check(x.dtype == delta.dtype == torch.float32 and x.shape == delta.shape and weight.shape == x.shape[-1:],
+        check_arguments(x.dtype == delta.dtype == torch.float32 and x.shape == delta.shape and weight.shape == x.shape[-1:],
                "add_rms_norm", x, delta, weight)
         summed, out = torch.empty_like(x), torch.empty_like(x)
         self._add_rms_norm(x.data_ptr(), delta.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(),
@@ -124,13 +137,13 @@ class CpuKernels:
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         width = (heads + 2 * kv_heads) * dim
-        _check(qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype == torch.float32
+        check_arguments(qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype == torch.float32
                and qkv.shape == (batch, seq, width) and cos.shape == sin.shape == (batch, seq, dim)
                and slots.shape == (batch,) and positions.shape == (batch, seq) and keys.is_contiguous()
                and values.is_contiguous() and keys.shape == values.shape and (kv_heads == 0 or keys.shape[1] == kv_heads)
                and keys.shape[3] == dim, "qk_rotary_cache", qkv, cos, sin, keys, values, slots, positions)
         if norm_weight is not None:
-            _check(norm_weight.shape == (heads + kv_heads, dim) and norm_weight.dtype == torch.float32,
+            check_arguments(norm_weight.shape == (heads + kv_heads, dim) and norm_weight.dtype == torch.float32,
                    "qk_rotary_cache", norm_weight)
         q = torch.empty(batch, heads, seq, dim, dtype=torch.float32)
         norm_weight = None if norm_weight is None else norm_weight.contiguous()  # held for the call
@@ -144,7 +157,45 @@ class CpuKernels:
         return q
 
 
-def _check(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:
+    def layer_attention(self, h: torch.Tensor, x: torch.Tensor, layer: "DenseLayerWeights", step: "LayerStepInputs",
+                        scratch: "LayerScratch") -> tuple[torch.Tensor, torch.Tensor]:
+        """A dense decoder layer up to its MLP's activation (decoder_layer.cpp): h, x [rows, hidden] (the normed
+        input, the residual stream) -> (x + o_proj(attention), gate_up [rows, gate_up width]). Writes this row
+        set's keys and values into the layer's caches. The post-attention norm of the new x lands in
+        scratch.h_next."""
+        x_out = torch.empty_like(x)
+        gate_up = torch.empty(x.shape[0], layer.gate_up_width, dtype=torch.float32)
+        keys, values = step.caches[layer.index]
+        status = self._layer_attention(
+            h.data_ptr(), x.data_ptr(), step.batch, step.seq, layer.hidden, layer.qkv.data_ptr(), layer.heads,
+            layer.kv_heads, layer.dim, layer.qk_norm_ptr, layer.qk_eps, step.cos.data_ptr(), step.sin.data_ptr(),
+            step.slots.data_ptr(), step.positions.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[0],
+            keys.shape[2], step.visible.data_ptr(), step.keys, layer.dim ** -0.5, layer.o.data_ptr(),
+            layer.post_norm.data_ptr(), layer.post_eps, layer.gate_up.data_ptr(), layer.gate_up_width,
+            scratch.qkv.data_ptr(), scratch.q.data_ptr(), scratch.attended.data_ptr(), scratch.projected.data_ptr(),
+            x_out.data_ptr(), scratch.h_next.data_ptr(), gate_up.data_ptr())
+        if status == -1:
+            raise IndexError(f"cache write outside the cache ({keys.shape[0]} slots x {keys.shape[2]} positions): "
+                             f"slots {step.slots.tolist()}, positions {int(step.positions.min())}.."
+                             f"{int(step.positions.max())}")
+        if status != 0:
+            raise ValueError(f"layer_attention: a shape the attention kernel does not take (head size {layer.dim}, "
+                             f"{layer.heads} heads on {layer.kv_heads}, {step.keys} keys)")
+        return x_out, gate_up
+
+    def layer_mlp_out(self, act: torch.Tensor, x: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor,
+                      eps: float, scratch: "LayerScratch", h_out: torch.Tensor) -> torch.Tensor:
+        """act [rows, intermediate] (the MLP's activation), x [rows, hidden] -> x + act @ down (returned), and
+        its norm with norm_weight written into h_out."""
+        act = act.contiguous()
+        x_out = torch.empty_like(x)
+        self._layer_mlp_out(act.data_ptr(), act.shape[0], act.shape[1], down.data_ptr(), x.data_ptr(), x.shape[1],
+                            norm_weight.data_ptr(), eps, scratch.projected.data_ptr(), x_out.data_ptr(),
+                            h_out.data_ptr())
+        return x_out
+
+
+def check_arguments(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:
     """The kernels trust their arguments' shapes: a mismatch is a bug, refused before any memory is touched."""
     if not ok:
         described = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)

@@ -5,8 +5,10 @@ Module names mirror the HF checkpoint's tensor names, so the state dict is the l
 
 import torch
 from torch import nn
+from torch.nn import functional as F
 
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
+from shared.cpu_kernels.layer_step import DenseLayerWeights, LayerScratch, LayerStepInputs
 from shared.cpu_kernels.library import cpu_kernels
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
@@ -143,6 +145,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.head = None  # the lm_head packed for inference (set by pack())
         self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
+        self.whole_layers: list[DenseLayerWeights] | None = None  # each layer in two kernel calls (set by pack())
 
     commits_state = False  # a positional KV cache: rollback is the committed length alone
 
@@ -210,6 +213,8 @@ class TargetModel(EmbeddingHead, nn.Module):
         next norm, q/k norms + rotary + cache write in one call, row-by-row attention."""
         kernels, layers = self.kernels, self.model.layers
         h = kernels.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)  # [b, s, hidden]
+        if self.whole_layers is not None:
+            return self._forward_whole_layers(x, h, cos, sin, cache, slots, positions, mask, tap_layers)
         taps = {}
         for index, layer in enumerate(layers):
             attention = layer.self_attn.forward_fused(h, cos, sin, cache, slots, read_slots, positions, kv_len, mask,
@@ -222,6 +227,53 @@ class TargetModel(EmbeddingHead, nn.Module):
                 taps[index] = x
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
         return TargetOutput(hidden=h, taps=tapped)
+
+    def _forward_whole_layers(self, x, h, cos, sin, cache, slots, positions, mask, tap_layers) -> TargetOutput:
+        """_forward_fused with each layer in two kernel calls (shared/cpu_kernels/decoder_layer.cpp): the same
+        kernels on the same values in the same order, so the same bits, at a fraction of the per-call overhead
+        (the demo target's one-token step is bound by it). Only the MLP's activation runs in PyTorch between them."""
+        batch, seq, hidden = x.shape
+        weights = self.whole_layers
+        step = LayerStepInputs.build(cos, sin, slots, positions, mask, cache.keys, cache.values, weights)
+        scratch = LayerScratch.for_rows(batch * seq, weights)
+        x, h = x.reshape(batch * seq, hidden).contiguous(), h.reshape(batch * seq, hidden)  # h: written in place
+        layers, taps = self.model.layers, {}
+        for index, layer in enumerate(weights):
+            x, gate_up = self.kernels.layer_attention(h, x, layer, step, scratch)
+            gate, up = gate_up.chunk(2, -1)  # [rows, intermediate] each
+            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
+            x = self.kernels.layer_mlp_out(F.silu(gate) * up, x, layer.down, following.weight, following.eps,
+                                           scratch, h)
+            if index in tap_layers:
+                taps[index] = x.view(batch, seq, hidden)
+        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
+        return TargetOutput(hidden=h.view(batch, seq, hidden), taps=tapped)
+
+    def _whole_layer_weights(self) -> list[DenseLayerWeights] | None:
+        """The packed layers as decoder_layer.cpp takes them, or None where a layer is not a plain dense one on
+        the bfloat16 tiles (a bias, a tensor-parallel all-reduce, weights that are not exact in bfloat16, head
+        sizes the attention kernel does not take): those keep the per-op path."""
+        result = []
+        for index, layer in enumerate(self.model.layers):
+            attention, mlp = layer.self_attn, layer.mlp
+            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
+            if any(linear is None or linear.kernels is None or linear.bias is not None or linear.reduce is not None
+                   for linear in linears):
+                return None
+            dim = attention.head_dim
+            if dim % 8 or dim > 256 or attention.num_heads % attention.num_kv_heads:
+                return None
+            norm = getattr(attention, "qk_norm_weight", None)
+            post = layer.post_attention_layernorm
+            result.append(DenseLayerWeights(
+                index=index, hidden=self.config.hidden_size, heads=attention.num_heads,
+                kv_heads=attention.num_kv_heads, dim=dim, qkv=attention.qkv_proj.weight,
+                qk_norm=None if norm is None else norm.float().contiguous(),
+                qk_eps=attention.q_norm.eps if attention.q_norm is not None else 0.0, o=attention.o_proj.weight,
+                post_norm=post.weight.detach().float().contiguous(), post_eps=post.eps, gate_up=mlp.gate_up_proj.weight,
+                gate_up_width=mlp.gate_up_proj.out_features, down=mlp.down_proj.weight,
+            ))
+        return result
 
     def pack(self, layout: str | None = "auto") -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
@@ -236,6 +288,8 @@ class TargetModel(EmbeddingHead, nn.Module):
             for layer in self.model.layers:
                 layer.self_attn.pack(layout)
                 layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj))
+            if self.kernels is not None and not self.tp.parallel:
+                self.whole_layers = self._whole_layer_weights()
         return self
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,64 @@
+"""The target's layers in two kernel calls each (shared/cpu_kernels/decoder_layer.cpp) compute exactly what the
+per-op kernel path computes: hidden states, taps and every cache entry equal bit for bit, for Qwen3 (q/k norms)
+and Llama (none), verify blocks, padding rows and slots in any order; layers it does not take keep the per-op
+path."""
+
+import pytest
+import torch
+
+from shared.cpu_kernels.library import cpu_kernels
+from tests.conftest import write_hf_checkpoint
+from verify_worker.target_loader import load_target
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+
+
+def _packed(folder, family: str, **overrides):
+    write_hf_checkpoint(folder, family, seed=5, dtype=torch.bfloat16, max_position_embeddings=512, **overrides)
+    return load_target(folder, dtype="float32", pack=False).pack("bf16")
+
+
+def _run(target, whole: bool, prompt, ids, positions, slots):
+    """Prefill then one step, through whole layers or the per-op path; (output, cache)."""
+    saved = target.whole_layers
+    target.whole_layers = saved if whole else None
+    try:
+        cache = target.new_cache(6, 64)
+        batch, context = prompt.shape
+        with torch.inference_mode():
+            target(prompt, torch.arange(context)[None].expand(batch, -1), cache, slots)
+            return target(ids, positions, cache, slots, (0, 1)), cache
+    finally:
+        target.whole_layers = saved
+
+
+@pytest.mark.parametrize("family", ["qwen3", "llama"])
+@pytest.mark.parametrize("batch,seq,slots", [(1, 1, [0]), (1, 8, [3]), (3, 5, [4, 0, 2]), (4, 2, [1, 2, 3, 4])],
+                         ids=["plain", "verify8", "scattered", "consecutive"])
+def test_whole_layers_equal_the_per_op_path_bit_for_bit(tmp_path, family, batch, seq, slots):
+    target = _packed(tmp_path, family)
+    assert target.whole_layers is not None and len(target.whole_layers) == target.config.num_layers
+    generator = torch.Generator().manual_seed(batch * 10 + seq)
+    context = 11
+    prompt = torch.randint(0, 128, (batch, context), generator=generator)
+    ids = torch.randint(0, 128, (batch, seq), generator=generator)
+    positions = context + torch.arange(seq)[None].expand(batch, -1).clone()
+    positions[-1, seq // 2:] = context + seq // 2 + 20  # a padded row: its tail sits at later, unseen positions
+    slots = torch.tensor(slots)
+    (fused, fused_cache), (per_op, per_op_cache) = (_run(target, w, prompt, ids, positions, slots) for w in (True, False))
+    assert torch.equal(fused.hidden, per_op.hidden) and torch.equal(fused.taps, per_op.taps)
+    for a, b in zip(fused_cache.keys + fused_cache.values, per_op_cache.keys + per_op_cache.values):
+        assert torch.equal(a, b)
+
+
+def test_a_position_outside_the_cache_is_refused_before_anything_is_written(tmp_path):
+    target = _packed(tmp_path, "qwen3")
+    cache = target.new_cache(2, 16)
+    with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):
+        target(torch.tensor([[1, 2]]), torch.tensor([[15, 16]]), cache, torch.tensor([1]))
+    assert all(not t.any() for t in cache.keys + cache.values)
+
+
+def test_layers_with_a_bias_keep_the_per_op_path(tmp_path):
+    target = _packed(tmp_path, "llama", attention_bias=True)
+    assert target.kernels is not None and target.whole_layers is None
