@@ -38,14 +38,9 @@ class DraftDeadline:
         """Seconds to wait for the reply to a call carrying `rows` context rows."""
         if len(self.steady) + len(self.large) < self.min_samples:
             return self.cap_s
-        if self.steady:
-            base = median(s for s, _ in self.steady)
-            base_rows = max(1.0, median(r for _, r in self.steady))
-            row_seconds = self.row_seconds(base, base_rows)
-        else:  # only large calls so far (a fresh drafter meeting new prompts): each scaled by its rows
-            base = median(s for s, _ in self.large)
-            base_rows = max(1.0, median(r for _, r in self.large))
-            row_seconds = base / base_rows
+        usual = self.steady or self.large  # only large calls so far (a fresh drafter meeting new prompts): theirs
+        base, base_rows = median(s for s, _ in usual), max(1.0, median(r for _, r in usual))
+        row_seconds = self.row_seconds(base, base_rows) if self.steady else base / base_rows
         seconds = base + row_seconds * max(0.0, rows - base_rows)
         return min(self.cap_s, max(self.floor_s, self.multiple * seconds))
 

@@ -12,7 +12,8 @@ from shared.cpu_kernels.library import TILE, check_arguments
 @dataclass(frozen=True)
 class DenseLayerWeights:
     """One packed dense decoder layer: bfloat16 weight tiles ([ceil(out / 16), in, 16], bf16_gemm.cpp's layout)
-    and float32 norm weights. qk_norm [heads + kv_heads, dim] or None (no q/k norms)."""
+    and float32 norm weights. qk_norm [heads + kv_heads, dim] or None (no q/k norms); next_norm: the norm after
+    the layer (the next layer's input norm, or the model's final one)."""
 
     index: int
     hidden: int
@@ -28,6 +29,8 @@ class DenseLayerWeights:
     gate_up: torch.Tensor
     gate_up_width: int
     down: torch.Tensor
+    next_norm: torch.Tensor
+    next_eps: float
 
     def __post_init__(self):
         width = (self.heads + 2 * self.kv_heads) * self.dim
@@ -38,11 +41,12 @@ class DenseLayerWeights:
               and _tiles_of(self.qkv, self.hidden, width) and _tiles_of(self.o, self.heads * self.dim, self.hidden)
               and _tiles_of(self.gate_up, self.hidden, self.gate_up_width) and self.gate_up_width % 2 == 0
               and _tiles_of(self.down, intermediate, self.hidden)
-              and self.post_norm.shape == (self.hidden,) and self.post_norm.dtype == torch.float32
-              and self.post_norm.is_contiguous()
+              and all(n.shape == (self.hidden,) and n.dtype == torch.float32 and n.is_contiguous()
+                      for n in (self.post_norm, self.next_norm))
               and (self.qk_norm is None or (self.qk_norm.shape == (self.heads + self.kv_heads, self.dim)
                                             and self.qk_norm.dtype == torch.float32 and self.qk_norm.is_contiguous())))
-        check_arguments(ok, "layer weights", self.qkv, self.o, self.gate_up, self.down, self.post_norm)
+        check_arguments(ok, "layer weights", self.qkv, self.o, self.gate_up, self.down, self.post_norm,
+                        self.next_norm)
 
     @property
     def qk_norm_ptr(self) -> int:

@@ -1,7 +1,7 @@
-"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp, decoder_layer.cpp): compiled on first use with the system's C++
-compiler (about a second; no torch headers) into a cache folder keyed by the source and flags, loaded with
-ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with DFLASH_CPU_KERNELS=off, `cpu_kernels()` is
-None and every caller keeps its PyTorch path.
+"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp, decoder_layer.cpp):
+compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
+keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
+DFLASH_CPU_KERNELS=off, `cpu_kernels()` is None and every caller keeps its PyTorch path.
 
 Cache folder: $DFLASH_KERNEL_CACHE, else ~/.cache/dflash-serve/kernels. Compiler: $CXX, else c++.
 """
@@ -56,8 +56,9 @@ class CpuKernels:
 
         self._layer_attention = library.dflash_layer_attention
         self._layer_attention.restype = ctypes.c_int
-        self._layer_attention.argtypes = [pointer, pointer] + [count] * 3 + [pointer] + [count] * 3 + [pointer, real] + \
-            [pointer] * 6 + [count] * 2 + [pointer, count, real, pointer, pointer, real, pointer, count] + [pointer] * 7
+        self._layer_attention.argtypes = (  # decoder_layer.cpp's signature, argument by argument
+            [pointer, pointer] + [count] * 3 + [pointer] + [count] * 3 + [pointer, real] + [pointer] * 6 + [count] * 2
+            + [pointer, count, real, pointer, pointer, real, pointer, count] + [pointer] * 7)
         self._layer_mlp_out = library.dflash_layer_mlp_out
         self._layer_mlp_out.restype = None
         self._layer_mlp_out.argtypes = [pointer, count, count, pointer, pointer, count, pointer, real] + [pointer] * 3
@@ -78,8 +79,9 @@ class CpuKernels:
     def bf16_matmul(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
         """x [..., in] float32 @ the tiled weight -> [..., out] float32 (rows computed independently)."""
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
-        check_arguments(rows.dtype == torch.float32 and tiles.dtype == torch.bfloat16 and tiles.shape[1] == rows.shape[1]
-               and tiles.shape[0] * TILE >= out_features, "bf16_matmul", rows, tiles)
+        check_arguments(rows.dtype == torch.float32 and tiles.dtype == torch.bfloat16
+                        and tiles.shape[1] == rows.shape[1] and tiles.shape[0] * TILE >= out_features,
+                        "bf16_matmul", rows, tiles)
         out = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device=x.device)
         if rows.shape[0]:
             self._gemm(rows.data_ptr(), rows.shape[0], rows.shape[1], tiles.data_ptr(), out_features,
@@ -97,7 +99,7 @@ class CpuKernels:
         if q.dtype != torch.float32 or dim % 8 or dim > 256:
             return cached_attention(q, k, v, mask, scale)
         check_arguments(k.shape == v.shape == (batch, kv_heads, keys, dim) and k.dtype == v.dtype == torch.float32
-               and heads % kv_heads == 0 and mask.shape[-2:] == (queries, keys), "attention", q, k, v, mask)
+                        and heads % kv_heads == 0 and mask.shape[-2:] == (queries, keys), "attention", q, k, v, mask)
         q = q.contiguous()
         k, v = (t if t.stride(-1) == 1 and t.stride(-2) == dim else t.contiguous() for t in (k, v))
         visible = mask.expand(batch, 1, queries, keys)[:, 0].contiguous().view(torch.uint8)  # [batch, queries, keys]
@@ -119,8 +121,8 @@ class CpuKernels:
     def add_rms_norm(self, x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float):
         """(x + delta, rms_normalize(x + delta, weight, eps)): a residual add and the next sublayer's norm."""
         x, delta, weight = x.contiguous(), delta.contiguous(), weight.float().contiguous()
-        check_arguments(x.dtype == delta.dtype == torch.float32 and x.shape == delta.shape and weight.shape == x.shape[-1:],
-               "add_rms_norm", x, delta, weight)
+        check_arguments(x.dtype == delta.dtype == torch.float32 and x.shape == delta.shape
+                        and weight.shape == x.shape[-1:], "add_rms_norm", x, delta, weight)
         summed, out = torch.empty_like(x), torch.empty_like(x)
         self._add_rms_norm(x.data_ptr(), delta.data_ptr(), x.numel() // x.shape[-1], x.shape[-1], weight.data_ptr(),
                            eps, summed.data_ptr(), out.data_ptr())
@@ -138,13 +140,14 @@ class CpuKernels:
         slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         width = (heads + 2 * kv_heads) * dim
         check_arguments(qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype == torch.float32
-               and qkv.shape == (batch, seq, width) and cos.shape == sin.shape == (batch, seq, dim)
-               and slots.shape == (batch,) and positions.shape == (batch, seq) and keys.is_contiguous()
-               and values.is_contiguous() and keys.shape == values.shape and (kv_heads == 0 or keys.shape[1] == kv_heads)
-               and keys.shape[3] == dim, "qk_rotary_cache", qkv, cos, sin, keys, values, slots, positions)
+                        and qkv.shape == (batch, seq, width) and cos.shape == sin.shape == (batch, seq, dim)
+                        and slots.shape == (batch,) and positions.shape == (batch, seq) and keys.is_contiguous()
+                        and values.is_contiguous() and keys.shape == values.shape
+                        and (kv_heads == 0 or keys.shape[1] == kv_heads) and keys.shape[3] == dim,
+                        "qk_rotary_cache", qkv, cos, sin, keys, values, slots, positions)
         if norm_weight is not None:
             check_arguments(norm_weight.shape == (heads + kv_heads, dim) and norm_weight.dtype == torch.float32,
-                   "qk_rotary_cache", norm_weight)
+                            "qk_rotary_cache", norm_weight)
         q = torch.empty(batch, heads, seq, dim, dtype=torch.float32)
         norm_weight = None if norm_weight is None else norm_weight.contiguous()  # held for the call
         norm = 0 if norm_weight is None else norm_weight.data_ptr()
@@ -152,8 +155,7 @@ class CpuKernels:
                                        sin.data_ptr(), slots.data_ptr(), positions.data_ptr(), keys.data_ptr(),
                                        values.data_ptr(), keys.shape[0], keys.shape[2], q.data_ptr())
         if status != 0:
-            raise IndexError(f"cache write outside the cache ({keys.shape[0]} slots x {keys.shape[2]} positions): "
-                             f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
+            raise _outside_cache(keys, slots, positions)
         return q
 
 
@@ -175,24 +177,28 @@ class CpuKernels:
             scratch.qkv.data_ptr(), scratch.q.data_ptr(), scratch.attended.data_ptr(), scratch.projected.data_ptr(),
             x_out.data_ptr(), scratch.h_next.data_ptr(), gate_up.data_ptr())
         if status == -1:
-            raise IndexError(f"cache write outside the cache ({keys.shape[0]} slots x {keys.shape[2]} positions): "
-                             f"slots {step.slots.tolist()}, positions {int(step.positions.min())}.."
-                             f"{int(step.positions.max())}")
+            raise _outside_cache(keys, step.slots, step.positions)
         if status != 0:
             raise ValueError(f"layer_attention: a shape the attention kernel does not take (head size {layer.dim}, "
                              f"{layer.heads} heads on {layer.kv_heads}, {step.keys} keys)")
         return x_out, gate_up
 
-    def layer_mlp_out(self, act: torch.Tensor, x: torch.Tensor, down: torch.Tensor, norm_weight: torch.Tensor,
-                      eps: float, scratch: "LayerScratch", h_out: torch.Tensor) -> torch.Tensor:
+    def layer_mlp_out(self, act: torch.Tensor, x: torch.Tensor, layer: "DenseLayerWeights", scratch: "LayerScratch",
+                      h_out: torch.Tensor) -> torch.Tensor:
         """act [rows, intermediate] (the MLP's activation), x [rows, hidden] -> x + act @ down (returned), and
-        its norm with norm_weight written into h_out."""
+        its norm with the layer's next_norm written into h_out."""
         act = act.contiguous()
         x_out = torch.empty_like(x)
-        self._layer_mlp_out(act.data_ptr(), act.shape[0], act.shape[1], down.data_ptr(), x.data_ptr(), x.shape[1],
-                            norm_weight.data_ptr(), eps, scratch.projected.data_ptr(), x_out.data_ptr(),
-                            h_out.data_ptr())
+        self._layer_mlp_out(act.data_ptr(), act.shape[0], act.shape[1], layer.down.data_ptr(), x.data_ptr(),
+                            x.shape[1], layer.next_norm.data_ptr(), layer.next_eps, scratch.projected.data_ptr(),
+                            x_out.data_ptr(), h_out.data_ptr())
         return x_out
+
+
+def _outside_cache(keys: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> IndexError:
+    """The error of a cache write the kernel refused: keys [slots, kv_heads, capacity, dim]."""
+    return IndexError(f"cache write outside the cache ({keys.shape[0]} slots x {keys.shape[2]} positions): "
+                      f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
 
 
 def check_arguments(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:

@@ -237,13 +237,11 @@ class TargetModel(EmbeddingHead, nn.Module):
         step = LayerStepInputs.build(cos, sin, slots, positions, mask, cache.keys, cache.values, weights)
         scratch = LayerScratch.for_rows(batch * seq, weights)
         x, h = x.reshape(batch * seq, hidden).contiguous(), h.reshape(batch * seq, hidden)  # h: written in place
-        layers, taps = self.model.layers, {}
+        taps = {}
         for index, layer in enumerate(weights):
             x, gate_up = self.kernels.layer_attention(h, x, layer, step, scratch)
             gate, up = gate_up.chunk(2, -1)  # [rows, intermediate] each
-            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
-            x = self.kernels.layer_mlp_out(F.silu(gate) * up, x, layer.down, following.weight, following.eps,
-                                           scratch, h)
+            x = self.kernels.layer_mlp_out(F.silu(gate) * up, x, layer, scratch, h)
             if index in tap_layers:
                 taps[index] = x.view(batch, seq, hidden)
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
@@ -253,8 +251,8 @@ class TargetModel(EmbeddingHead, nn.Module):
         """The packed layers as decoder_layer.cpp takes them, or None where a layer is not a plain dense one on
         the bfloat16 tiles (a bias, a tensor-parallel all-reduce, weights that are not exact in bfloat16, head
         sizes the attention kernel does not take): those keep the per-op path."""
-        result = []
-        for index, layer in enumerate(self.model.layers):
+        result, layers = [], self.model.layers
+        for index, layer in enumerate(layers):
             attention, mlp = layer.self_attn, layer.mlp
             linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
             if any(linear is None or linear.kernels is None or linear.bias is not None or linear.reduce is not None
@@ -265,6 +263,7 @@ class TargetModel(EmbeddingHead, nn.Module):
                 return None
             norm = getattr(attention, "qk_norm_weight", None)
             post = layer.post_attention_layernorm
+            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
             result.append(DenseLayerWeights(
                 index=index, hidden=self.config.hidden_size, heads=attention.num_heads,
                 kv_heads=attention.num_kv_heads, dim=dim, qkv=attention.qkv_proj.weight,
@@ -272,6 +271,7 @@ class TargetModel(EmbeddingHead, nn.Module):
                 qk_eps=attention.q_norm.eps if attention.q_norm is not None else 0.0, o=attention.o_proj.weight,
                 post_norm=post.weight.detach().float().contiguous(), post_eps=post.eps, gate_up=mlp.gate_up_proj.weight,
                 gate_up_width=mlp.gate_up_proj.out_features, down=mlp.down_proj.weight,
+                next_norm=following.weight.detach().float().contiguous(), next_eps=following.eps,
             ))
         return result
 
