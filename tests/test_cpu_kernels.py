@@ -40,6 +40,23 @@ def test_each_row_is_computed_alone():
             assert torch.equal(kernels.bf16_matmul(x[start:start + rows], tiles, 72), alone[start:start + rows])
 
 
+@pytest.mark.skipif(cpu_kernels() is None or cpu_kernels().gemm_isa != "avx512", reason="no AVX-512F here")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 7, 8, 9, 16, 17, 41])
+def test_avx512_kernel_equals_the_avx2_kernel_bit_for_bit(rows):
+    """The AVX-512 product runs the same per-element sums as the AVX2 one (more at once): equal bit for bit, so
+    a CPU's choice of kernel changes no token. Widths cover partial tiles, tile groups and their remainders
+    (1..300 tiles); depths cover short and odd K."""
+    kernels = cpu_kernels()
+    for case, (out_features, in_features) in enumerate([(16, 8), (40, 37), (7, 300), (513, 256), (4100, 65),
+                                                        (130, 768)]):
+        weight = _bf16_weight(out_features, in_features, seed=rows * 10 + case)
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(case)) * 3
+        tiles = kernels.bf16_tiles(weight)
+        wide = kernels.bf16_matmul(x, tiles, out_features, isa="avx512")
+        assert torch.equal(wide, kernels.bf16_matmul(x, tiles, out_features, isa="avx2")), (out_features, in_features)
+        assert torch.equal(wide, kernels.bf16_matmul(x, tiles, out_features))  # what every caller gets
+
+
 def test_leading_dimensions_and_no_rows():
     weight = _bf16_weight(24, 16, seed=3)
     kernels = cpu_kernels()

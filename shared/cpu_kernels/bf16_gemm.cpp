@@ -9,7 +9,9 @@
 // block of rows it falls in, so a row's result does not depend on the other rows of the call: a verify block's
 // rows equal one-token rows bit for bit (the row invariance lossless verification relies on).
 //
-// AVX2 + FMA; plain C ABI (loaded with ctypes; no torch headers, so it builds in about a second).
+// AVX2 + FMA; where the CPU has AVX-512F, dflash_bf16_gemm hands the product to bf16_gemm_avx512.cpp (the same
+// sums, bit for bit, more of them at once). Plain C ABI (loaded with ctypes; no torch headers, so it builds in
+// about a second).
 #include <immintrin.h>
 
 #include <cstdint>
@@ -115,8 +117,16 @@ void tile_rows(const float* x, int64_t M, int64_t K, const Weight* w, float* y, 
 
 extern "C" {
 
-// x [M, K] and y [M, N] row-major float32; w: ceil(N / 16) tiles of [K][16] bfloat16 bit patterns.
-void dflash_bf16_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+void dflash_bf16_gemm_avx512(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
+
+// 1 where dflash_bf16_gemm uses the AVX-512 kernel (the CPU has AVX-512F and the OS saves its registers).
+int dflash_bf16_gemm_uses_avx512() {
+  static const int uses = __builtin_cpu_supports("avx512f") ? 1 : 0;
+  return uses;
+}
+
+// The AVX2 kernel whatever the CPU (dflash_bf16_gemm's arguments; the tests compare the two).
+void dflash_bf16_gemm_avx2(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
   const int64_t tiles = (N + kTile - 1) / kTile;
   // More rows than one micro-kernel call reuse each tile: widen it to float32 once (K x 16, in cache).
   std::vector<float> widened(M > kMaxRows ? static_cast<size_t>(K) * kTile : 0);
@@ -134,6 +144,15 @@ void dflash_bf16_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, i
       _mm256_storeu_ps(widened.data() + k * kTile + 8, hi);
     }
     tile_rows(x, M, K, widened.data(), y + t * kTile, N, cols);
+  }
+}
+
+// x [M, K] and y [M, N] row-major float32; w: ceil(N / 16) tiles of [K][16] bfloat16 bit patterns.
+void dflash_bf16_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  if (dflash_bf16_gemm_uses_avx512()) {
+    dflash_bf16_gemm_avx512(x, M, K, w, N, y);
+  } else {
+    dflash_bf16_gemm_avx2(x, M, K, w, N, y);
   }
 }
 

@@ -1,4 +1,5 @@
-"""Building and loading the C++ CPU kernels (bf16_gemm.cpp, attention.cpp, layer_ops.cpp, decoder_layer.cpp):
+"""Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, attention.cpp,
+layer_ops.cpp, decoder_layer.cpp):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
 keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
 DFLASH_CPU_KERNELS=off, `cpu_kernels()` is None and every caller keeps its PyTorch path.
@@ -24,8 +25,8 @@ from shared.native_build import cached_library
 if TYPE_CHECKING:  # layer_step imports this module
     from shared.cpu_kernels.layer_step import DenseLayerWeights, LayerScratch, LayerStepInputs
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "attention.cpp", "layer_ops.cpp",
-                                                        "decoder_layer.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "attention.cpp",
+                                                        "layer_ops.cpp", "decoder_layer.cpp")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 
@@ -38,6 +39,12 @@ class CpuKernels:
         self._gemm.restype = None
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_void_p]
+        self._gemm_by_isa = {"avx2": library.dflash_bf16_gemm_avx2, "avx512": library.dflash_bf16_gemm_avx512}
+        for function in self._gemm_by_isa.values():
+            function.restype, function.argtypes = None, self._gemm.argtypes
+        uses_avx512 = library.dflash_bf16_gemm_uses_avx512
+        uses_avx512.restype, uses_avx512.argtypes = ctypes.c_int, []
+        self.gemm_isa = "avx512" if uses_avx512() else "avx2"  # what bf16_matmul (and every layer kernel) runs
         self._attention = library.dflash_attention
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] + \
@@ -76,16 +83,21 @@ class CpuKernels:
         padded[:out_features] = weight.to(torch.bfloat16)
         return padded.view(tiles, TILE, in_features).transpose(1, 2).contiguous()  # [tiles, in, 16]
 
-    def bf16_matmul(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int) -> torch.Tensor:
-        """x [..., in] float32 @ the tiled weight -> [..., out] float32 (rows computed independently)."""
+    def bf16_matmul(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int, isa: str | None = None
+                    ) -> torch.Tensor:
+        """x [..., in] float32 @ the tiled weight -> [..., out] float32 (rows computed independently). isa: None
+        for this CPU's kernel (gemm_isa), "avx2" or "avx512" to force one (the same sums bit for bit; "avx512"
+        only where gemm_isa is)."""
+        gemm = self._gemm if isa is None else self._gemm_by_isa[isa]
+        if isa == "avx512" and self.gemm_isa != "avx512":
+            raise RuntimeError("bf16_matmul: this CPU has no AVX-512F")
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
         check_arguments(rows.dtype == torch.float32 and tiles.dtype == torch.bfloat16
                         and tiles.shape[1] == rows.shape[1] and tiles.shape[0] * TILE >= out_features,
                         "bf16_matmul", rows, tiles)
         out = torch.empty(rows.shape[0], out_features, dtype=torch.float32, device=x.device)
         if rows.shape[0]:
-            self._gemm(rows.data_ptr(), rows.shape[0], rows.shape[1], tiles.data_ptr(), out_features,
-                       out.data_ptr())
+            gemm(rows.data_ptr(), rows.shape[0], rows.shape[1], tiles.data_ptr(), out_features, out.data_ptr())
         return out.view(*x.shape[:-1], out_features)
 
 
