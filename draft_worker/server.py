@@ -21,6 +21,7 @@ from shared.checkpoint_io import load_tensors
 from shared.config_json import read_config
 from shared.draft_codec import items_from_message, reply_message
 from shared.dtype_choice import resolve_dtype
+from shared.packed_linear import float32_kernels_run
 from shared.errors import DFlashError
 from shared.feature_transport import FrameTransport, add_transport_flags, make_transport
 from shared.proposals import DraftResult
@@ -148,7 +149,8 @@ def build_server(args, log: logging.Logger) -> DraftServer:
     if not args.target or not args.draft:
         raise DFlashError("--target and --draft are required")
     target_cfg = TargetFacts.from_config(read_config(args.target))
-    dtype = resolve_dtype(args.dtype, target_cfg.checkpoint_dtype, args.device)
+    kernels = str(args.device).startswith("cpu") and float32_kernels_run()  # the drafter packs like a llama target
+    dtype = resolve_dtype(args.dtype, target_cfg.checkpoint_dtype, args.device, kernels)
     drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
     embed, head = load_target_head(args.target, dtype, args.device)
     proposer = LocalProposer(

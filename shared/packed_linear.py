@@ -36,7 +36,13 @@ def packing_layout(weight: torch.Tensor) -> str | None:
         return "fused"
     if weight.dtype != torch.float32:
         return None
-    return "bf16" if torch.get_num_threads() == 1 and cpu_kernels() is not None else "transposed"
+    return "bf16" if float32_kernels_run() else "transposed"
+
+
+def float32_kernels_run() -> bool:
+    """Whether a float32 model on CPU packs its bfloat16-exact weights for the C++ kernels ("bf16" above): they
+    build here and torch runs one thread (the kernels are single-threaded)."""
+    return torch.get_num_threads() == 1 and cpu_kernels() is not None
 
 
 class PackedLinear(nn.Module):

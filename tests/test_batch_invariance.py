@@ -117,3 +117,23 @@ def test_auto_dtype_is_bfloat16_on_cpu_only_where_it_is_native():
     assert resolve_dtype("auto", "float32", "cpu") == torch.float32
     assert resolve_dtype("auto", "bfloat16", "cuda:0") == torch.bfloat16
     assert resolve_dtype("float32", "bfloat16", "cpu") == torch.float32
+
+
+def test_auto_dtype_is_float32_where_the_cpu_kernels_run():
+    """A model that runs float32 through the C++ kernels computes float32 on CPU, native bfloat16 or not (they
+    beat oneDNN's bfloat16 at serving batch sizes); on an accelerator the flag changes nothing."""
+    assert resolve_dtype("auto", "bfloat16", "cpu", float32_kernels=True) == torch.float32
+    assert resolve_dtype("auto", "bfloat16", "cuda:0", float32_kernels=True) == torch.bfloat16
+    assert resolve_dtype("bfloat16", "bfloat16", "cpu", float32_kernels=True) == torch.bfloat16  # asked for
+
+
+def test_the_demo_target_loads_float32_on_the_kernels_where_they_run():
+    from shared.demo_models import default_pair
+    from shared.packed_linear import float32_kernels_run
+    from verify_worker.target_loader import load_target
+
+    target = load_target(default_pair().target)  # dtype auto, packed
+    kernels = float32_kernels_run()
+    want = torch.float32 if kernels or not native_cpu_bfloat16() else torch.bfloat16
+    assert target.embed_weight.dtype == want
+    assert (getattr(target, "whole_layers", None) is not None) == kernels

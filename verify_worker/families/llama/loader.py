@@ -6,6 +6,7 @@ import torch
 
 from shared.checkpoint_io import check_tensor_names, load_tensor_slices
 from shared.dtype_choice import resolve_dtype
+from shared.packed_linear import float32_kernels_run
 from shared.rope import inverse_frequencies
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.families.llama.model import TargetModel
@@ -21,7 +22,8 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
     optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
     check_tensor_names(folder, cfg.tensor_shapes(), optional)
     slices = shard_slices(cfg, tp) if tp.parallel else {}
-    tensors = load_tensor_slices(folder, slices, dtype=resolve_dtype(dtype, cfg.checkpoint_dtype, device),
+    kernels = pack and str(device).startswith("cpu") and float32_kernels_run()
+    tensors = load_tensor_slices(folder, slices, dtype=resolve_dtype(dtype, cfg.checkpoint_dtype, device, kernels),
                                  device=device)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
