@@ -412,6 +412,8 @@ class SpeculativeEngine:
         device = self.device
         num = torch.tensor(counts, device=device)
         sampled_rows = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
+        if not sampled_rows and n == 0:  # greedy plain decoding: the argmax (the kernel's rule, first of ties)
+            return [0] * b, logits[:, 0].argmax(-1).tolist()
         if not sampled_rows:
             out = verify_block(logits, drafts.to(device), num, torch.zeros(b, dtype=torch.bool, device=device))
             return out[:, 0].tolist(), out[:, 1].tolist()
