@@ -302,7 +302,8 @@ def test_flat_text_exports_and_an_mtp_layer_load_the_same_model(glm5, tmp_path, 
 
     _, target, folder = glm5
     config = json.loads((folder / "config.json").read_text())
-    flat = {**config["text_config"], "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
+    flat = {**config["text_config"], "dtype": config["dtype"],  # an export states its dtype (here: float32)
+            "architectures": ["Glm5NextForConditionalGeneration"], "model_type": "glm5_next",
             "mhc": True, "mla_use_nope": True, "topk_method": "noaux_tc", "scoring_func": "sigmoid"}
     tensors = load_file(str(folder / "model.safetensors"))
     renamed = {name.replace("model.language_model.", "model."): t for name, t in tensors.items()
