@@ -122,13 +122,13 @@ def test_a_silent_drafter_is_given_up_on_at_its_measured_deadline():
 
 
 def test_a_call_waits_in_proportion_to_its_context_rows():
-    """Until a large call has measured what a context row costs, a call's deadline is the steady one scaled by
-    its rows (an upper bound): the first draft after a few plain steps waits a fraction of a second, a new
-    prompt's whole context up to the cap."""
+    """Until a large call has measured what a context row costs, a call's deadline is the steady one's plus its
+    extra rows at the upper bound base / base_rows (itself the margin): the first draft after a few plain steps
+    waits a fraction of a second, a new prompt's whole context up to the cap."""
     deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
     for _ in range(8):
         deadline.observe(0.02, catch_up=False, rows=4)
-    assert deadline.timeout(rows=12) == pytest.approx(0.48)  # 3 x 0.02 s, times 8
+    assert deadline.timeout(rows=120) == pytest.approx(8 * 0.02 + 0.005 * 116)
     assert deadline.timeout(rows=2) == 0.25  # never below the steady deadline
     assert deadline.timeout(rows=4000) == 5.0
 
@@ -141,7 +141,8 @@ def test_large_calls_measure_the_cost_of_a_row():
     deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
     for _ in range(8):
         deadline.observe(0.02, catch_up=False, rows=4)
-    assert deadline.timeout(rows=1024) == 5.0  # 0.02 s x 256, times 8: the cap
+    assert deadline.timeout(rows=1024) == 5.0  # 8 x 0.02 s + 1020 rows at the bound of 5 ms: the cap
+    assert deadline.timeout(rows=200) == pytest.approx(8 * 0.02 + 0.005 * 196)  # the bound is its own margin
     deadline.observe(0.05, catch_up=True, rows=1004)  # 30 us a row above the steady call
     deadline.observe(0.35, catch_up=True, rows=2004)  # a slow one (a fresh kernel): the median ignores it
     deadline.observe(0.08, catch_up=True, rows=2004)
@@ -172,7 +173,7 @@ def test_a_restarted_drafter_is_timed_from_its_first_answered_calls_of_either_ki
     only_large = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
     for rows in (100, 200, 300, 400):
         only_large.observe(0.001 * rows / 10, catch_up=True, rows=rows)  # 0.1 ms a row
-    assert only_large.timeout(rows=1000) == pytest.approx(8 * 0.1)  # each large call scaled by its rows
+    assert only_large.timeout(rows=1000) == pytest.approx(8 * 0.025 + 1e-4 * 750)  # rows at the bound base / rows
 
 
 def test_draft_deadline():

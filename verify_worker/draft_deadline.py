@@ -12,7 +12,10 @@ in the middle of a stream: every stream waits it out. So the deadline follows th
   last of them. Until one is measured, a row is assumed to cost base / base_rows (the whole call scaled by its
   rows), an upper bound, since the block cost is part of base.
 - A call's deadline is `multiple` x (base + per-row cost x its rows above base_rows), at least the floor, at
-  most the cap. A fresh drafter gets the cap until `min_samples` calls of either kind have been answered (a
+  most the cap. Where the cost of a row is only the upper bound, the multiple applies to base alone: the bound
+  overstates a row's cost several times already, and multiplied again it put every large call of a drafter
+  restarted shortly before (steady calls measured, no large one) at the cap, so a drafter hung in such a
+  probe (64 plain steps of 16 streams: 1024 rows) stalled every stream for the 5 s cap. A fresh drafter gets the cap until `min_samples` calls of either kind have been answered (a
   drafter restarted while 16 streams decode plainly may see only large calls and rare probes for a while).
 
 Scaling the whole call by its rows (the old rule) gave the draft after 64 plain steps of 16 requests (1024 rows,
@@ -40,14 +43,21 @@ class DraftDeadline:
             return self.cap_s
         usual = self.steady or self.large  # only large calls so far (a fresh drafter meeting new prompts): theirs
         base, base_rows = median(s for s, _ in usual), max(1.0, median(r for _, r in usual))
-        row_seconds = self.row_seconds(base, base_rows) if self.steady else base / base_rows
-        seconds = base + row_seconds * max(0.0, rows - base_rows)
-        return min(self.cap_s, max(self.floor_s, self.multiple * seconds))
+        extra = max(0.0, rows - base_rows)
+        measured = self._marginal(base, base_rows) if self.steady else []
+        if measured:
+            seconds = self.multiple * (base + max(0.0, median(measured)) * extra)
+        else:  # the upper bound base / base_rows is its own margin: no multiple on the rows
+            seconds = self.multiple * base + base / base_rows * extra
+        return min(self.cap_s, max(self.floor_s, seconds))
 
     def row_seconds(self, base: float, base_rows: float) -> float:
         """The measured cost of one more context row (never below 0), or the upper bound base / base_rows."""
-        marginal = [(s - base) / (r - base_rows) for s, r in self.large if r >= 2 * base_rows]
+        marginal = self._marginal(base, base_rows)
         return max(0.0, median(marginal)) if marginal else base / base_rows
+
+    def _marginal(self, base: float, base_rows: float) -> list[float]:
+        return [(s - base) / (r - base_rows) for s, r in self.large if r >= 2 * base_rows]
 
     def observe(self, seconds: float, catch_up: bool, rows: int = 1) -> None:
         """A call that was answered: steady calls set the usual latency, the others the cost of a row."""
