@@ -21,9 +21,9 @@ from shared.checkpoint_io import load_tensors
 from shared.config_json import read_config
 from shared.draft_codec import items_from_message, reply_message
 from shared.dtype_choice import resolve_dtype
-from shared.packed_linear import float32_kernels_run
 from shared.errors import DFlashError
 from shared.feature_transport import FrameTransport, add_transport_flags, make_transport
+from shared.packed_linear import float32_kernels_run
 from shared.proposals import DraftResult
 from shared.role import configure_process, run_worker
 from shared.target_facts import TargetFacts
@@ -149,7 +149,7 @@ def build_server(args, log: logging.Logger) -> DraftServer:
     if not args.target or not args.draft:
         raise DFlashError("--target and --draft are required")
     target_cfg = TargetFacts.from_config(read_config(args.target))
-    kernels = str(args.device).startswith("cpu") and float32_kernels_run()  # the drafter packs like a llama target
+    kernels = float32_kernels_run(args.device)  # the drafter packs like a llama target
     dtype = resolve_dtype(args.dtype, target_cfg.checkpoint_dtype, args.device, kernels)
     drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
     embed, head = load_target_head(args.target, dtype, args.device)

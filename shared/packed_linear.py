@@ -36,13 +36,13 @@ def packing_layout(weight: torch.Tensor) -> str | None:
         return "fused"
     if weight.dtype != torch.float32:
         return None
-    return "bf16" if float32_kernels_run() else "transposed"
+    return "bf16" if float32_kernels_run(weight.device) else "transposed"
 
 
-def float32_kernels_run() -> bool:
-    """Whether a float32 model on CPU packs its bfloat16-exact weights for the C++ kernels ("bf16" above): they
-    build here and torch runs one thread (the kernels are single-threaded)."""
-    return torch.get_num_threads() == 1 and cpu_kernels() is not None
+def float32_kernels_run(device) -> bool:
+    """Whether a float32 model on this device packs its bfloat16-exact weights for the C++ kernels ("bf16"
+    above): a CPU where they build, with torch on one thread (the kernels are single-threaded)."""
+    return str(device).startswith("cpu") and torch.get_num_threads() == 1 and cpu_kernels() is not None
 
 
 class PackedLinear(nn.Module):

@@ -133,7 +133,7 @@ def test_the_demo_target_loads_float32_on_the_kernels_where_they_run():
     from verify_worker.target_loader import load_target
 
     target = load_target(default_pair().target)  # dtype auto, packed
-    kernels = float32_kernels_run()
+    kernels = float32_kernels_run("cpu")
     want = torch.float32 if kernels or not native_cpu_bfloat16() else torch.bfloat16
     assert target.embed_weight.dtype == want
     assert (getattr(target, "whole_layers", None) is not None) == kernels

@@ -15,8 +15,9 @@ in the middle of a stream: every stream waits it out. So the deadline follows th
   most the cap. Where the cost of a row is only the upper bound, the multiple applies to base alone: the bound
   overstates a row's cost several times already, and multiplied again it put every large call of a drafter
   restarted shortly before (steady calls measured, no large one) at the cap, so a drafter hung in such a
-  probe (64 plain steps of 16 streams: 1024 rows) stalled every stream for the 5 s cap. A fresh drafter gets the cap until `min_samples` calls of either kind have been answered (a
-  drafter restarted while 16 streams decode plainly may see only large calls and rare probes for a while).
+  probe (64 plain steps of 16 streams: 1024 rows) stalled every stream for the 5 s cap. A fresh drafter gets
+  the cap until `min_samples` calls of either kind have been answered (a drafter restarted while 16 streams
+  decode plainly may see only large calls and rare probes for a while).
 
 Scaling the whole call by its rows (the old rule) gave the draft after 64 plain steps of 16 requests (1024 rows,
 against 4 rows in a steady one-request call) a deadline of seconds, which a hung drafter then cost every stream.

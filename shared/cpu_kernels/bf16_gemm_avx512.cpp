@@ -63,25 +63,17 @@ void block(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, in
 // Tiles per block for MR rows: about 16 accumulators, fewer tiles as rows grow.
 constexpr int tiles_for(int rows) { return rows == 1 ? 8 : rows == 2 ? 4 : rows <= 4 ? 3 : 2; }
 
-// MR rows against all tiles: blocks of tiles_for(MR) tiles, the remaining tiles one at a time.
-template <int MR>
-void rows_all_tiles(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t t0, int64_t t1) {
-  constexpr int NT = tiles_for(MR);
-  const int64_t tiles = (N + kTile - 1) / kTile;
-  int64_t t = t0;
-  for (; t + NT <= t1; t += NT) {
-    const int last = t + NT == tiles ? static_cast<int>(N - (tiles - 1) * kTile) : kTile;
-    block<MR, NT>(x, K, w + t * K * kTile, y + t * kTile, N, last);
-  }
-  for (; t < t1; ++t) {
-    const int last = t + 1 == tiles ? static_cast<int>(N - (tiles - 1) * kTile) : kTile;
-    block<MR, 1>(x, K, w + t * K * kTile, y + t * kTile, N, last);
-  }
-}
-
+// MR rows against tiles [t0, t1): blocks of tiles_for(MR) tiles, the remaining tiles one at a time.
 template <int MR>
 void rows_block(const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t t0, int64_t t1) {
-  rows_all_tiles<MR>(x, K, w, y, N, t0, t1);
+  constexpr int NT = tiles_for(MR);
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  const int final_cols = static_cast<int>(N - (tiles - 1) * kTile);  // the matrix's last tile may be partial
+  int64_t t = t0;
+  for (; t + NT <= t1; t += NT) {
+    block<MR, NT>(x, K, w + t * K * kTile, y + t * kTile, N, t + NT == tiles ? final_cols : kTile);
+  }
+  for (; t < t1; ++t) block<MR, 1>(x, K, w + t * K * kTile, y + t * kTile, N, t + 1 == tiles ? final_cols : kTile);
 }
 
 void rows_tail(int64_t rows, const float* x, int64_t K, const uint16_t* w, float* y, int64_t N, int64_t t0,

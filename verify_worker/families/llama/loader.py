@@ -22,7 +22,7 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
     optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
     check_tensor_names(folder, cfg.tensor_shapes(), optional)
     slices = shard_slices(cfg, tp) if tp.parallel else {}
-    kernels = pack and str(device).startswith("cpu") and float32_kernels_run()
+    kernels = pack and float32_kernels_run(device)
     tensors = load_tensor_slices(folder, slices, dtype=resolve_dtype(dtype, cfg.checkpoint_dtype, device, kernels),
                                  device=device)
     if cfg.tie_word_embeddings:
