@@ -101,16 +101,18 @@ class DraftServer:
             return None
         try:
             results = self.proposer.propose(items)
+            ingest_seconds = self.proposer.last_timing.get("ingest")
         except Exception as exc:  # noqa: BLE001 - one request must not cost the others their drafts
             self.log.warning("draft call %d failed (%s: %s): drafting its %d requests one by one", message.call_id,
                              type(exc).__name__, exc, len(items))
             results = [self._draft_alone(item) for item in items]
+            ingest_seconds = None  # split over calls, some failed: not a measure of this call's rows
         elapsed = time.perf_counter() - started
         self.metrics.calls.inc()
         self.metrics.forward.observe(elapsed)
         self.metrics.resyncs.inc(sum(r.tokens is None for r in results))
         self.metrics.cached.set(len(self.proposer.slots))
-        return reply_message(message.call_id, results, elapsed)
+        return reply_message(message.call_id, results, elapsed, ingest_seconds)
 
     def _draft_alone(self, item) -> DraftResult:
         """One request's drafts; a request that fails on its own gets none this step and its context is

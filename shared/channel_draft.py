@@ -50,6 +50,9 @@ class DraftReply(Message):
     q_probs: RawTensor | None  # rows of the requests whose kind is not "none", in order: dense [.., vocab],
     q_ids: RawTensor | None  # sparse [.., K] with the candidate ids in q_ids (one kind per reply)
     draft_seconds: float
+    # of draft_seconds, the time the drafter spent writing the call's context rows into its cache (None: not
+    # measured, e.g. a call drafted request by request after a failure); the verifier bounds a row's cost by it
+    ingest_seconds: float | None
 
     def validate(self):
         total = sum(self.counts)

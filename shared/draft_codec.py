@@ -55,7 +55,8 @@ def _kind(result: DraftResult) -> str:
     return "dense" if result.q_ids is None else "sparse"
 
 
-def reply_message(call_id: int, results: list[DraftResult], draft_seconds: float) -> DraftReply:
+def reply_message(call_id: int, results: list[DraftResult], draft_seconds: float,
+                  ingest_seconds: float | None = None) -> DraftReply:
     served = [r for r in results if r.tokens is not None]
     with_q = [r for r in served if r.q_probs is not None]
     tokens = torch.cat([r.tokens for r in served]) if served else torch.zeros(0, dtype=torch.long)
@@ -66,6 +67,7 @@ def reply_message(call_id: int, results: list[DraftResult], draft_seconds: float
         call_id=call_id, resync=[r.tokens is None for r in results],
         counts=[0 if r.tokens is None else len(r.tokens) for r in results], tokens=to_raw(tokens.long()),
         q_kinds=[_kind(r) for r in results], q_probs=q_probs, q_ids=q_ids, draft_seconds=draft_seconds,
+        ingest_seconds=ingest_seconds,
     )
 
 

@@ -3,6 +3,7 @@ the vocabulary, more tokens than asked) cost drafts, never a request; a drafter 
 mid-call is given up on at once, and one that stops answering is given up on at its measured deadline. The
 deadline itself: pure."""
 
+import logging
 import threading
 import time
 
@@ -12,8 +13,12 @@ import zmq
 from conftest import tiny_draft_config
 from server_harness import free_port_block
 
-from shared.channel_draft import TO_DRAFTER, DraftRequest, Ping, Pong
-from shared.draft_codec import reply_message
+from draft_worker.draft_checkpoint import random_drafter
+from draft_worker.local_proposer import LocalProposer
+from draft_worker.server import DraftMetrics, DraftServer
+from shared.channel_draft import TO_DRAFTER, DraftReply, DraftRequest, Ping, Pong
+from shared.draft_codec import reply_message, request_message, stacked_features
+from shared.feature_transport import FrameTransport
 from shared.proposals import DraftItem, DraftResult, ProposerUnavailable
 from shared.sampling import SamplingParams
 from shared.wire import decode, encode
@@ -57,7 +62,7 @@ class ScriptedDrafter:
             counts = [n + (action == "too_many") for n in message.num_drafts]
             token = VOCAB + 5 if action == "bad_ids" else 1
             results = [DraftResult(tokens=torch.full((n,), token, dtype=torch.long)) for n in counts]
-            self.socket.send_multipart([identity, *encode(reply_message(message.call_id, results, 0.001))])
+            self.socket.send_multipart([identity, *encode(reply_message(message.call_id, results, 0.001, 0.0002))])
         self.socket.close(linger=0)
 
     def stop(self) -> None:
@@ -112,6 +117,7 @@ def test_a_silent_drafter_is_given_up_on_at_its_measured_deadline():
     try:
         for _ in range(4):
             proposer.propose(items())
+        assert list(proposer.deadline.ingested) == [(0.0002, 4)] * 4  # what the drafter said its rows took
         assert proposer.deadline.timeout() == pytest.approx(0.3)
         began = time.monotonic()
         with pytest.raises(ProposerUnavailable, match="no answer within 0.30 s"):
@@ -159,6 +165,28 @@ def test_large_calls_measure_the_cost_of_a_row():
     assert deadline.timeout(rows=1024) == 5.0 and not deadline.large
 
 
+def test_the_drafters_ingest_time_bounds_a_row_until_a_large_call_measures_it():
+    """A drafter restarted shortly before a hang has answered only steady one-request calls: 6 ms for 2 rows,
+    of which it spent 0.1 ms writing the rows into its cache. Its ingest time per row (50 us), not the whole
+    call per row (3 ms), bounds a large call's rows, with the multiple: a probe after 64 plain steps of 16
+    streams (1024 rows) waits 8 x (6 ms + 1022 x 50 us) = 0.46 s, where the call-per-row bound waited 3 s."""
+    deadline = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
+    for _ in range(4):
+        deadline.observe(0.006, catch_up=False, rows=2, ingest_seconds=0.0001)
+    assert deadline.row_seconds(0.006, 2) == pytest.approx(50e-6)
+    assert deadline.timeout(rows=1024) == pytest.approx(8 * (0.006 + 50e-6 * 1022))
+    without = DraftDeadline(cap_s=5.0, floor_s=0.25, multiple=8.0, min_samples=4)
+    for _ in range(4):
+        without.observe(0.006, catch_up=False, rows=2)  # a drafter that does not say
+    assert without.timeout(rows=1024) == pytest.approx(8 * 0.006 + 0.003 * 1022)
+    deadline.observe(0.03, catch_up=False, rows=64, ingest_seconds=0.0009)  # a 16-request call: 14 us a row
+    assert deadline.row_seconds(0.006, 2) == pytest.approx(0.0013 / 72)  # every recent call's rows together
+    deadline.observe(0.016, catch_up=True, rows=1004)  # a large call measured the row: 10 us above the steady one
+    assert deadline.row_seconds(0.006, 2) == pytest.approx(0.010 / 1002)
+    deadline.reset()
+    assert not deadline.ingested and deadline.timeout(rows=1024) == 5.0
+
+
 def test_a_restarted_drafter_is_timed_from_its_first_answered_calls_of_either_kind():
     """A drafter restarted while 16 streams decode plainly answers few steady calls (probes are rare) and some
     large ones (new prompts): after min_samples answered calls of either kind its deadline follows them (the
@@ -192,3 +220,30 @@ def test_draft_deadline():
     assert deadline.timeout() == 5.0  # never past the cap
     deadline.reset()
     assert deadline.timeout() == 5.0
+
+
+def test_the_draft_worker_reports_the_time_its_context_rows_took():
+    """The draft worker's reply says how long the call spent writing its context rows into the cache: a part of
+    the call's time, and unmeasured (None) for a call drafted request by request after a failure."""
+    cfg = tiny_draft_config(vocab=VOCAB)
+    embed = torch.randn(VOCAB, cfg.hidden_size) * 0.02
+    proposer = LocalProposer(random_drafter(cfg, seed=1), embed, embed, max_requests=4, max_model_len=64)
+    server = DraftServer(proposer, f"inproc://ingest-{id(proposer)}", DraftMetrics(), logging.getLogger("test"))
+    try:
+        calls = [items(n_features=6), [DraftItem(f"r{i}", 6, torch.zeros(0, 2 * 64), 1, 3, SamplingParams(), 0)
+                                       for i in range(2)]]
+        for call_id, call in enumerate(calls, 1):
+            features = stacked_features(call, 2 * 64)
+            reply = server.handle(request_message(call_id, call, FrameTransport().outgoing(features)))
+            assert isinstance(reply, DraftReply) and sum(reply.counts) == 6
+            assert 0 < reply.ingest_seconds < reply.draft_seconds  # (a call without rows: the checks alone)
+        def fails_together(batch):
+            if len(batch) > 1:
+                raise RuntimeError("one of these requests breaks the batch")
+            return [DraftResult(torch.ones(3, dtype=torch.long))]
+
+        proposer.propose = fails_together
+        reply = server.handle(request_message(3, items(), FrameTransport().outgoing(stacked_features(items(), 128))))
+        assert reply.ingest_seconds is None and reply.counts == [3, 3]
+    finally:
+        server.socket.close(linger=0)

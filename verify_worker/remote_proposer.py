@@ -159,7 +159,9 @@ class RemoteProposer:
             self._mark_down(f"bad proposals: {problem}")
             raise ProposerUnavailable(f"bad proposals: {problem}")
         elapsed = time.perf_counter() - started
-        self.deadline.observe(elapsed, catch_up, rows)
+        # a request the drafter had to resync wrote no rows: its rows would make the per-row figure too small
+        ingest = None if any(reply.resync) else reply.ingest_seconds
+        self.deadline.observe(elapsed, catch_up, rows, ingest)
         self.last_timing = {"draft": reply.draft_seconds, "transfer": elapsed - reply.draft_seconds}
         return results_from_message(reply)
 
