@@ -66,6 +66,28 @@ def test_probes_that_confirm_plain_decoding_come_less_often():
     assert policy.probe_spacing[1] == 4
 
 
+def test_a_new_request_resets_the_probes_only_where_it_could_tip_the_batch():
+    """16 streams where plain decoding wins by far (a speculative step costs 6 plain steps and commits 3 tokens
+    a request): a request joining the batch keeps the grown probe spacing, since even as good as the best
+    request seen (4 tokens a step) it could not make speculation pay. Alone in its batch, a new request
+    could: there the spacing starts again."""
+    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=64)
+    batch = [f"r{i}" for i in range(16)]
+    policy.observe(batch, True, True, 0.030, [3] * 15 + [4], [True] * 16)
+    policy.observe(batch, False, False, 0.005, [1] * 16, [False] * 16)
+    assert policy.preferred_mode(batch) == "plain" and policy.best_acceptance == 4
+    policy.probe_spacing[16] = 64
+    joined = batch[1:] + ["new"]
+    assert not policy.speculate(joined) and policy.probe_spacing[16] == 64
+    policy.observe(["solo"], True, True, 0.010, [4], [True])  # batch size 1: 10 ms for 4 tokens
+    policy.observe(["solo"], False, False, 0.004, [1], [False])  # against 4 ms a token: plain (16 > 10)...
+    policy.acceptance["solo"] = 2.0  # ...and this request now commits only 2 a step
+    policy.probe_spacing[1] = 64
+    assert policy.preferred_mode(["solo"]) == "plain"
+    policy.speculate(["another"])  # as good as the best seen (4 tokens: 16 ms of plain steps > 10): probe soon
+    assert policy.probe_spacing[1] == 4
+
+
 def test_requests_that_ask_for_drafts_and_seeded_sampled_ones_pin_their_steps_to_speculation():
     """A request with num_speculative_tokens > 0 gets drafts, and seeded sampling stays reproducible run to run
     (its draws depend on the schedule): their steps draft whatever the measured times prefer; pin_seeded=False
