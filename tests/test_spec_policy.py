@@ -4,6 +4,7 @@ from collections import deque
 
 from conftest import tiny_draft_config, write_hf_checkpoint
 from greedy_check import assert_same_or_near_tie
+from scripted_proposer import ScriptedProposer
 
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import LocalProposer
@@ -126,7 +127,7 @@ def test_an_unmeasured_plain_mode_does_not_hold_the_batch_forever():
 
 def test_a_probe_that_catches_up_on_context_still_measures_acceptance(tmp_path):
     """Block 4, a probe after 4 plain steps: its draft call carries more than a block of features (a catch-up
-    step, untimed), yet the tokens it committed update the acceptance lengths."""
+    step, untimed), yet its drafts, scored against the plain steps after it, update the acceptance lengths."""
     write_hf_checkpoint(tmp_path, "qwen3", seed=4)
     target = load_target(tmp_path)
     drafter = random_drafter(tiny_draft_config(block_size=4), seed=2, std=0.2)
@@ -140,11 +141,49 @@ def test_a_probe_that_catches_up_on_context_still_measures_acceptance(tmp_path):
     while engine.has_work():
         engine.step()
         report = engine.last_report
-        if report.decode_requests and not report.policy_plain:
-            catch_ups += report.catch_up
+        catch_ups += report.catch_up
+        if report.decode_requests and policy.mean_acceptance is not None:
             means.append(policy.mean_acceptance)
-    assert catch_ups >= 5 and len(means) >= 5 and None not in means
-    assert state.stats.draft_tokens > 0 and not policy.acceptance  # measured while running, forgotten at the end
+    assert catch_ups >= 5 and len(means) >= 5
+    assert state.stats.draft_tokens == 0 and not policy.acceptance  # scored, never verified; forgotten at the end
+
+
+class _TwoRightThenWrong(ScriptedProposer):
+    """Proposes the target's own next two tokens, then a wrong one."""
+
+    def propose(self, items):
+        results = super().propose(items)
+        for result in results:
+            if len(result.tokens) > 2:
+                result.tokens[2] = (result.tokens[2] + 1) % 128
+        return results
+
+
+def test_a_greedy_probe_is_a_plain_step_whose_drafts_are_scored_like_a_verify(tmp_path):
+    """Plain decoding preferred: every probe of greedy requests drafts but verifies nothing (each step commits
+    one token a request, exactly the plain output), and each probe's drafts, scored against the tokens the
+    next steps commit, give the acceptance a verify would: 2 drafts match, so 3 tokens a step."""
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4)
+    target = load_target(tmp_path)
+    requests = [GenerationRequest((5, 6, 7, i), 30) for i in range(2)]
+    plain = SpeculativeEngine(target, None, max_requests=2).generate(requests)
+    sequences = {r.request_id: list(r.prompt_ids) + want.token_ids for r, want in zip(requests, plain)}
+    proposer = _TwoRightThenWrong(sequences, 8, target.config.num_layers, error_rate=0.0)
+    policy = AdaptiveSpeculation(probe_every=8, max_probe_every=8)  # a probe's 7 drafts are scored 7 steps later
+    policy.step_samples[(2, True)] = deque([1.0])
+    policy.step_samples[(2, False)] = deque([1e-3])  # plain: 8 tokens x 1 ms < 1 s
+    engine = SpeculativeEngine(target, proposer, max_requests=2, policy=policy)
+    states = [engine.add(r) for r in requests]
+    scored, probes = [], 0
+    while engine.has_work():
+        engine.step()
+        report = engine.last_report
+        probes += report.catch_up or any(engine.shadow_drafts)
+        assert report.draft_tokens == 0 and report.policy_plain  # nothing verified: plain steps only
+        scored += [policy.acceptance[s.request_id] for s in states if s.request_id in policy.acceptance]
+    assert probes >= 3 and scored and set(scored) == {3.0}
+    for state, want in zip(states, plain):
+        assert state.output_ids == want.token_ids
 
 
 def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp_path):

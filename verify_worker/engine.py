@@ -71,6 +71,7 @@ class SpeculativeEngine:
         self.last_report = StepReport()
         self.last_reports: list[StepReport] = []  # one per ordinary step of the last step() (more after a fault)
         self.policy = policy if proposer is not None else None  # None: every step drafts what it may
+        self.shadow_drafts: dict[str, tuple[int, list[int]]] = {}  # request -> (output index, drafts) of a probe
         self.log = logging.getLogger("dflash.engine")
 
     # ------------------------------------------------------------------ admission
@@ -302,6 +303,11 @@ class SpeculativeEngine:
         report.policy_plain = not speculate
         asked = [num_drafts(s, self.block_size, self.proposer is not None and speculate) for s in states]
         drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
+        if speculate and self.policy is not None and self.policy.probing is not None and all(
+                s.request.sampling.greedy for s in states):  # a probe of greedy requests: drafted, not verified
+            self._remember_shadow_drafts(states, drafts, counts)
+            drafts, counts = drafts[:, :0], [0] * len(states)
+            report.policy_plain = True
         started = time.perf_counter()
         n = drafts.shape[1]
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
@@ -332,6 +338,34 @@ class SpeculativeEngine:
         report.seconds["cache"] += time.perf_counter() - started
         if self.policy is not None:
             self._observe(states, speculate, asked, counts, committed_in_step, report)
+            self._score_shadow_drafts(states)
+
+    def _remember_shadow_drafts(self, states: list[RequestState], drafts: torch.Tensor, counts: list[int]) -> None:
+        """A probe while plain decoding is preferred, of greedy requests only, is a plain step: its drafts are
+        kept, not verified, and scored against the tokens the plain steps then commit (_score_shadow_drafts).
+        Greedy verification accepts exactly the drafts that match the target's own next tokens, so this
+        measures each request's acceptance length as a speculative step would, at the cost of the draft call
+        alone: no 9-token verify for every row, and the requests' lengths stay in step (a verified probe
+        commits different counts per request, and a wave of them then ends in small batches)."""
+        for row, state in enumerate(states):
+            if counts[row]:
+                self.shadow_drafts[state.request_id] = (len(state.output_ids), drafts[row, : counts[row]].tolist())
+
+    def _score_shadow_drafts(self, states: list[RequestState]) -> None:
+        """Each remembered draft whose positions are all committed now (or whose request finished): its matching
+        prefix a gives the request's acceptance as a verify would, a + 1 tokens for the step."""
+        for state in states:
+            remembered = self.shadow_drafts.get(state.request_id)
+            if remembered is None:
+                continue
+            start, drafted = remembered
+            committed = state.output_ids[start: start + len(drafted)]
+            if len(committed) < len(drafted) and state.finish_reason is None:
+                continue
+            del self.shadow_drafts[state.request_id]
+            if state.finish_reason is None:
+                accepted = next((i for i, (d, t) in enumerate(zip(drafted, committed)) if d != t), len(drafted))
+                self.policy.record_acceptance(state.request_id, accepted + 1)
 
     def _observe(self, states: list[RequestState], chosen: bool, asked: list[int], counts: list[int],
                  committed: list[int], report: StepReport) -> None:
@@ -499,6 +533,7 @@ class SpeculativeEngine:
             state.slot = -1
         if self.policy is not None:
             self.policy.forget(state.request_id)
+            self.shadow_drafts.pop(state.request_id, None)
         if self.proposer is not None:
             try:
                 self.proposer.release(state.request_id)

@@ -119,15 +119,20 @@ class AdaptiveSpeculation:
             self.step_samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
         for request_id, tokens, drew in zip(request_ids, committed, drafted):
             if drew:
-                self.acceptance[request_id] = _decayed(self.acceptance.get(request_id), tokens, self.keep_acceptance)
-                self.best_acceptance = max(self.best_acceptance, self.acceptance[request_id])
-                self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
+                self.record_acceptance(request_id, tokens)
         if self.probing is not None and chosen and request_ids:  # the probe's verdict sets the next spacing
             bucket = batch_bucket(len(request_ids))
             spacing = self.probe_spacing.get(bucket, self.probe_every)
             still_plain = self._preferred(request_ids) is False
             self.probe_spacing[bucket] = min(2 * spacing, self.max_probe_every) if still_plain else self.probe_every
         self.probing = None
+
+    def record_acceptance(self, request_id: str, tokens: int) -> None:
+        """One speculative step's tokens for a request, verified or scored later (a greedy probe's drafts against
+        the tokens plain steps committed: the engine's shadow drafts)."""
+        self.acceptance[request_id] = _decayed(self.acceptance.get(request_id), tokens, self.keep_acceptance)
+        self.best_acceptance = max(self.best_acceptance, self.acceptance[request_id])
+        self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
 
     def forget(self, request_id: str) -> None:
         self.acceptance.pop(request_id, None)
