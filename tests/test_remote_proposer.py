@@ -180,9 +180,13 @@ def test_the_drafters_ingest_time_bounds_a_row_until_a_large_call_measures_it():
         without.observe(0.006, catch_up=False, rows=2)  # a drafter that does not say
     assert without.timeout(rows=1024) == pytest.approx(8 * 0.006 + 0.003 * 1022)
     deadline.observe(0.03, catch_up=False, rows=64, ingest_seconds=0.0009)  # a 16-request call: 14 us a row
-    assert deadline.row_seconds(0.006, 2) == pytest.approx(0.0013 / 72)  # every recent call's rows together
+    assert deadline.row_seconds(0.006, 2) == pytest.approx(0.0009 / 64)  # the closest bound of the recent calls
     deadline.observe(0.016, catch_up=True, rows=1004)  # a large call measured the row: 10 us above the steady one
     assert deadline.row_seconds(0.006, 2) == pytest.approx(0.010 / 1002)
+    for _ in range(2):  # large calls of many more requests than the steady ones: their blocks count as rows
+        deadline.observe(0.706, catch_up=True, rows=1002)
+    assert deadline.row_seconds(0.006, 2) == pytest.approx(0.0009 / 64)  # the drafter's figure caps that
+    assert deadline.timeout(rows=1024) == 0.25  # 8 x (6 ms + 1022 x 14 us): under the floor
     deadline.reset()
     assert not deadline.ingested and deadline.timeout(rows=1024) == 5.0
 

@@ -7,14 +7,15 @@ in the middle of a stream: every stream waits it out. So the deadline follows th
 - Steady calls (each request sends what a few steps committed: at most STEADY_BLOCKS blocks of rows) take about
   the same time: their median `base` at their median rows `base_rows` is the usual call.
 - A call costs a fixed block cost plus a cost per context row (the drafter projects each row into its cache).
-  The cost per row is measured on the calls that carry many more rows than the steady ones (a new prompt's
-  context, the draft after a run of plain steps): the median of (seconds - base) / (rows - base_rows) over the
-  last of them. Until one is measured, the drafter's own clock bounds it: every reply says how long the call
-  spent writing its context rows into the cache (`ingest_seconds`), and their sum over the recent calls divided
-  by their rows is at least what a row costs (each call's figure includes the fixed part of its ingest). On the
-  demo pair (float32, one thread) that bound is about 50 us a row from one-request calls and 14 us from
-  16-request ones, against 4 us a row measured on a 1024-row call and about 3 ms for base / base_rows (the
-  whole call scaled by its rows, the bound used when neither is known).
+  Two figures estimate a row's cost. The drafter's own clock: every reply says how long the call spent writing
+  its context rows into the cache (`ingest_seconds`); each call's ingest seconds per row is at least what a row
+  costs (it includes the fixed part of the ingest), so the smallest of the recent calls' figures bounds it
+  closest. And the calls that carry many more rows than the steady ones (a new prompt's context, the draft
+  after a run of plain steps): the median of (seconds - base) / (rows - base_rows) over the last of them, which
+  also counts whatever else such a call carries beyond a steady one (more requests' blocks). The smaller one is
+  used. On the demo pair (float32, one thread) the drafter's figure is about 50 us a row from one-request calls
+  and 14 us from 16-request ones, against 4 us a row on a 1024-row call; where neither is known, a row is
+  assumed to cost base / base_rows (the whole call scaled by its rows, about 3 ms there), an upper bound.
 - A call's deadline is `multiple` x (base + per-row cost x its rows above base_rows), at least the floor, at
   most the cap. Where the cost of a row is only the bound base / base_rows, the multiple applies to base alone:
   that bound overstates a row's cost hundreds of times already. Multiplied again, or without the drafter's
@@ -51,25 +52,29 @@ class DraftDeadline:
         usual = self.steady or self.large  # only large calls so far (a fresh drafter meeting new prompts): theirs
         base, base_rows = median(s for s, _ in usual), max(1.0, median(r for _, r in usual))
         extra = max(0.0, rows - base_rows)
-        measured = self._marginal(base, base_rows) if self.steady else []
-        if measured:
-            seconds = self.multiple * (base + max(0.0, median(measured)) * extra)
-        elif self.ingested:  # the drafter's own ingest time per row: a bound, but a close one
-            seconds = self.multiple * (base + self._ingest_per_row() * extra)
+        row = self._row_seconds(base, base_rows)
+        if row is not None:
+            seconds = self.multiple * (base + row * extra)
         else:  # the upper bound base / base_rows is its own margin: no multiple on the rows
             seconds = self.multiple * base + base / base_rows * extra
         return min(self.cap_s, max(self.floor_s, seconds))
 
     def row_seconds(self, base: float, base_rows: float) -> float:
-        """The measured cost of one more context row (never below 0), else the drafter's ingest seconds per row,
-        else the upper bound base / base_rows."""
-        marginal = self._marginal(base, base_rows)
-        if marginal:
-            return max(0.0, median(marginal))
-        return self._ingest_per_row() if self.ingested else base / base_rows
+        """What one more context row costs: the smaller of the large calls' measure (never below 0) and the
+        drafter's ingest seconds per row, else the upper bound base / base_rows."""
+        row = self._row_seconds(base, base_rows)
+        return base / base_rows if row is None else row
 
-    def _ingest_per_row(self) -> float:
-        return sum(s for s, _ in self.ingested) / sum(r for _, r in self.ingested)
+    def _row_seconds(self, base: float, base_rows: float) -> float | None:
+        """The smaller of the two estimates of a row's cost, None while neither is known. The large calls'
+        measure counts against a steady call's base whatever else they carry more (the blocks of more requests:
+        the drill's first calls after a restart measured 0.7 ms a row on the tiny test pair, whose drafter said
+        14 us), so the drafter's own figure caps it."""
+        marginal = self._marginal(base, base_rows) if self.steady else []
+        estimates = [max(0.0, median(marginal))] if marginal else []
+        if self.ingested:
+            estimates.append(min(seconds / rows for seconds, rows in self.ingested))
+        return min(estimates) if estimates else None
 
     def _marginal(self, base: float, base_rows: float) -> list[float]:
         return [(s - base) / (r - base_rows) for s, r in self.large if r >= 2 * base_rows]
