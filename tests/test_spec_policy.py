@@ -186,6 +186,35 @@ def test_a_greedy_probe_is_a_plain_step_whose_drafts_are_scored_like_a_verify(tm
         assert state.output_ids == want.token_ids
 
 
+def test_a_request_that_asks_for_drafts_drafts_alone_while_the_others_decode_plainly(tmp_path):
+    """Plain decoding preferred for the batch: the request that asks for 2 drafts (like the gateway's readiness
+    probe) gets them verified every step, the three that leave the choice to the server draft nothing (before,
+    the one request made every row of the step speculate), and every output is the plain one."""
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4)
+    target = load_target(tmp_path)
+    requests = [GenerationRequest((5, 6, 7, i), 24, num_speculative_tokens=2 if i == 0 else None)
+                for i in range(4)]
+    plain = SpeculativeEngine(target, None, max_requests=4).generate(requests)
+    sequences = {r.request_id: list(r.prompt_ids) + want.token_ids for r, want in zip(requests, plain)}
+    proposer = ScriptedProposer(sequences, 8, target.config.num_layers, error_rate=0.0)
+    policy = AdaptiveSpeculation(probe_every=10 ** 6, max_probe_every=10 ** 6)  # no probe in this test
+    policy.step_samples[(4, True)] = deque([1.0])
+    policy.step_samples[(4, False)] = deque([1e-3])
+    engine = SpeculativeEngine(target, proposer, max_requests=4, policy=policy)
+    states = [engine.add(r) for r in requests]
+    decode_steps = 0
+    while engine.has_work():
+        engine.step()
+        report = engine.last_report
+        if report.decode_requests == 4 and not states[0].finish_reason:
+            decode_steps += 1
+            assert report.policy_plain and report.draft_tokens == 2  # the asking row's drafts only
+    assert decode_steps >= 3
+    assert states[0].stats.draft_tokens > 0 and all(s.stats.draft_tokens == 0 for s in states[1:])
+    for state, want in zip(states, plain):
+        assert state.output_ids == want.token_ids
+
+
 def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp_path):
     write_hf_checkpoint(tmp_path, "qwen3", seed=4)
     target = load_target(tmp_path)

@@ -297,16 +297,20 @@ class SpeculativeEngine:
                 events[state.request_id].prompt_logprobs = state.prompt_logprobs
 
     def _decode(self, states: list[RequestState], events: dict, report: StepReport, kept: dict[int, int]) -> None:
-        speculate = self.policy is None or self.policy.speculate(
-            [s.request_id for s in states], asked=any((s.request.num_speculative_tokens or 0) > 0 for s in states),
-            seeded_sampling=any(s.request.sampling.seed is not None and not s.request.sampling.greedy for s in states))
+        pinned = [self._pins_drafts(s) for s in states]
+        # the policy decides for the rows that leave it the choice; a pinned row drafts whatever it says
+        speculate = self.policy is None or all(pinned) or self.policy.speculate([s.request_id for s in states])
         report.policy_plain = not speculate
-        asked = [num_drafts(s, self.block_size, self.proposer is not None and speculate) for s in states]
+        asked = [num_drafts(s, self.block_size, self.proposer is not None and (speculate or pin))
+                 for s, pin in zip(states, pinned)]
         drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
         if speculate and self.policy is not None and self.policy.probing is not None and all(
-                s.request.sampling.greedy for s in states):  # a probe of greedy requests: drafted, not verified
-            self._remember_shadow_drafts(states, drafts, counts)
-            drafts, counts = drafts[:, :0], [0] * len(states)
+                s.request.sampling.greedy for s, pin in zip(states, pinned) if not pin):
+            # a probe of greedy requests: the free rows' drafts are kept and scored later, not verified
+            free = [not pin for pin in pinned]
+            self._remember_shadow_drafts(states, drafts, [c if f else 0 for c, f in zip(counts, free)])
+            counts = [0 if f else c for c, f in zip(counts, free)]
+            drafts = drafts[:, : max(counts, default=0)]
             report.policy_plain = True
         started = time.perf_counter()
         n = drafts.shape[1]
@@ -339,6 +343,19 @@ class SpeculativeEngine:
         if self.policy is not None:
             self._observe(states, speculate, asked, counts, committed_in_step, report)
             self._score_shadow_drafts(states)
+
+    def _pins_drafts(self, state: RequestState) -> bool:
+        """Whether this request drafts in every step, whatever the policy prefers for the others: it asks for
+        drafts itself (num_speculative_tokens > 0: the gateway's readiness probe, dflash-bench's speculative
+        waves), or it is a seeded sampled request and the policy pins those (its draws depend on its schedule).
+        Only its own row drafts: before, one such request made the whole batch speculate, and the readiness
+        probe (a 3-token request every 2 s) turned two steps of 16 plainly decoding streams into 8-token verify
+        blocks each time."""
+        if self.policy is None:
+            return True
+        request = state.request
+        seeded = request.sampling.seed is not None and not request.sampling.greedy
+        return (request.num_speculative_tokens or 0) > 0 or (seeded and self.policy.pin_seeded)
 
     def _remember_shadow_drafts(self, states: list[RequestState], drafts: torch.Tensor, counts: list[int]) -> None:
         """A probe while plain decoding is preferred, of greedy requests only, is a plain step: its drafts are

@@ -24,7 +24,8 @@ the best seen so far, speculation would pay), starts again at `probe_every`. The
 16 demo streams 64 plain steps take about 1.3 s), and its call carries every request's context rows of the
 plain steps before it (its deadline grows with them: `DraftDeadline`).
 
-Some requests pin their steps to speculation (the engine tells `speculate` whether a step has one):
+Some requests pin their own rows to speculation (the engine drafts for them whatever `speculate` says for the
+others, `SpeculativeEngine._pins_drafts`; `speculate` also takes the same two flags for a step of its own):
 - a request that asks for drafts itself (num_speculative_tokens > 0): the policy is for requests that leave the
   choice to the server (the gateway's readiness probe and dflash-bench's speculative waves ask);
 - a seeded sampled request (unless pin_seeded is off): its draws depend on the schedule (a speculative step
