@@ -89,6 +89,31 @@ def test_a_new_request_resets_the_probes_only_where_it_could_tip_the_batch():
     assert policy.probe_spacing[1] == 4
 
 
+def test_a_wave_of_new_requests_is_judged_by_what_it_plausibly_averages_not_by_the_best_request():
+    """32 past requests committed 2.5 to 4.5 tokens a speculative step (mean 3.45, sd 0.71), one reached 7.
+    A speculative step of 16 costs 5 plain steps: 16 new requests at once would need to average 5, beyond the
+    mean plus two standard errors (3.81), so the grown spacing stays; were each as good as the best (7) it
+    would reset every wave. A new request alone (a step costs 4.5 plain ones there) plausibly reaches mean +
+    2 sd (4.88): its batch probes soon."""
+    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=64)
+    for i in range(32):
+        policy.acceptance[f"old{i}"] = 2.5 + (i % 5) * 0.5
+        policy.forget(f"old{i}")
+    policy.forget("old0")  # forgotten again (after its last step): counted once
+    policy.best_acceptance = 7.0
+    assert len(policy.past_acceptance) == 32
+    wave = [f"new{i}" for i in range(16)]
+    policy.step_samples[(16, True)] = deque([0.025])
+    policy.step_samples[(16, False)] = deque([0.005])
+    policy.probe_spacing[16] = 64
+    assert not policy.speculate(wave) and policy.probe_spacing[16] == 64
+    policy.step_samples[(1, True)] = deque([0.0045])
+    policy.step_samples[(1, False)] = deque([0.001])
+    policy.probe_spacing[1] = 64
+    policy.speculate(["alone"])
+    assert policy.probe_spacing[1] == 4
+
+
 def test_requests_that_ask_for_drafts_and_seeded_sampled_ones_pin_their_steps_to_speculation():
     """A request with num_speculative_tokens > 0 gets drafts, and seeded sampling stays reproducible run to run
     (its draws depend on the schedule): their steps draft whatever the measured times prefer; pin_seeded=False

@@ -19,9 +19,10 @@ same schedule applies, speculation first.
 A probe that leaves plain decoding preferred doubles the plain steps before the next one at that batch size
 (up to `max_probe_every`): where speculation clearly loses (16 demo streams: a speculative step takes 5.6
 plain steps and commits 3.4 tokens a request) a probe every 8 steps cost 15% of the throughput. A probe that
-makes speculation preferred, or a batch with a request whose A was never measured and could tip it (were its A
-the best seen so far, speculation would pay), starts again at `probe_every`. The cap is 64, not more: a probe is also when a drafter that stopped answering is noticed (at
-16 demo streams 64 plain steps take about 1.3 s), and its call carries every request's context rows of the
+makes speculation preferred, or a batch with requests whose A was never measured and could tip it (were their
+mean A as high as it plausibly is: an upper confidence bound from the recent requests' A), starts again at
+`probe_every`. The cap is 64, not more: a probe is also when a drafter that stopped answering is noticed (at 16
+demo streams 64 plain steps take about 1.3 s), and its call carries every request's context rows of the
 plain steps before it (its deadline grows with them: `DraftDeadline`).
 
 Some requests pin their own rows to speculation (the engine drafts for them whatever `speculate` says for the
@@ -59,6 +60,7 @@ class AdaptiveSpeculation:
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> tokens per speculative step
     mean_acceptance: float | None = None  # over every request's speculative steps
     best_acceptance: float = 1.0  # the highest any request has shown (forgotten ones included)
+    past_acceptance: dict[str, float] = field(default_factory=dict)  # the last 64 forgotten requests' A, oldest first
     steps_in_mode: int = 0
     last_mode: bool | None = None
     probe_spacing: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps between probes
@@ -97,16 +99,30 @@ class AdaptiveSpeculation:
         return expected * plain >= spec
 
     def _unmeasured_could_pay(self, request_ids: list[str]) -> bool:
-        """Whether the batch has requests whose acceptance was never measured and, were each of them as good as
-        the best request seen so far, speculation would pay. At 16 demo streams one new request cannot tip a
-        batch that plain decoding wins by far, and re-probing for every arrival (a stream finishes every few
-        steps there) cost 15-20% of the throughput; alone in its batch a new request can."""
+        """Whether the batch has requests whose acceptance was never measured and, were they as good as they
+        plausibly are, speculation would pay. At 16 demo streams one new request cannot tip a batch that plain
+        decoding wins by far, and re-probing for every arrival (a stream finishes every few steps there) cost
+        15-20% of the throughput; alone in its batch a new request can. See `_plausible_acceptance`."""
         unmeasured = [r for r in request_ids if r not in self.acceptance]
         if not unmeasured:
             return False
         spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
-        optimistic = sum(self.acceptance.get(r, self.best_acceptance) for r in request_ids) / len(request_ids)
+        hope = self._plausible_acceptance(len(unmeasured))
+        optimistic = sum(self.acceptance.get(r, hope) for r in request_ids) / len(request_ids)
         return optimistic * plain >= spec
+
+    def _plausible_acceptance(self, unmeasured: int) -> float:
+        """The most that `unmeasured` new requests plausibly commit a step on average: the mean acceptance of the
+        recent requests plus two standard errors of a mean of that many (an upper confidence bound), at most the
+        best seen; the best seen while fewer than 8 requests were measured. A single new request may be as good
+        as mean + 2 sd; sixteen at once average near the mean, so a wave of 16 new demo streams (mean 3.5
+        tokens, sd about 1) no longer reads as if each were the best stream seen (6-7 tokens) and resets the
+        probes every wave: the default lost 18% to plain decoding at 16 streams that way."""
+        recent = list(self.past_acceptance.values()) + list(self.acceptance.values())
+        if len(recent) < 8:
+            return self.best_acceptance
+        bound = statistics.fmean(recent) + 2 * statistics.pstdev(recent) / unmeasured ** 0.5
+        return min(self.best_acceptance, bound)
 
     def observe(self, request_ids: list[str], chosen: bool, timed: bool | None, seconds: float,
                 committed: list[int], drafted: list[bool]) -> None:
@@ -138,7 +154,12 @@ class AdaptiveSpeculation:
         self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
 
     def forget(self, request_id: str) -> None:
-        self.acceptance.pop(request_id, None)
+        accepted = self.acceptance.pop(request_id, None)
+        if accepted is not None:  # (a request forgotten twice, once again after its last step: kept once)
+            self.past_acceptance.pop(request_id, None)
+            self.past_acceptance[request_id] = accepted
+            if len(self.past_acceptance) > 64:
+                del self.past_acceptance[next(iter(self.past_acceptance))]
 
     def preferred_mode(self, request_ids: list[str]) -> str | None:
         """"speculative" or "plain" once both modes were measured for this batch size (for logs and tests)."""
