@@ -298,9 +298,12 @@ class SpeculativeEngine:
 
     def _decode(self, states: list[RequestState], events: dict, report: StepReport, kept: dict[int, int]) -> None:
         pinned = [self._pins_drafts(s) for s in states]
-        # the policy decides for the rows that leave it the choice; a pinned row drafts whatever it says
-        speculate = self.policy is None or all(pinned) or self.policy.speculate([s.request_id for s in states])
-        report.policy_plain = not speculate
+        # the policy decides for the rows that leave it the choice (not pinned, not asking for 0 drafts); a
+        # pinned row drafts whatever it says
+        free = any(not pin and s.request.num_speculative_tokens != 0 for s, pin in zip(states, pinned))
+        speculate = self.policy is None or (self.policy.speculate([s.request_id for s in states]) if free
+                                            else any(pinned))
+        report.policy_plain = free and not speculate
         asked = [num_drafts(s, self.block_size, self.proposer is not None and (speculate or pin))
                  for s, pin in zip(states, pinned)]
         drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]

@@ -61,6 +61,7 @@ class AdaptiveSpeculation:
     mean_acceptance: float | None = None  # over every request's speculative steps
     best_acceptance: float = 1.0  # the highest any request has shown (forgotten ones included)
     past_acceptance: dict[str, float] = field(default_factory=dict)  # the last 64 forgotten requests' A, oldest first
+    past_spread: tuple[float, float] | None = None  # their (mean, standard deviation), once there are 8
     steps_in_mode: int = 0
     last_mode: bool | None = None
     probe_spacing: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps between probes
@@ -113,16 +114,15 @@ class AdaptiveSpeculation:
 
     def _plausible_acceptance(self, unmeasured: int) -> float:
         """The most that `unmeasured` new requests plausibly commit a step on average: the mean acceptance of the
-        recent requests plus two standard errors of a mean of that many (an upper confidence bound), at most the
-        best seen; the best seen while fewer than 8 requests were measured. A single new request may be as good
-        as mean + 2 sd; sixteen at once average near the mean, so a wave of 16 new demo streams (mean 3.5
+        last requests that finished plus two standard errors of a mean of that many (an upper confidence bound),
+        at most the best seen; the best seen until 8 requests have finished. A single new request may be as
+        good as mean + 2 sd; sixteen at once average near the mean, so a wave of 16 new demo streams (mean 3.5
         tokens, sd about 1) no longer reads as if each were the best stream seen (6-7 tokens) and resets the
         probes every wave: the default lost 18% to plain decoding at 16 streams that way."""
-        recent = list(self.past_acceptance.values()) + list(self.acceptance.values())
-        if len(recent) < 8:
+        if self.past_spread is None:
             return self.best_acceptance
-        bound = statistics.fmean(recent) + 2 * statistics.pstdev(recent) / unmeasured ** 0.5
-        return min(self.best_acceptance, bound)
+        mean, sd = self.past_spread
+        return min(self.best_acceptance, mean + 2 * sd / unmeasured ** 0.5)
 
     def observe(self, request_ids: list[str], chosen: bool, timed: bool | None, seconds: float,
                 committed: list[int], drafted: list[bool]) -> None:
@@ -160,6 +160,8 @@ class AdaptiveSpeculation:
             self.past_acceptance[request_id] = accepted
             if len(self.past_acceptance) > 64:
                 del self.past_acceptance[next(iter(self.past_acceptance))]
+            past = list(self.past_acceptance.values())
+            self.past_spread = (statistics.fmean(past), statistics.pstdev(past)) if len(past) >= 8 else None
 
     def preferred_mode(self, request_ids: list[str]) -> str | None:
         """"speculative" or "plain" once both modes were measured for this batch size (for logs and tests)."""
