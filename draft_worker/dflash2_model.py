@@ -119,8 +119,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         return self.config.dflash2.sample_top_k
 
     def candidates(self, logits: torch.Tensor, k: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
-        """logits [..., V] -> (unary [..., K], candidate ids [..., K]), best first."""
-        return logits.topk(min(k or self.top_k, logits.shape[-1]), dim=-1)
+        """logits [..., V] -> (unary [..., K], candidate ids [..., K]), best first (equal logits in id order
+        through the C++ kernel, where the packed drafter has it)."""
+        k = min(k or self.top_k, logits.shape[-1])
+        if self.kernels is not None and logits.dtype == torch.float32 and logits.device.type == "cpu":
+            return self.kernels.top_k(logits, k)
+        return logits.topk(k, dim=-1)
 
     def candidate_set(self, logits: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         """The top k of logits [..., V] in no particular order: (unary [..., K], ids [..., K]). A sampled walk

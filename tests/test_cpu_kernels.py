@@ -154,3 +154,31 @@ def test_attention_row_without_visible_keys_is_zero_and_odd_head_sizes_fall_back
     q, k, v = _attention_inputs(1, 2, 1, 2, 10, 12, seed=7)  # head size 12: not a multiple of 8
     mask = visibility_mask(torch.tensor([[3, 4]]), 10)
     assert torch.allclose(kernels.attention(q, k, v, mask, 0.3), cached_attention(q, k, v, mask, 0.3), atol=1e-6)
+
+
+@pytest.mark.parametrize("shape,k", [((112, 4096), 32), ((7, 4096), 1024), ((3, 100), 7), ((5, 32), 32), ((2, 31), 1),
+                                     ((4, 2, 300), 20)])
+def test_top_k_equals_torch_topk(shape, k):
+    """Distinct values: the same values and ids as torch.topk, best first (rows shorter than k chunks of 32, a
+    tail past the last 8, leading dimensions)."""
+    x = torch.randn(*shape, generator=torch.Generator().manual_seed(k))
+    values, ids = cpu_kernels().top_k(x, k)
+    want_values, want_ids = x.topk(k, dim=-1)
+    assert torch.equal(values, want_values) and torch.equal(ids, want_ids)
+
+
+def test_top_k_puts_equal_values_in_index_order_and_never_keeps_nan():
+    x = torch.zeros(3, 500)
+    x[0, [7, 400, 3, 250]] = 2.0  # four equal best values, then zeros: ids ascending within each value
+    x[1] = torch.arange(500.0) % 10  # many ties at every value
+    x[2, 17] = float("nan")
+    values, ids = cpu_kernels().top_k(x[:2], 12)
+    assert ids[0].tolist() == [3, 7, 250, 400, 0, 1, 2, 4, 5, 6, 8, 9] and values[0, :4].tolist() == [2.0] * 4
+    assert ids[1].tolist() == [9, 19, 29, 39, 49, 59, 69, 79, 89, 99, 109, 119]
+    assert ids[1].tolist() == sorted(range(500), key=lambda i: (-(i % 10), i))[:12]
+    values, ids = cpu_kernels().top_k(x, 12)  # NaN is never kept: the best of the numbers
+    assert ids[2].tolist() == list(range(12)) and not torch.isnan(values).any()
+    x[2] = float("nan")
+    x[2, :5] = 1.0  # fewer than k numbers: the row comes back from torch.topk (NaN first there)
+    values, ids = cpu_kernels().top_k(x, 12)
+    assert torch.equal(ids, x.topk(12, dim=-1)[1])

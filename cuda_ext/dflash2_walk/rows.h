@@ -47,12 +47,19 @@ DFLASH_HD void walk_query(const WalkArgs& a, int64_t b, int64_t t, int64_t previ
   for (int64_t r = begin; r < a.rank; r += stride) query[r] = pred[r] * proj[r];
 }
 
-// Candidate k's score at row t (the pair term summed over the rank in order).
+// Candidate k's score at row t. The pair term is summed in 8 interleaved partial sums (rank r into sum r % 8,
+// in order), added pairwise at the end: the same order in both builds, and 8 independent chains instead of one
+// (a single running sum is a chain of rank dependent adds: the host walk of 16 demo blocks took 0.77 ms).
 DFLASH_HD float walk_score(const WalkArgs& a, int64_t b, int64_t t, int64_t k, const float* query) {
   const int64_t at = (b * a.rows + t) * a.K + k;
   const float* succ = a.successor + a.candidates[at] * a.rank;
-  float pair = 0.0f;
-  for (int64_t r = 0; r < a.rank; ++r) pair += query[r] * succ[r];
+  float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  int64_t r = 0;
+  for (; r + 8 <= a.rank; r += 8) {
+    for (int j = 0; j < 8; ++j) part[j] += query[r + j] * succ[r + j];
+  }
+  for (int j = 0; r < a.rank; ++r, ++j) part[j] += query[r] * succ[r];
+  const float pair = ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
   return a.unary[at] + pair;
 }
 

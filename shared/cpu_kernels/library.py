@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, attention.cpp,
-layer_ops.cpp, decoder_layer.cpp):
+layer_ops.cpp, decoder_layer.cpp, top_k.cpp):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
 keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
 DFLASH_CPU_KERNELS=off, `cpu_kernels()` is None and every caller keeps its PyTorch path.
@@ -26,7 +26,7 @@ if TYPE_CHECKING:  # layer_step imports this module
     from shared.cpu_kernels.layer_step import DenseLayerWeights, LayerScratch, LayerStepInputs
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "attention.cpp",
-                                                        "layer_ops.cpp", "decoder_layer.cpp")]
+                                                        "layer_ops.cpp", "decoder_layer.cpp", "top_k.cpp")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 
@@ -69,6 +69,10 @@ class CpuKernels:
         self._layer_mlp_out = library.dflash_layer_mlp_out
         self._layer_mlp_out.restype = None
         self._layer_mlp_out.argtypes = [pointer, count, count, pointer, pointer, count, pointer, real] + [pointer] * 3
+
+        self._top_k = library.dflash_top_k
+        self._top_k.restype = None
+        self._top_k.argtypes = [pointer, count, count, count, pointer, pointer]
 
     def __deepcopy__(self, memo) -> "CpuKernels":
         return self  # the loaded library is shared (ctypes functions cannot be copied)
@@ -121,6 +125,20 @@ class CpuKernels:
                             v.stride(1), visible.data_ptr(), batch, heads, kv_heads, queries, keys, dim, scale,
                             out.data_ptr())
         return out
+
+    def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """torch.topk(x, k) over the last dim of float32 x [..., n], best first, equal values in index order
+        (top_k.cpp). NaN is never kept (torch.topk ranks it first); where a row has fewer than k numbers the
+        call takes torch.topk."""
+        rows = x.reshape(-1, x.shape[-1]).contiguous()
+        check_arguments(rows.dtype == torch.float32 and 1 <= k <= rows.shape[1], "top_k", rows)
+        values = torch.empty(rows.shape[0], k, dtype=torch.float32)
+        ids = torch.empty(rows.shape[0], k, dtype=torch.int64)
+        if rows.shape[0]:
+            self._top_k(rows.data_ptr(), rows.shape[0], rows.shape[1], k, values.data_ptr(), ids.data_ptr())
+            if bool((ids[:, -1] < 0).any()):
+                values, ids = rows.topk(k, dim=-1)
+        return values.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """shared.layers.rms_normalize for float32 x [..., n] and weight [n]."""
