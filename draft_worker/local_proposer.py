@@ -161,14 +161,14 @@ class LocalProposer:
         results: list[DraftResult | None] = [None] * len(items)
         greedy_rows = [r for r, s in enumerate(sampled) if not s]
         if greedy_rows:
-            index = torch.tensor(greedy_rows, device=logits.device)
-            tokens, _, _ = self.drafter.walk(hidden[index], logits[index], anchors[index],
+            rows = _rows(greedy_rows, len(items), logits.device)  # every row: no copy of [b, n, vocab] logits
+            tokens, _, _ = self.drafter.walk(hidden[rows], logits[rows], anchors[rows],
                                              torch.zeros(len(greedy_rows), device=logits.device), None)
             for i, row in enumerate(greedy_rows):
                 results[row] = DraftResult(tokens=tokens[i, : items[row].num_draft].clone())
         sampled_rows = [r for r, s in enumerate(sampled) if s]
         if sampled_rows:
-            index = torch.tensor(sampled_rows, device=logits.device)
+            index = _rows(sampled_rows, len(items), logits.device)
             uniforms = torch.full((len(sampled_rows), logits.shape[1]), 0.5, dtype=torch.float64)
             for i, row in enumerate(sampled_rows):
                 item = items[row]
@@ -223,3 +223,8 @@ class LocalProposer:
             else:
                 results.append(DraftResult(tokens=sample_from(q, uniforms), q_probs=q))
         return results
+
+
+def _rows(rows: list[int], batch: int, device) -> "slice | torch.Tensor":
+    """An index of these batch rows: a slice where they are all of them (a view), else a tensor (a copy)."""
+    return slice(None) if rows == list(range(batch)) else torch.tensor(rows, device=device)
