@@ -114,6 +114,36 @@ def test_a_wave_of_new_requests_is_judged_by_what_it_plausibly_averages_not_by_t
     assert policy.probe_spacing[1] == 4
 
 
+def test_a_request_whose_scored_probe_is_pending_counts_as_being_measured():
+    """A lone new request that could tip its batch is probed after 8 plain steps; the probe's drafts are scored
+    7 steps later (a scored greedy probe). Meanwhile it is being measured, not unmeasured, so the spacing the
+    probe's verdict doubled (16) holds: the next probe comes 16 plain steps later, not 8. A probe whose
+    acceptance never comes in (a drafter fallback) stops counting after `measuring_steps`."""
+    def probes(policy, score_after):
+        at, probed_at = [], None
+        for step in range(60):
+            speculative = policy.speculate(["new"])
+            if speculative:
+                at.append(step)
+                probed_at = step
+            policy.observe(["new"], speculative, None if speculative else False, 0.001, [1], [False])
+            if score_after is not None and probed_at is not None and step == probed_at + score_after:
+                policy.record_acceptance("new", 2.0)  # measured now: it would not tip the batch
+        return at
+
+    def policy():
+        made = AdaptiveSpeculation(probe_every=8, max_probe_every=64, best_acceptance=6.0)
+        made.step_samples[(1, True)] = deque([0.0045])  # 4.5 plain steps: a request as good as 6 would pay
+        made.step_samples[(1, False)] = deque([0.001])
+        made.last_mode, made.steps_in_mode = False, 0
+        return made
+
+    scored = probes(policy(), score_after=7)
+    assert scored[:2] == [8, 8 + 16 + 1]  # 8 plain steps, the probe, 16 plain steps, the next probe
+    lost = probes(policy(), score_after=None)  # nothing comes in: 16 steps after a probe it is unmeasured again
+    assert lost[:3] == [8, 25, 25 + 16 + 1]  # (the third probe would come 32 plain steps after the second)
+
+
 def test_requests_that_ask_for_drafts_and_seeded_sampled_ones_pin_their_steps_to_speculation():
     """A request with num_speculative_tokens > 0 gets drafts, and seeded sampling stays reproducible run to run
     (its draws depend on the schedule): their steps draft whatever the measured times prefer; pin_seeded=False

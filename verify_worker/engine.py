@@ -299,7 +299,7 @@ class SpeculativeEngine:
     def _decode(self, states: list[RequestState], events: dict, report: StepReport, kept: dict[int, int]) -> None:
         pinned = [self._pins_drafts(s) for s in states]
         # the policy decides for the rows that leave it the choice (not pinned, not asking for 0 drafts); a
-        # pinned row drafts whatever it says
+        # pinned row drafts whatever it says (without a policy every row is pinned, so `free` implies one)
         free = any(not pin and s.request.num_speculative_tokens != 0 for s, pin in zip(states, pinned))
         speculate = self.policy is None or (self.policy.speculate([s.request_id for s in states]) if free
                                             else any(pinned))
@@ -307,12 +307,11 @@ class SpeculativeEngine:
         asked = [num_drafts(s, self.block_size, self.proposer is not None and (speculate or pin))
                  for s, pin in zip(states, pinned)]
         drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
-        if speculate and self.policy is not None and self.policy.probing is not None and all(
+        if free and speculate and self.policy.probing is not None and all(
                 s.request.sampling.greedy for s, pin in zip(states, pinned) if not pin):
             # a probe of greedy requests: the free rows' drafts are kept and scored later, not verified
-            free = [not pin for pin in pinned]
-            self._remember_shadow_drafts(states, drafts, [c if f else 0 for c, f in zip(counts, free)])
-            counts = [0 if f else c for c, f in zip(counts, free)]
+            self._remember_shadow_drafts(states, drafts, [0 if pin else c for c, pin in zip(counts, pinned)])
+            counts = [c if pin else 0 for c, pin in zip(counts, pinned)]
             drafts = drafts[:, : max(counts, default=0)]
             report.policy_plain = True
         started = time.perf_counter()

@@ -66,6 +66,9 @@ class AdaptiveSpeculation:
     last_mode: bool | None = None
     probe_spacing: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps between probes
     probing: list[str] | None = None  # the requests of a probe in flight (a speculative step against preference)
+    measuring: dict[str, int] = field(default_factory=dict)  # request -> step of its probe, acceptance not in yet
+    steps: int = 0  # decode steps observed
+    measuring_steps: int = 16  # how long a probe's acceptance may take to come in (a scored probe: its drafts)
 
     def speculate(self, request_ids: list[str], asked: bool = False, seeded_sampling: bool = False) -> bool:
         """Whether the next decode step of these running requests drafts: always when one asked for drafts, or
@@ -82,6 +85,7 @@ class AdaptiveSpeculation:
         limit = self.refresh_every if preferred else self.probe_spacing.get(bucket, self.probe_every)
         if self.last_mode == preferred and self.steps_in_mode >= limit:
             self.probing = None if preferred else list(request_ids)
+            self.measuring.update((r, self.steps) for r in self.probing or ())
             return not preferred  # one step of the other mode, to keep it measured
         return preferred
 
@@ -104,7 +108,9 @@ class AdaptiveSpeculation:
         plausibly are, speculation would pay. At 16 demo streams one new request cannot tip a batch that plain
         decoding wins by far, and re-probing for every arrival (a stream finishes every few steps there) cost
         15-20% of the throughput; alone in its batch a new request can. See `_plausible_acceptance`."""
-        unmeasured = [r for r in request_ids if r not in self.acceptance]
+        # a request probed a moment ago is being measured (a scored probe's acceptance comes in steps later)
+        unmeasured = [r for r in request_ids if r not in self.acceptance
+                      and self.steps - self.measuring.get(r, -self.measuring_steps - 1) > self.measuring_steps]
         if not unmeasured:
             return False
         spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
@@ -131,6 +137,7 @@ class AdaptiveSpeculation:
         mixed rows, prefill in the step, a fallback or resync, or a draft call catching up on context); its
         decode seconds; the tokens each row committed and whether the row drafted (every drafted row measures
         its request's acceptance length, pure step or not)."""
+        self.steps += 1
         self.steps_in_mode = self.steps_in_mode + 1 if self.last_mode == chosen else 1
         self.last_mode = chosen
         if timed is not None and seconds > 0 and request_ids:
@@ -149,11 +156,13 @@ class AdaptiveSpeculation:
     def record_acceptance(self, request_id: str, tokens: int) -> None:
         """One speculative step's tokens for a request, verified or scored later (a greedy probe's drafts against
         the tokens plain steps committed: the engine's shadow drafts)."""
+        self.measuring.pop(request_id, None)
         self.acceptance[request_id] = _decayed(self.acceptance.get(request_id), tokens, self.keep_acceptance)
         self.best_acceptance = max(self.best_acceptance, self.acceptance[request_id])
         self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
 
     def forget(self, request_id: str) -> None:
+        self.measuring.pop(request_id, None)
         accepted = self.acceptance.pop(request_id, None)
         if accepted is not None:  # (a request forgotten twice, once again after its last step: kept once)
             self.past_acceptance.pop(request_id, None)
