@@ -2,6 +2,7 @@
 
 from collections import deque
 
+import pytest
 from conftest import tiny_draft_config, write_hf_checkpoint
 from greedy_check import assert_same_or_near_tie
 from scripted_proposer import ScriptedProposer
@@ -296,3 +297,20 @@ def test_dflash_serve_passes_the_policy_to_the_verify_worker():
     assert default[default.index("--spec-policy") + 1] == "adaptive"  # the default: drafting where it pays
     always = launcher.build_children(launcher.parse_args(["--spec-policy", "always"]))["verify"].argv
     assert always[always.index("--spec-policy") + 1] == "always"
+
+
+def test_new_requests_start_from_the_past_requests_mean_not_the_mean_over_steps():
+    """One past request committed 7 tokens a step and speculated 40 steps; eight others committed 3 and were
+    probed once each. Over steps the mean is near 7; over requests it is 3.4. Sixteen new requests where a
+    speculative step costs 5 plain ones start plainly (before, they started speculating)."""
+    policy = AdaptiveSpeculation()
+    for _ in range(40):
+        policy.record_acceptance("lucky", 7.0)
+    for i in range(8):
+        policy.record_acceptance(f"r{i}", 3.0)
+    for request_id in ["lucky"] + [f"r{i}" for i in range(8)]:
+        policy.forget(request_id)
+    assert policy.mean_acceptance > 5 and policy.past_spread[0] == pytest.approx((7 + 8 * 3) / 9)
+    policy.step_samples[(16, True)] = deque([0.025])
+    policy.step_samples[(16, False)] = deque([0.005])
+    assert policy.preferred_mode([f"new{i}" for i in range(16)]) == "plain"

@@ -98,8 +98,15 @@ class AdaptiveSpeculation:
         spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
         if spec is None or plain is None:
             return None
-        known = self.acceptance.values()  # a request not measured yet: the mean of those that are, or of the past
-        default = sum(known) / len(known) if known else (self.mean_acceptance or 1.0)
+        # a request not measured yet: the mean of those that are, else of the last requests that finished (each
+        # counted once: mean_acceptance is over steps, and a request that speculates every step, one with a
+        # high acceptance, weighs in every step; after a concurrency-1 phase it started 16 new demo streams
+        # speculating, at 5 plain steps a step), else over the steps so far
+        known = self.acceptance.values()
+        if known:
+            default = sum(known) / len(known)
+        else:
+            default = self.past_spread[0] if self.past_spread is not None else (self.mean_acceptance or 1.0)
         expected = sum(self.acceptance.get(r, default) for r in request_ids) / len(request_ids)
         return expected * plain >= spec
 
