@@ -70,19 +70,16 @@ class DraftDeadline:
         measure counts against a steady call's base whatever else they carry more (the blocks of more requests:
         the drill's first calls after a restart measured 0.7 ms a row on the tiny test pair, whose drafter said
         14 us), so the drafter's own figure caps it."""
-        marginal = self._marginal(base, base_rows) if self.steady else []
+        marginal = [(s - base) / (r - base_rows) for s, r in self.large if r >= 2 * base_rows] if self.steady else []
         estimates = [max(0.0, median(marginal))] if marginal else []
         if self.ingested:
             estimates.append(min(seconds / rows for seconds, rows in self.ingested))
         return min(estimates) if estimates else None
 
-    def _marginal(self, base: float, base_rows: float) -> list[float]:
-        return [(s - base) / (r - base_rows) for s, r in self.large if r >= 2 * base_rows]
-
     def observe(self, seconds: float, catch_up: bool, rows: int = 1, ingest_seconds: float | None = None) -> None:
         """A call that was answered: steady calls set the usual latency, the others the cost of a row;
-        ingest_seconds (the drafter's time writing the call's rows into its cache, None if it did not say) bounds
-        the cost of a row until a large call measures it."""
+        ingest_seconds (the drafter's time writing the call's rows into its cache, None if it did not say) is the
+        drafter's own figure for the cost of a row."""
         (self.large if catch_up else self.steady).append((seconds, rows))
         if ingest_seconds is not None and rows > 0:
             self.ingested.append((max(0.0, ingest_seconds), rows))

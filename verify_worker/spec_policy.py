@@ -115,15 +115,18 @@ class AdaptiveSpeculation:
         plausibly are, speculation would pay. At 16 demo streams one new request cannot tip a batch that plain
         decoding wins by far, and re-probing for every arrival (a stream finishes every few steps there) cost
         15-20% of the throughput; alone in its batch a new request can. See `_plausible_acceptance`."""
-        # a request probed a moment ago is being measured (a scored probe's acceptance comes in steps later)
-        unmeasured = [r for r in request_ids if r not in self.acceptance
-                      and self.steps - self.measuring.get(r, -self.measuring_steps - 1) > self.measuring_steps]
+        unmeasured = [r for r in request_ids if r not in self.acceptance and not self._being_measured(r)]
         if not unmeasured:
             return False
         spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
         hope = self._plausible_acceptance(len(unmeasured))
         optimistic = sum(self.acceptance.get(r, hope) for r in request_ids) / len(request_ids)
         return optimistic * plain >= spec
+
+    def _being_measured(self, request_id: str) -> bool:
+        """Probed in the last measuring_steps steps: a scored probe's acceptance comes in steps later."""
+        probed = self.measuring.get(request_id)
+        return probed is not None and self.steps - probed <= self.measuring_steps
 
     def _plausible_acceptance(self, unmeasured: int) -> float:
         """The most that `unmeasured` new requests plausibly commit a step on average: the mean acceptance of the
