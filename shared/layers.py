@@ -52,7 +52,11 @@ class GatedMLP(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.gate_up_proj is None:
             return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-        gate, up = self.gate_up_proj(x).chunk(2, -1)  # [..., intermediate] each
+        gate_up = self.gate_up_proj(x)  # [..., 2 * intermediate]: gate then up
+        kernels = self.gate_up_proj.kernels  # the C++ kernels' activation where they ran the projection
+        if kernels is not None and gate_up.dtype == torch.float32 and gate_up.device.type == "cpu":
+            return self.down_proj(kernels.silu_mul(gate_up))
+        gate, up = gate_up.chunk(2, -1)  # [..., intermediate] each
         return self.down_proj(F.silu(gate) * up)
 
 

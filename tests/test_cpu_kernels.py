@@ -182,3 +182,27 @@ def test_top_k_puts_equal_values_in_index_order_and_never_keeps_nan():
     x[2, :5] = 1.0  # fewer than k numbers: the row comes back from torch.topk (NaN first there)
     values, ids = cpu_kernels().top_k(x, 12)
     assert torch.equal(ids, x.topk(12, dim=-1)[1])
+
+
+@pytest.mark.parametrize("intermediate", [1, 8, 13, 768])
+def test_silu_mul_equals_torch_and_computes_each_row_alike(intermediate):
+    """silu(gate) * up from a fused gate/up row: within float32 rounding of PyTorch's (its exp is another
+    polynomial), the same bits for a row alone or among others, tails past the last eight included."""
+    generator = torch.Generator().manual_seed(intermediate)
+    gate_up = torch.randn(5, 2 * intermediate, generator=generator) * 6
+    got = cpu_kernels().silu_mul(gate_up)
+    gate, up = gate_up.chunk(2, -1)
+    want = torch.nn.functional.silu(gate) * up
+    assert got.shape == (5, intermediate)
+    assert torch.allclose(got, want, rtol=4e-7, atol=1e-7)
+    for row in range(5):
+        assert torch.equal(cpu_kernels().silu_mul(gate_up[row:row + 1])[0], got[row])
+
+
+def test_silu_mul_keeps_nan_and_saturates_like_silu():
+    gate = torch.tensor([float("nan"), float("inf"), 100.0, -100.0, 0.0, -0.0, 1e-30, 2.5])
+    act = cpu_kernels().silu_mul(torch.cat([gate, torch.ones_like(gate)])[None])[0]
+    assert torch.isnan(act[0])
+    assert act[1] == float("inf") and act[2] == 100.0 and abs(float(act[3])) < 1e-35
+    assert act[4] == 0 and act[5] == 0 and float(act[6]) == pytest.approx(5e-31, rel=1e-6)
+    assert float(act[7]) == pytest.approx(float(torch.nn.functional.silu(torch.tensor(2.5))), rel=1e-6)

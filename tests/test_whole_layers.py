@@ -1,7 +1,7 @@
-"""The target's layers in two kernel calls each (shared/cpu_kernels/decoder_layer.cpp) compute exactly what the
-per-op kernel path computes: hidden states, taps and every cache entry equal bit for bit, for Qwen3 (q/k norms)
-and Llama (none), verify blocks, padding rows and slots in any order; layers it does not take keep the per-op
-path."""
+"""The target's layers in one kernel call (shared/cpu_kernels/decoder_layer.cpp) compute exactly what the
+per-op kernel path computes: hidden states, taps (in the asked order) and every cache entry equal bit for bit,
+for Qwen3 (q/k norms) and Llama (none), verify blocks, padding rows and slots in any order; layers it does not
+take keep the per-op path."""
 
 import pytest
 import torch
@@ -27,7 +27,7 @@ def _run(target, whole: bool, prompt, ids, positions, slots):
         batch, context = prompt.shape
         with torch.inference_mode():
             target(prompt, torch.arange(context)[None].expand(batch, -1), cache, slots)
-            return target(ids, positions, cache, slots, (0, 1)), cache
+            return target(ids, positions, cache, slots, (1, 0)), cache
     finally:
         target.whole_layers = saved
 
@@ -37,7 +37,7 @@ def _run(target, whole: bool, prompt, ids, positions, slots):
                          ids=["plain", "verify8", "scattered", "consecutive"])
 def test_whole_layers_equal_the_per_op_path_bit_for_bit(tmp_path, family, batch, seq, slots):
     target = _packed(tmp_path, family)
-    assert target.whole_layers is not None and len(target.whole_layers) == target.config.num_layers
+    assert target.whole_layers is not None and len(target.whole_layers.layers) == target.config.num_layers
     generator = torch.Generator().manual_seed(batch * 10 + seq)
     context = 11
     prompt = torch.randint(0, 128, (batch, context), generator=generator)

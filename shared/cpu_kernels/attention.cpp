@@ -12,26 +12,9 @@
 #include <cstdint>
 #include <vector>
 
-namespace {
+#include "simd_exp.h"
 
-// exp(x) for x <= 0 to float32 accuracy (Cephes' polynomial on a power-of-two range reduction); each lane
-// alike, so a value's result never depends on its neighbours.
-inline __m256 exp_nonpositive(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.3365f));
-  const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504088896341f)),
-                                   _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(0.693359375f), x);
-  r = _mm256_fnmadd_ps(n, _mm256_set1_ps(-2.12194440e-4f), r);
-  __m256 y = _mm256_set1_ps(1.9875691500e-4f);
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.3981999507e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(8.3334519073e-3f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(4.1665795894e-2f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(1.6666665459e-1f));
-  y = _mm256_fmadd_ps(y, r, _mm256_set1_ps(5.0000001201e-1f));
-  y = _mm256_fmadd_ps(y, _mm256_mul_ps(r, r), _mm256_add_ps(r, _mm256_set1_ps(1.0f)));
-  const __m256i scale = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(y, _mm256_castsi256_ps(scale));
-}
+namespace {
 
 // Eight dot products at once: q [dim] against keys k[0..7] (rows of dim). Each key's lanes are summed by the
 // same tree ((0+1)+(2+3))+((4+5)+(6+7)) whatever its place among the eight, so a score is the same number in
@@ -112,7 +95,7 @@ void attend_rows(const float* const* q, const uint8_t* const* visible, float* co
     if (top == -INFINITY) continue;  // no visible key (a padding row): zeros, never read
     const __m256 top8 = _mm256_set1_ps(top);
     for (int64_t j = 0; j < stride; j += 8) {  // masked keys' weights are garbage here and skipped below
-      _mm256_storeu_ps(w + j, exp_nonpositive(_mm256_sub_ps(_mm256_loadu_ps(w + j), top8)));
+      _mm256_storeu_ps(w + j, dflash::exp8(_mm256_sub_ps(_mm256_loadu_ps(w + j), top8)));
     }
     float total = 0.0f;
     for (int64_t j = 0; j < keys; ++j) {
@@ -144,6 +127,23 @@ void attend_rows(const float* const* q, const uint8_t* const* visible, float* co
   }
 }
 
+// One past the last key any of a batch entry's rows sees (visible [rows, keys]): the keys past it are masked for
+// every row, so attention stops there instead of at the batch's longest context (a row's result is the same
+// either way: masked keys never enter its sums).
+int64_t visible_extent(const uint8_t* visible, int64_t rows, int64_t keys) {
+  int64_t extent = 0;
+  for (int64_t i = 0; i < rows; ++i) {
+    const uint8_t* row = visible + i * keys;
+    for (int64_t j = keys; j > extent; --j) {
+      if (row[j - 1]) {
+        extent = j;
+        break;
+      }
+    }
+  }
+  return extent;
+}
+
 }  // namespace
 
 extern "C" {
@@ -162,6 +162,7 @@ int dflash_attention(const float* q, const float* k, const float* v, int64_t k_b
   std::vector<const uint8_t*> mask_rows(rows_total);
   std::vector<float*> out_rows(rows_total);
   for (int64_t b = 0; b < batch; ++b) {
+    const int64_t extent = visible_extent(visible + b * rows * keys, rows, keys);
     for (int64_t g = 0; g < kv_heads; ++g) {
       for (int64_t h = g * group, r = 0; h < (g + 1) * group; ++h) {
         for (int64_t i = 0; i < rows; ++i, ++r) {
@@ -171,7 +172,7 @@ int dflash_attention(const float* q, const float* k, const float* v, int64_t k_b
         }
       }
       attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, k + b * k_batch_stride + g * k_head_stride,
-                  v + b * v_batch_stride + g * v_head_stride, keys, dim, scale, scores.data(), padded_keys.data());
+                  v + b * v_batch_stride + g * v_head_stride, extent, dim, scale, scores.data(), padded_keys.data());
     }
   }
   return 0;

@@ -1,12 +1,14 @@
-// A dense decoder layer's step in two calls instead of about ten, for the float32 path with bfloat16-tiled
-// weights (on a small model the one-token step is bound by per-call overhead, not arithmetic):
-//   dflash_layer_attention: q/k/v projection, q/k norms + rotary + cache write, attention, o projection, the
-//                           residual add with the post-attention norm, and the gate/up projection;
-//   dflash_layer_mlp_out:   the down projection and the residual add with the next norm.
-// The activation between them (silu(gate) * up) stays PyTorch's, so this computes exactly what the per-op path
-// computes: the same kernels (bf16_gemm.cpp, layer_ops.cpp, attention.cpp) on the same values in the same order,
-// row by row (a row's result never depends on the other rows). Plain C ABI, loaded with ctypes.
+// A dense decoder's whole layer stack in one call, for the float32 path with bfloat16-tiled weights (on a small
+// model the step is bound by per-call overhead, not arithmetic: two calls and three PyTorch ops per layer cost the
+// demo target's one-token step half its time). Each layer:
+//   q/k/v projection, q/k norms + rotary + cache write, attention, o projection, the residual add with the
+//   post-attention norm, the gate/up projection, silu(gate) * up, the down projection, and the residual add with
+//   the next norm (the following layer's input norm, or the model's final one).
+// The same kernels (bf16_gemm.cpp, layer_ops.cpp, attention.cpp) on the same values in the same order as the
+// per-op path, row by row (a row's result never depends on the other rows), so the same bits.
+// Plain C ABI, loaded with ctypes: the structs mirror layer_step.py's ctypes structures field by field.
 #include <cstdint>
+#include <cstring>
 
 extern "C" {
 
@@ -15,57 +17,106 @@ int dflash_attention(const float* q, const float* k, const float* v, int64_t k_b
                      int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible, int64_t batch,
                      int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale,
                      float* out);
+void dflash_rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out);
 void dflash_add_rms_norm(const float* x, const float* delta, int64_t rows, int64_t n, const float* weight,
                          float eps, float* summed, float* out);
 int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
                            const float* norm_weight, float eps, const float* cos, const float* sin,
                            const int64_t* slots, const int64_t* positions, float* k_cache, float* v_cache,
                            int64_t num_slots, int64_t capacity, float* q);
+void dflash_silu_mul(const float* gate_up, int64_t rows, int64_t intermediate, float* act);
 
-// h, x [batch * seq, hidden]: the layer's normed input and the residual stream. Weights as bf16_gemm tiles:
-// qkv_w (out (heads + 2 kv_heads) * dim), o_w (out hidden), gate_up_w (out gate_up_width). qk_norm, cos, sin,
-// slots, positions, caches: as dflash_qk_rotary_cache; the caches are this layer's [num_slots, kv_heads,
-// capacity, dim]. visible [batch, seq, keys]: which of the slot's first `keys` positions each row sees.
-// Scratch: qkv [rows, (heads + 2 kv_heads) * dim], q and attended [rows * heads * dim], projected [rows, hidden].
-// Writes x_out = x + o_proj(attention), h_out = post_norm(x_out), gate_up = h_out @ gate_up_w.
-// Returns 0; -1 for a slot or position outside the cache (nothing written); -2 for a shape attention refuses.
-int dflash_layer_attention(const float* h, const float* x, int64_t batch, int64_t seq, int64_t hidden,
-                           const uint16_t* qkv_w, int64_t heads, int64_t kv_heads, int64_t dim, const float* qk_norm,
-                           float qk_eps, const float* cos, const float* sin, const int64_t* slots,
-                           const int64_t* positions, float* k_cache, float* v_cache, int64_t num_slots,
-                           int64_t capacity, const uint8_t* visible, int64_t keys, float scale, const uint16_t* o_w,
-                           const float* post_norm, float post_eps, const uint16_t* gate_up_w, int64_t gate_up_width,
-                           float* qkv, float* q, float* attended, float* projected, float* x_out, float* h_out,
-                           float* gate_up) {
+// One layer: weights as bf16_gemm tiles (qkv out (heads + 2 kv_heads) * dim, o out hidden, gate_up out
+// 2 * intermediate, down out hidden), float32 norm weights (qk_norm [heads + kv_heads, dim] or null).
+struct StackLayer {
+  const uint16_t* qkv;
+  const float* qk_norm;
+  float qk_eps;
+  const uint16_t* o;
+  const float* post_norm;
+  float post_eps;
+  const uint16_t* gate_up;
+  const uint16_t* down;
+  const float* next_norm;
+  float next_eps;
+};
+
+// What every layer shares: the model's shape, attention's score scale and the first layer's input norm.
+struct StackShape {
+  int64_t layers, hidden, heads, kv_heads, dim, intermediate;
+  float scale;
+  const float* first_norm;
+  float first_eps;
+};
+
+// One forward: batch rows of seq tokens each, attending over the first `keys` positions of their slots. cos, sin
+// [batch, seq, dim]; slots [batch]; positions [batch, seq]; visible [batch, seq, keys] (1 = the row sees the
+// key); k_caches, v_caches: a [num_slots, kv_heads, capacity, dim] cache per layer; taps: per layer null, or
+// where its output residual goes (rows of hidden floats, tap_stride apart).
+struct StackStep {
+  int64_t batch, seq, keys, num_slots, capacity;
+  const float* cos;
+  const float* sin;
+  const int64_t* slots;
+  const int64_t* positions;
+  const uint8_t* visible;
+  float* const* k_caches;
+  float* const* v_caches;
+  float* const* taps;
+  int64_t tap_stride;
+};
+
+// Buffers every layer reuses: qkv [rows, (heads + 2 kv_heads) * dim], q and attended [rows * heads * dim],
+// projected [rows, hidden], gate_up [rows, 2 * intermediate], act [rows, intermediate].
+struct StackScratch {
+  float *qkv, *q, *attended, *projected, *gate_up, *act;
+};
+
+// x [batch * seq, hidden]: the embeddings in, the last residual out (updated in place); h [batch * seq, hidden]:
+// the final norm's output. Returns 0; -1 for a slot or position outside the cache (nothing written); -2 for a
+// shape attention refuses (nothing written).
+int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, const StackStep* step,
+                         const StackScratch* scratch, float* x, float* h) {
+  const int64_t heads = shape->heads, kv_heads = shape->kv_heads, dim = shape->dim, hidden = shape->hidden;
   if (dim % 8 != 0 || dim > 256 || kv_heads <= 0 || heads % kv_heads != 0) return -2;
-  const int64_t rows = batch * seq, width = (heads + 2 * kv_heads) * dim;
-  dflash_bf16_gemm(h, rows, hidden, qkv_w, width, qkv);
-  if (dflash_qk_rotary_cache(qkv, batch, seq, heads, kv_heads, dim, qk_norm, qk_eps, cos, sin, slots, positions,
-                             k_cache, v_cache, num_slots, capacity, q) != 0) {
-    return -1;
-  }
-  if (keys > capacity) return -2;  // (after the range check: keys past the cache mean a position past it)
-  const int64_t slot_stride = kv_heads * capacity * dim, head_stride = capacity * dim;
-  for (int64_t b = 0; b < batch; ++b) {  // each row reads its own slot's keys straight from the cache
-    const int64_t offset = slots[b] * slot_stride;
-    if (dflash_attention(q + b * heads * seq * dim, k_cache + offset, v_cache + offset, slot_stride, head_stride,
-                         slot_stride, head_stride, visible + b * seq * keys, 1, heads, kv_heads, seq, keys, dim,
-                         scale, attended + b * seq * heads * dim) != 0) {
-      return -2;
+  for (int64_t b = 0; b < step->batch; ++b) {  // checked before layer 0 writes: every layer writes the same places
+    if (step->slots[b] < 0 || step->slots[b] >= step->num_slots) return -1;
+    for (int64_t t = 0; t < step->seq; ++t) {
+      const int64_t position = step->positions[b * step->seq + t];
+      if (position < 0 || position >= step->capacity) return -1;
     }
   }
-  dflash_bf16_gemm(attended, rows, heads * dim, o_w, hidden, projected);
-  dflash_add_rms_norm(x, projected, rows, hidden, post_norm, post_eps, x_out, h_out);
-  dflash_bf16_gemm(h_out, rows, hidden, gate_up_w, gate_up_width, gate_up);
+  if (step->keys > step->capacity) return -2;  // (after the range check: keys past the cache mean a position past it)
+  const int64_t rows = step->batch * step->seq, width = (heads + 2 * kv_heads) * dim;
+  const int64_t slot_stride = kv_heads * step->capacity * dim, head_stride = step->capacity * dim;
+  dflash_rms_norm(x, rows, hidden, shape->first_norm, shape->first_eps, h);
+  for (int64_t index = 0; index < shape->layers; ++index) {
+    const StackLayer& layer = layers[index];
+    float* k_cache = step->k_caches[index];
+    float* v_cache = step->v_caches[index];
+    dflash_bf16_gemm(h, rows, hidden, layer.qkv, width, scratch->qkv);
+    dflash_qk_rotary_cache(scratch->qkv, step->batch, step->seq, heads, kv_heads, dim, layer.qk_norm, layer.qk_eps,
+                           step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->num_slots,
+                           step->capacity, scratch->q);
+    for (int64_t b = 0; b < step->batch; ++b) {  // each row reads its own slot's keys straight from the cache
+      const int64_t offset = step->slots[b] * slot_stride;
+      dflash_attention(scratch->q + b * heads * step->seq * dim, k_cache + offset, v_cache + offset, slot_stride,
+                       head_stride, slot_stride, head_stride, step->visible + b * step->seq * step->keys, 1, heads,
+                       kv_heads, step->seq, step->keys, dim, shape->scale, scratch->attended + b * step->seq * heads * dim);
+    }
+    dflash_bf16_gemm(scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
+    dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.post_norm, layer.post_eps, x, h);
+    dflash_bf16_gemm(h, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);
+    dflash_silu_mul(scratch->gate_up, rows, shape->intermediate, scratch->act);
+    dflash_bf16_gemm(scratch->act, rows, shape->intermediate, layer.down, hidden, scratch->projected);
+    dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.next_norm, layer.next_eps, x, h);
+    if (step->taps[index] != nullptr) {
+      for (int64_t r = 0; r < rows; ++r) {
+        std::memcpy(step->taps[index] + r * step->tap_stride, x + r * hidden, hidden * sizeof(float));
+      }
+    }
+  }
   return 0;
-}
-
-// act [rows, intermediate] (silu(gate) * up), x [rows, hidden]: x_out = x + act @ down_w, h_out = norm(x_out).
-void dflash_layer_mlp_out(const float* act, int64_t rows, int64_t intermediate, const uint16_t* down_w,
-                          const float* x, int64_t hidden, const float* norm, float eps, float* projected,
-                          float* x_out, float* h_out) {
-  dflash_bf16_gemm(act, rows, intermediate, down_w, hidden, projected);
-  dflash_add_rms_norm(x, projected, rows, hidden, norm, eps, x_out, h_out);
 }
 
 }  // extern "C"

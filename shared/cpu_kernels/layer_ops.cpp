@@ -2,12 +2,15 @@
 // of PyTorch ops (on a small model the one-token step is bound by op dispatch, not arithmetic):
 // - RMSNorm, alone or after the residual add;
 // - the attention input: q and k heads normalized (Qwen3's q/k norms) and rotated (rotate-half RoPE), q laid
-//   out for attention, k and v written into the positional KV cache.
+//   out for attention, k and v written into the positional KV cache;
+// - the gated MLP's activation, silu(gate) * up.
 // Float32, row by row (a row's result never depends on the other rows). Plain C ABI, loaded with ctypes.
 #include <immintrin.h>
 
 #include <cmath>
 #include <cstdint>
+
+#include "simd_exp.h"
 
 namespace {
 
@@ -93,6 +96,27 @@ int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t
     }
   }
   return 0;
+}
+
+// gate_up [rows, 2 * intermediate] (each row gate then up, a fused projection's output) -> act [rows,
+// intermediate] = silu(gate) * up, silu(g) = g / (1 + exp(-g)) rounded before the product (PyTorch's order; its
+// exp is another polynomial, so values may differ from F.silu in the last bit). A row's tail past the last eight
+// goes through the same instructions on masked lanes, so every element is computed alike.
+void dflash_silu_mul(const float* gate_up, int64_t rows, int64_t intermediate, float* act) {
+  const __m256 one = _mm256_set1_ps(1.0f), sign = _mm256_set1_ps(-0.0f);
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float* gate = gate_up + r * 2 * intermediate;
+    const float* up = gate + intermediate;
+    float* out = act + r * intermediate;
+    for (int64_t i = 0; i < intermediate; i += 8) {
+      const int64_t left = intermediate - i < 8 ? intermediate - i : 8;
+      const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(static_cast<int>(left)), lane);
+      const __m256 g = _mm256_maskload_ps(gate + i, mask), u = _mm256_maskload_ps(up + i, mask);
+      const __m256 silu = _mm256_div_ps(g, _mm256_add_ps(one, dflash::exp8(_mm256_xor_ps(g, sign))));
+      _mm256_maskstore_ps(out + i, mask, _mm256_mul_ps(silu, u));
+    }
+  }
 }
 
 }  // extern "C"

@@ -1,12 +1,38 @@
-"""The tensors of decoder_layer.cpp's two calls (CpuKernels.layer_attention / layer_mlp_out), checked once: a
-layer's weights when the model is packed, a step's inputs and scratch once per forward (the C++ code trusts
-them, so a mismatch is refused here, before any memory is touched)."""
+"""The arguments of decoder_layer.cpp's one call (CpuKernels.decoder_stack), checked once: the layers' weights
+when the model is packed, a step's inputs and scratch once per forward (the C++ code trusts them, so a mismatch
+is refused here, before any memory is touched). The ctypes structures mirror the C++ structs field by field."""
 
+import ctypes
 from dataclasses import dataclass
 
 import torch
 
 from shared.cpu_kernels.library import TILE, check_arguments
+
+_pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class StackLayer(ctypes.Structure):
+    _fields_ = [("qkv", _pointer), ("qk_norm", _pointer), ("qk_eps", _real), ("o", _pointer), ("post_norm", _pointer),
+                ("post_eps", _real), ("gate_up", _pointer), ("down", _pointer), ("next_norm", _pointer),
+                ("next_eps", _real)]
+
+
+class StackShape(ctypes.Structure):
+    _fields_ = [("layers", _count), ("hidden", _count), ("heads", _count), ("kv_heads", _count), ("dim", _count),
+                ("intermediate", _count), ("scale", _real), ("first_norm", _pointer), ("first_eps", _real)]
+
+
+class StackStep(ctypes.Structure):
+    _fields_ = [("batch", _count), ("seq", _count), ("keys", _count), ("num_slots", _count), ("capacity", _count),
+                ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("positions", _pointer),
+                ("visible", _pointer), ("k_caches", _pointer), ("v_caches", _pointer), ("taps", _pointer),
+                ("tap_stride", _count)]
+
+
+class StackScratch(ctypes.Structure):
+    _fields_ = [("qkv", _pointer), ("q", _pointer), ("attended", _pointer), ("projected", _pointer),
+                ("gate_up", _pointer), ("act", _pointer)]
 
 
 @dataclass(frozen=True)
@@ -15,7 +41,6 @@ class DenseLayerWeights:
     and float32 norm weights. qk_norm [heads + kv_heads, dim] or None (no q/k norms); next_norm: the norm after
     the layer (the next layer's input norm, or the model's final one)."""
 
-    index: int
     hidden: int
     heads: int
     kv_heads: int
@@ -58,62 +83,93 @@ def _tiles_of(tiles: torch.Tensor, in_features: int, out_features: int) -> bool:
 
 
 @dataclass(frozen=True)
-class LayerStepInputs:
-    """What every layer of one forward shares: batch rows of seq tokens each, attending over the first `keys`
-    positions of their slots; cos, sin [batch, seq, dim] float32; slots [batch] and positions [batch, seq]
-    int64; visible [batch, seq, keys] uint8; caches: each layer's (keys, values) [slots, kv_heads, capacity,
-    dim]."""
+class StackWeights:
+    """Every layer of a packed dense decoder, as decoder_layer.cpp takes them: the layers (alike in shape) and the
+    first layer's input norm [hidden] float32. Holds the tensors the C structures point into."""
 
-    batch: int
-    seq: int
-    keys: int
-    cos: torch.Tensor
-    sin: torch.Tensor
-    slots: torch.Tensor
-    positions: torch.Tensor
-    visible: torch.Tensor
-    caches: list[tuple[torch.Tensor, torch.Tensor]]
+    layers: list[DenseLayerWeights]
+    first_norm: torch.Tensor
+    first_eps: float
+    c_layers: ctypes.Array
+    c_shape: StackShape
 
     @classmethod
-    def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-              mask: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
-              layers: list[DenseLayerWeights]) -> "LayerStepInputs":
-        """mask [batch, 1, seq, keys] bool (shared.attention.visibility_mask)."""
-        batch, seq = positions.shape
-        length = mask.shape[-1]
-        cos, sin = cos.contiguous(), sin.contiguous()
-        slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-        visible = mask.expand(batch, 1, seq, length)[:, 0].contiguous().view(torch.uint8)  # [batch, seq, keys]
-        caches = list(zip(keys, values))
-        ok = (cos.dtype == sin.dtype == torch.float32 and slots.shape == (batch,) and len(caches) == len(layers)
-              and all(cos.shape == sin.shape == (batch, seq, layer.dim) for layer in layers)
-              and all(k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
-                      and k.shape == v.shape and k.dim() == 4 and k.shape[1] == layer.kv_heads
-                      and k.shape[3] == layer.dim
-                      for (k, v), layer in zip(caches, layers)))
-        check_arguments(ok, "layer step", cos, sin, slots, positions, mask)
-        return cls(batch, seq, length, cos, sin, slots, positions, visible, caches)
+    def of(cls, layers: list[DenseLayerWeights], first_norm: torch.Tensor, first_eps: float) -> "StackWeights | None":
+        """None where the layers differ in shape (one call runs one shape)."""
+        shape = {(w.hidden, w.heads, w.kv_heads, w.dim, w.gate_up_width, w.qk_norm is None) for w in layers}
+        if len(shape) != 1:
+            return None
+        first = layers[0]
+        check_arguments(first_norm.shape == (first.hidden,) and first_norm.dtype == torch.float32
+                        and first_norm.is_contiguous(), "stack weights", first_norm)
+        c_layers = (StackLayer * len(layers))(*(StackLayer(
+            w.qkv.data_ptr(), w.qk_norm_ptr, w.qk_eps, w.o.data_ptr(), w.post_norm.data_ptr(), w.post_eps,
+            w.gate_up.data_ptr(), w.down.data_ptr(), w.next_norm.data_ptr(), w.next_eps) for w in layers))
+        c_shape = StackShape(len(layers), first.hidden, first.heads, first.kv_heads, first.dim,
+                             first.gate_up_width // 2, first.dim ** -0.5, first_norm.data_ptr(), first_eps)
+        return cls(layers, first_norm, first_eps, c_layers, c_shape)
 
 
 @dataclass(frozen=True)
-class LayerScratch:
-    """Buffers every layer of one forward reuses: qkv [rows, (heads + 2 kv_heads) * dim], q and attended
-    [rows * heads * dim], projected [rows, hidden], h_next [rows, hidden] (the post-attention norm)."""
+class StackStepInputs:
+    """One forward's arguments (the C structures and the tensors they point into): batch rows of seq tokens each,
+    attending over the first `keys` positions of their slots. taps [batch * seq, len(tap_layers) * hidden]: the
+    tapped layers' outputs side by side, in tap_layers' order (None without taps)."""
 
-    qkv: torch.Tensor
-    q: torch.Tensor
-    attended: torch.Tensor
-    projected: torch.Tensor
-    h_next: torch.Tensor
+    c_step: StackStep
+    c_scratch: StackScratch
+    slots: torch.Tensor
+    positions: torch.Tensor
+    first_keys: torch.Tensor
+    taps: torch.Tensor | None
+    held: tuple
 
     @classmethod
-    def for_rows(cls, rows: int, layers: list[DenseLayerWeights]) -> "LayerScratch":
-        width = max((layer.heads + 2 * layer.kv_heads) * layer.dim for layer in layers)
-        attended = max(layer.heads * layer.dim for layer in layers)
-        hidden = layers[0].hidden
+    def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+              mask: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], stack: StackWeights,
+              tap_layers: tuple[int, ...]) -> "StackStepInputs":
+        """cos, sin [batch, seq, dim] float32; slots [batch]; positions [batch, seq]; mask [batch, 1, seq, keys]
+        bool (shared.attention.visibility_mask); keys, values: each layer's cache [slots, kv_heads, capacity,
+        dim] float32."""
+        batch, seq = positions.shape
+        length = mask.shape[-1]
+        layers = stack.layers
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        visible = mask.expand(batch, 1, seq, length)[:, 0].contiguous().view(torch.uint8)  # [batch, seq, keys]
+        dim, kv_heads = layers[0].dim, layers[0].kv_heads
+        ok = (cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (batch, seq, dim)
+              and slots.shape == (batch,) and len(keys) == len(values) == len(layers)
+              and all(t in range(len(layers)) for t in tap_layers) and len(set(tap_layers)) == len(tap_layers)
+              and all(k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+                      and k.shape == v.shape == keys[0].shape and k.dim() == 4 and k.shape[1] == kv_heads
+                      and k.shape[3] == dim for k, v in zip(keys, values)))
+        check_arguments(ok, "stack step", cos, sin, slots, positions, mask)
+        hidden, rows = layers[0].hidden, batch * seq
+        taps = torch.empty(rows, len(tap_layers) * hidden, dtype=torch.float32) if tap_layers else None
+        tap_pointers = [0] * len(layers)
+        for order, layer in enumerate(tap_layers):
+            tap_pointers[layer] = taps.data_ptr() + order * hidden * 4  # bytes
+        k_caches = (ctypes.c_void_p * len(layers))(*(k.data_ptr() for k in keys))
+        v_caches = (ctypes.c_void_p * len(layers))(*(v.data_ptr() for v in values))
+        c_taps = (ctypes.c_void_p * len(layers))(*tap_pointers)
+        c_step = StackStep(batch, seq, length, keys[0].shape[0], keys[0].shape[2], cos.data_ptr(), sin.data_ptr(),
+                           slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), ctypes.addressof(k_caches),
+                           ctypes.addressof(v_caches), ctypes.addressof(c_taps), len(tap_layers) * hidden)
+        c_scratch, buffer = _scratch(rows, layers[0])
+        return cls(c_step, c_scratch, slots, positions, keys[0], taps,
+                   (cos, sin, visible, keys, values, k_caches, v_caches, c_taps, buffer))
 
-        def buffer(*shape):
-            return torch.empty(*shape, dtype=torch.float32)
 
-        return cls(buffer(rows, width), buffer(rows * attended), buffer(rows * attended), buffer(rows, hidden),
-                   buffer(rows, hidden))
+def _scratch(rows: int, layer: DenseLayerWeights) -> tuple[StackScratch, torch.Tensor]:
+    """The buffers every layer of a forward of `rows` rows reuses, carved from one allocation (the returned
+    tensor): qkv [rows, (heads + 2 kv_heads) * dim], q and attended [rows, heads * dim], projected [rows, hidden],
+    gate_up [rows, 2 * intermediate], act [rows, intermediate]."""
+    widths = [(layer.heads + 2 * layer.kv_heads) * layer.dim, layer.heads * layer.dim, layer.heads * layer.dim,
+              layer.hidden, layer.gate_up_width, layer.gate_up_width // 2]
+    buffer = torch.empty(rows * sum(widths), dtype=torch.float32)
+    pointers, offset = [], buffer.data_ptr()
+    for width in widths:
+        pointers.append(offset)
+        offset += rows * width * 4  # bytes
+    return StackScratch(*pointers), buffer

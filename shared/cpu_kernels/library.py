@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, attention.cpp,
-layer_ops.cpp, decoder_layer.cpp, top_k.cpp):
+layer_ops.cpp, decoder_layer.cpp, top_k.cpp; simd_exp.h):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
 keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
 DFLASH_CPU_KERNELS=off, `cpu_kernels()` is None and every caller keeps its PyTorch path.
@@ -23,10 +23,11 @@ from shared.attention import cached_attention
 from shared.native_build import cached_library
 
 if TYPE_CHECKING:  # layer_step imports this module
-    from shared.cpu_kernels.layer_step import DenseLayerWeights, LayerScratch, LayerStepInputs
+    from shared.cpu_kernels.layer_step import StackStepInputs, StackWeights
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "attention.cpp",
                                                         "layer_ops.cpp", "decoder_layer.cpp", "top_k.cpp")]
+HEADERS = [Path(__file__).with_name("simd_exp.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 
@@ -61,14 +62,12 @@ class CpuKernels:
         self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] * 2 + \
             [pointer]
 
-        self._layer_attention = library.dflash_layer_attention
-        self._layer_attention.restype = ctypes.c_int
-        self._layer_attention.argtypes = (  # decoder_layer.cpp's signature, argument by argument
-            [pointer, pointer] + [count] * 3 + [pointer] + [count] * 3 + [pointer, real] + [pointer] * 6 + [count] * 2
-            + [pointer, count, real, pointer, pointer, real, pointer, count] + [pointer] * 7)
-        self._layer_mlp_out = library.dflash_layer_mlp_out
-        self._layer_mlp_out.restype = None
-        self._layer_mlp_out.argtypes = [pointer, count, count, pointer, pointer, count, pointer, real] + [pointer] * 3
+        self._decoder_stack = library.dflash_decoder_stack
+        self._decoder_stack.restype = ctypes.c_int
+        self._decoder_stack.argtypes = [pointer] * 6  # layers, shape, step, scratch (structs), x, h
+        self._silu_mul = library.dflash_silu_mul
+        self._silu_mul.restype = None
+        self._silu_mul.argtypes = [pointer, count, count, pointer]
 
         self._top_k = library.dflash_top_k
         self._top_k.restype = None
@@ -189,40 +188,34 @@ class CpuKernels:
         return q
 
 
-    def layer_attention(self, h: torch.Tensor, x: torch.Tensor, layer: "DenseLayerWeights", step: "LayerStepInputs",
-                        scratch: "LayerScratch") -> tuple[torch.Tensor, torch.Tensor]:
-        """A dense decoder layer up to its MLP's activation (decoder_layer.cpp): h, x [rows, hidden] (the normed
-        input, the residual stream) -> (x + o_proj(attention), gate_up [rows, gate_up width]). Writes this row
-        set's keys and values into the layer's caches. The post-attention norm of the new x lands in
-        scratch.h_next."""
-        x_out = torch.empty_like(x)
-        gate_up = torch.empty(x.shape[0], layer.gate_up_width, dtype=torch.float32)
-        keys, values = step.caches[layer.index]
-        status = self._layer_attention(
-            h.data_ptr(), x.data_ptr(), step.batch, step.seq, layer.hidden, layer.qkv.data_ptr(), layer.heads,
-            layer.kv_heads, layer.dim, layer.qk_norm_ptr, layer.qk_eps, step.cos.data_ptr(), step.sin.data_ptr(),
-            step.slots.data_ptr(), step.positions.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.shape[0],
-            keys.shape[2], step.visible.data_ptr(), step.keys, layer.dim ** -0.5, layer.o.data_ptr(),
-            layer.post_norm.data_ptr(), layer.post_eps, layer.gate_up.data_ptr(), layer.gate_up_width,
-            scratch.qkv.data_ptr(), scratch.q.data_ptr(), scratch.attended.data_ptr(), scratch.projected.data_ptr(),
-            x_out.data_ptr(), scratch.h_next.data_ptr(), gate_up.data_ptr())
-        if status == -1:
-            raise _outside_cache(keys, step.slots, step.positions)
-        if status != 0:
-            raise ValueError(f"layer_attention: a shape the attention kernel does not take (head size {layer.dim}, "
-                             f"{layer.heads} heads on {layer.kv_heads}, {step.keys} keys)")
-        return x_out, gate_up
+    def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """gate_up [..., 2 * intermediate] float32 (gate then up, a fused projection's output) -> silu(gate) * up
+        [..., intermediate] (layer_ops.cpp; equal to F.silu(gate) * up within a float32 rounding or two)."""
+        rows = gate_up.reshape(-1, gate_up.shape[-1]).contiguous()
+        check_arguments(rows.dtype == torch.float32 and rows.shape[1] % 2 == 0, "silu_mul", rows)
+        act = torch.empty(rows.shape[0], rows.shape[1] // 2, dtype=torch.float32)
+        self._silu_mul(rows.data_ptr(), rows.shape[0], rows.shape[1] // 2, act.data_ptr())
+        return act.view(*gate_up.shape[:-1], rows.shape[1] // 2)
 
-    def layer_mlp_out(self, act: torch.Tensor, x: torch.Tensor, layer: "DenseLayerWeights", scratch: "LayerScratch",
-                      h_out: torch.Tensor) -> torch.Tensor:
-        """act [rows, intermediate] (the MLP's activation), x [rows, hidden] -> x + act @ down (returned), and
-        its norm with the layer's next_norm written into h_out."""
-        act = act.contiguous()
-        x_out = torch.empty_like(x)
-        self._layer_mlp_out(act.data_ptr(), act.shape[0], act.shape[1], layer.down.data_ptr(), x.data_ptr(),
-                            x.shape[1], layer.next_norm.data_ptr(), layer.next_eps, scratch.projected.data_ptr(),
-                            x_out.data_ptr(), h_out.data_ptr())
-        return x_out
+    def decoder_stack(self, x: torch.Tensor, stack: "StackWeights", step: "StackStepInputs") -> tuple[torch.Tensor,
+                                                                                                      torch.Tensor]:
+        """Every layer of a dense decoder in one call (decoder_layer.cpp): x [rows, hidden] float32 (the
+        embeddings) -> (the last layer's residual, its final norm), each [rows, hidden]. Writes the rows' keys and
+        values into every layer's caches and the tapped layers' outputs into step.taps."""
+        x = x.contiguous().clone()  # updated in place by the call
+        check_arguments(x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] == step.c_step.batch * step.c_step.seq
+                        and x.shape[1] == stack.c_shape.hidden, "decoder_stack", x)
+        h = torch.empty_like(x)
+        status = self._decoder_stack(ctypes.addressof(stack.c_layers), ctypes.addressof(stack.c_shape),
+                                     ctypes.addressof(step.c_step), ctypes.addressof(step.c_scratch), x.data_ptr(),
+                                     h.data_ptr())
+        if status == -1:
+            raise _outside_cache(step.first_keys, step.slots, step.positions)
+        if status != 0:
+            first = stack.layers[0]
+            raise ValueError(f"decoder_stack: a shape the attention kernel does not take (head size {first.dim}, "
+                             f"{first.heads} heads on {first.kv_heads}, {step.c_step.keys} keys)")
+        return x, h
 
 
 def _outside_cache(keys: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> IndexError:
@@ -266,7 +259,7 @@ def cpu_kernels() -> CpuKernels | None:
         log.info("C++ CPU kernels off (%s): float32 projections use PyTorch's GEMM", why)
         return None
     try:
-        return CpuKernels(ctypes.CDLL(str(cached_library("libdflash_cpu.so", [compiler, *FLAGS], SOURCES))))
+        return CpuKernels(ctypes.CDLL(str(cached_library("libdflash_cpu.so", [compiler, *FLAGS], SOURCES, HEADERS))))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
         log.warning("C++ CPU kernels unavailable (build or load failed: %s): float32 projections use PyTorch's GEMM",

@@ -5,10 +5,9 @@ Module names mirror the HF checkpoint's tensor names, so the state dict is the l
 
 import torch
 from torch import nn
-from torch.nn import functional as F
 
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
-from shared.cpu_kernels.layer_step import DenseLayerWeights, LayerScratch, LayerStepInputs
+from shared.cpu_kernels.layer_step import DenseLayerWeights, StackStepInputs, StackWeights
 from shared.cpu_kernels.library import cpu_kernels
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
@@ -145,7 +144,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.head = None  # the lm_head packed for inference (set by pack())
         self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
-        self.whole_layers: list[DenseLayerWeights] | None = None  # each layer in two kernel calls (set by pack())
+        self.whole_layers: StackWeights | None = None  # every layer in one kernel call (set by pack())
 
     commits_state = False  # a positional KV cache: rollback is the committed length alone
 
@@ -211,10 +210,10 @@ class TargetModel(EmbeddingHead, nn.Module):
                        tap_layers) -> TargetOutput:
         """The same layers through the C++ CPU kernels (float32, a cache): each residual add fused with the
         next norm, q/k norms + rotary + cache write in one call, row-by-row attention."""
+        if self.whole_layers is not None:
+            return self._forward_whole_layers(x, cos, sin, cache, slots, positions, mask, tap_layers)
         kernels, layers = self.kernels, self.model.layers
         h = kernels.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)  # [b, s, hidden]
-        if self.whole_layers is not None:
-            return self._forward_whole_layers(x, h, cos, sin, cache, slots, positions, mask, tap_layers)
         taps = {}
         for index, layer in enumerate(layers):
             attention = layer.self_attn.forward_fused(h, cos, sin, cache, slots, read_slots, positions, kv_len, mask,
@@ -228,29 +227,21 @@ class TargetModel(EmbeddingHead, nn.Module):
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
         return TargetOutput(hidden=h, taps=tapped)
 
-    def _forward_whole_layers(self, x, h, cos, sin, cache, slots, positions, mask, tap_layers) -> TargetOutput:
-        """_forward_fused with each layer in two kernel calls (shared/cpu_kernels/decoder_layer.cpp): the same
-        kernels on the same values in the same order, so the same bits, at a fraction of the per-call overhead
-        (the demo target's one-token step is bound by it). Only the MLP's activation runs in PyTorch between them."""
+    def _forward_whole_layers(self, x, cos, sin, cache, slots, positions, mask, tap_layers) -> TargetOutput:
+        """_forward_fused with every layer in one kernel call (shared/cpu_kernels/decoder_layer.cpp): the same
+        kernels on the same values in the same order, so the same bits, without the per-layer calls and PyTorch
+        ops between them (the demo target's step is bound by them)."""
         batch, seq, hidden = x.shape
-        weights = self.whole_layers
-        step = LayerStepInputs.build(cos, sin, slots, positions, mask, cache.keys, cache.values, weights)
-        scratch = LayerScratch.for_rows(batch * seq, weights)
-        x, h = x.reshape(batch * seq, hidden).contiguous(), h.reshape(batch * seq, hidden)  # h: written in place
-        taps = {}
-        for index, layer in enumerate(weights):
-            x, gate_up = self.kernels.layer_attention(h, x, layer, step, scratch)
-            gate, up = gate_up.chunk(2, -1)  # [rows, intermediate] each
-            x = self.kernels.layer_mlp_out(F.silu(gate) * up, x, layer, scratch, h)
-            if index in tap_layers:
-                taps[index] = x.view(batch, seq, hidden)
-        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
+        step = StackStepInputs.build(cos, sin, slots, positions, mask, cache.keys, cache.values, self.whole_layers,
+                                     tap_layers)
+        _, h = self.kernels.decoder_stack(x.reshape(batch * seq, hidden), self.whole_layers, step)
+        tapped = None if step.taps is None else step.taps.view(batch, seq, -1)  # in the drafter's order
         return TargetOutput(hidden=h.view(batch, seq, hidden), taps=tapped)
 
-    def _whole_layer_weights(self) -> list[DenseLayerWeights] | None:
+    def _whole_layer_weights(self) -> StackWeights | None:
         """The packed layers as decoder_layer.cpp takes them, or None where a layer is not a plain dense one on
         the bfloat16 tiles (a bias, a tensor-parallel all-reduce, weights that are not exact in bfloat16, head
-        sizes the attention kernel does not take): those keep the per-op path."""
+        sizes the attention kernel does not take, layers of different shapes): those keep the per-op path."""
         result, layers = [], self.model.layers
         for index, layer in enumerate(layers):
             attention, mlp = layer.self_attn, layer.mlp
@@ -265,7 +256,7 @@ class TargetModel(EmbeddingHead, nn.Module):
             post = layer.post_attention_layernorm
             following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
             result.append(DenseLayerWeights(
-                index=index, hidden=self.config.hidden_size, heads=attention.num_heads,
+                hidden=self.config.hidden_size, heads=attention.num_heads,
                 kv_heads=attention.num_kv_heads, dim=dim, qkv=attention.qkv_proj.weight,
                 qk_norm=None if norm is None else norm.float().contiguous(),
                 qk_eps=attention.q_norm.eps if attention.q_norm is not None else 0.0, o=attention.o_proj.weight,
@@ -273,7 +264,8 @@ class TargetModel(EmbeddingHead, nn.Module):
                 gate_up_width=mlp.gate_up_proj.out_features, down=mlp.down_proj.weight,
                 next_norm=following.weight.detach().float().contiguous(), next_eps=following.eps,
             ))
-        return result
+        first = layers[0].input_layernorm
+        return StackWeights.of(result, first.weight.detach().float().contiguous(), first.eps)
 
     def pack(self, layout: str | None = "auto") -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
