@@ -30,3 +30,14 @@ def native_cpu_bfloat16() -> bool:
         return bool(torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
     except (AttributeError, RuntimeError):
         return False
+
+
+def kv_cache_dtype(name: str, checkpoint_dtype: str, compute_dtype: torch.dtype, float32_kernels: bool) -> torch.dtype:
+    """The KV cache's element type: the compute dtype, except that --dtype auto keeps a bfloat16 checkpoint's
+    keys and values in bfloat16 where the model computes float32 through the C++ CPU kernels (they widen each
+    value as they read it). The cache is what a step at 16 streams mostly reads (attention over every context):
+    bfloat16 halves it. Every mode of the engine reads the same rounded values, so speculative output still
+    equals plain output exactly; --dtype float32 keeps a float32 cache."""
+    if name == "auto" and checkpoint_dtype == "bfloat16" and compute_dtype == torch.float32 and float32_kernels:
+        return torch.bfloat16
+    return compute_dtype

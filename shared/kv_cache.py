@@ -28,10 +28,11 @@ class PositionalKVCache:
         return sum(t.numel() * t.element_size() for t in self.keys + self.values)
 
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
-        """Store k, v [batch, seq, kv_heads, head_dim] at slots [batch] and positions [batch, seq]."""
+        """Store k, v [batch, seq, kv_heads, head_dim] at slots [batch] and positions [batch, seq] (rounded to the
+        cache's dtype)."""
         index = (slots[:, None], slice(None), positions)
-        self.keys[layer][index] = k
-        self.values[layer][index] = v
+        self.keys[layer][index] = k.to(self.keys[layer].dtype)
+        self.values[layer][index] = v.to(self.values[layer].dtype)
 
     def read(self, layer: int, slots: torch.Tensor | slice, length: int):
         """Keys and values [batch, kv_heads, length, head_dim] of the given slots, positions 0..length-1."""

@@ -17,20 +17,26 @@ from draft_worker.local_proposer import LocalProposer
 from shared.attention import batch_invariant_attention, visibility_mask
 from shared.cpu_kernels.library import cpu_kernels
 from shared.demo_models import DEMO_DIR
-from shared.dtype_choice import native_cpu_bfloat16, resolve_dtype
+from shared.dtype_choice import kv_cache_dtype, native_cpu_bfloat16, resolve_dtype
 from verify_worker.engine import GenerationRequest, SpeculativeEngine
 from verify_worker.target_loader import load_target
 
 PROMPTS = DEMO_DIR.parent.parent / "benchmarks" / "prompts_heldout.json"
 needs_native_bf16 = pytest.mark.skipif(not native_cpu_bfloat16(), reason="this CPU has no native bfloat16 matmul")
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
-SETUPS = [pytest.param("bfloat16", marks=needs_native_bf16), pytest.param("float32 kernels", marks=needs_kernels)]
+SETUPS = [pytest.param("bfloat16", marks=needs_native_bf16), pytest.param("float32 kernels", marks=needs_kernels),
+          pytest.param("float32 kernels, bfloat16 cache", marks=needs_kernels)]
 
 
 def _invariant_target(folder, setup: str):
     """The target as the setup runs it."""
     if setup == "bfloat16":
         return load_target(folder, dtype="bfloat16")
+    if setup == "float32 kernels, bfloat16 cache":  # what --dtype auto runs where the kernels run (one thread)
+        target = load_target(folder, dtype="float32", pack=False).pack("bf16")
+        target.kv_dtype = kv_cache_dtype("auto", "bfloat16", torch.float32, float32_kernels=True)
+        assert target.whole_layers is not None and target.kv_dtype == torch.bfloat16
+        return target
     target = load_target(folder, dtype="float32", pack=False).pack("bf16")
     assert target.kernels is not None and target.model.layers[0].mlp.gate_up_proj.layout == "bf16"
     return target
@@ -125,6 +131,12 @@ def test_auto_dtype_is_float32_where_the_cpu_kernels_run():
     assert resolve_dtype("auto", "bfloat16", "cpu", float32_kernels=True) == torch.float32
     assert resolve_dtype("auto", "bfloat16", "cuda:0", float32_kernels=True) == torch.bfloat16
     assert resolve_dtype("bfloat16", "bfloat16", "cpu", float32_kernels=True) == torch.bfloat16  # asked for
+    # the cache: bfloat16 under float32 kernel maths for --dtype auto only, else the compute dtype
+    assert kv_cache_dtype("auto", "bfloat16", torch.float32, float32_kernels=True) == torch.bfloat16
+    assert kv_cache_dtype("float32", "bfloat16", torch.float32, float32_kernels=True) == torch.float32
+    assert kv_cache_dtype("auto", "bfloat16", torch.float32, float32_kernels=False) == torch.float32
+    assert kv_cache_dtype("auto", "float32", torch.float32, float32_kernels=True) == torch.float32
+    assert kv_cache_dtype("auto", "bfloat16", torch.bfloat16, float32_kernels=False) == torch.bfloat16
 
 
 def test_the_demo_target_loads_float32_on_the_kernels_where_they_run():
@@ -137,3 +149,4 @@ def test_the_demo_target_loads_float32_on_the_kernels_where_they_run():
     want = torch.float32 if kernels or not native_cpu_bfloat16() else torch.bfloat16
     assert target.embed_weight.dtype == want
     assert (getattr(target, "whole_layers", None) is not None) == kernels
+    assert target.new_cache(1, 8).keys[0].dtype == (torch.bfloat16 if kernels else want)  # (kernel maths: bf16)

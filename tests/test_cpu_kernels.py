@@ -206,3 +206,41 @@ def test_silu_mul_keeps_nan_and_saturates_like_silu():
     assert act[1] == float("inf") and act[2] == 100.0 and abs(float(act[3])) < 1e-35
     assert act[4] == 0 and act[5] == 0 and float(act[6]) == pytest.approx(5e-31, rel=1e-6)
     assert float(act[7]) == pytest.approx(float(torch.nn.functional.silu(torch.tensor(2.5))), rel=1e-6)
+
+
+def test_attention_over_a_bfloat16_cache_equals_attention_over_its_widened_values():
+    """Keys and values read as bfloat16 are widened exactly, then the same float32 arithmetic: the same bits as
+    the float32 kernel on the widened cache."""
+    from shared.attention import visibility_mask
+
+    kernels = cpu_kernels()
+    q, k, v = _attention_inputs(2, 4, 2, 3, 70, 64, seed=8)
+    k, v = k.to(torch.bfloat16), v.to(torch.bfloat16)
+    mask = visibility_mask(torch.tensor([[40, 41, 42], [67, 68, 69]]), 70)
+    assert torch.equal(kernels.attention(q, k, v, mask, 0.125), kernels.attention(q, k.float(), v.float(), mask, 0.125))
+
+
+def test_the_cache_write_rounds_to_bfloat16_as_torch_does():
+    """q/k norms + rotary + cache write into a bfloat16 cache: PyTorch's float -> bfloat16 rounding of what the
+    float32 cache holds (nearest even, NaN kept a NaN), and the same q."""
+    kernels = cpu_kernels()
+    heads, kv_heads, dim, batch, seq = 4, 2, 16, 2, 3
+    generator = torch.Generator().manual_seed(9)
+    qkv = torch.randn(batch, seq, (heads + 2 * kv_heads) * dim, generator=generator) * 3
+    qkv[1, 2, -1] = float("nan")  # a value of v
+    qkv[0, 0, heads * dim + 5] = 1 + 2 ** -8  # a key half way between two bfloat16 values: rounds to even
+    angles = torch.randn(batch, seq, dim, generator=generator)
+    cos, sin = angles.cos(), angles.sin()
+    slots, positions = torch.tensor([2, 0]), torch.tensor([[4, 5, 6], [0, 1, 2]])
+    norm = torch.rand(heads + kv_heads, dim, generator=generator) + 0.5
+    caches = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        keys, values = torch.zeros(3, kv_heads, 8, dim, dtype=dtype), torch.zeros(3, kv_heads, 8, dim, dtype=dtype)
+        q = kernels.qk_rotary_cache(qkv, heads, kv_heads, dim, norm, 1e-6, cos, sin, keys, values, slots, positions)
+        caches[dtype] = (q, keys, values)
+    (q32, k32, v32), (q16, k16, v16) = caches[torch.float32], caches[torch.bfloat16]
+    assert torch.equal(q32, q16)
+    assert torch.equal(k16.view(torch.int16), k32.to(torch.bfloat16).view(torch.int16))
+    nan = torch.isnan(v32)  # (PyTorch's NaN bit pattern varies with its code path: any NaN will do)
+    assert torch.equal(torch.isnan(v16), nan) and bool(nan[0, 1, 2, -1])
+    assert torch.equal(v16[~nan].view(torch.int16), v32[~nan].to(torch.bfloat16).view(torch.int16))

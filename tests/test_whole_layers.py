@@ -32,11 +32,13 @@ def _run(target, whole: bool, prompt, ids, positions, slots):
         target.whole_layers = saved
 
 
+@pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("batch,seq,slots", [(1, 1, [0]), (1, 8, [3]), (3, 5, [4, 0, 2]), (4, 2, [1, 2, 3, 4])],
                          ids=["plain", "verify8", "scattered", "consecutive"])
-def test_whole_layers_equal_the_per_op_path_bit_for_bit(tmp_path, family, batch, seq, slots):
+def test_whole_layers_equal_the_per_op_path_bit_for_bit(tmp_path, family, batch, seq, slots, kv_dtype):
     target = _packed(tmp_path, family)
+    target.kv_dtype = kv_dtype  # a bfloat16 cache: what --dtype auto keeps under float32 maths
     assert target.whole_layers is not None and len(target.whole_layers.layers) == target.config.num_layers
     generator = torch.Generator().manual_seed(batch * 10 + seq)
     context = 11
@@ -48,7 +50,7 @@ def test_whole_layers_equal_the_per_op_path_bit_for_bit(tmp_path, family, batch,
     (fused, fused_cache), (per_op, per_op_cache) = (_run(target, w, prompt, ids, positions, slots) for w in (True, False))
     assert torch.equal(fused.hidden, per_op.hidden) and torch.equal(fused.taps, per_op.taps)
     for a, b in zip(fused_cache.keys + fused_cache.values, per_op_cache.keys + per_op_cache.values):
-        assert torch.equal(a, b)
+        assert a.dtype == kv_dtype and torch.equal(a, b)
 
 
 def test_a_position_outside_the_cache_is_refused_before_anything_is_written(tmp_path):

@@ -5,7 +5,9 @@
 // and visible keys: not on how many rows share the call, nor on how many masked keys follow (a verify block's
 // rows equal one-token rows bit for bit; cache garbage past a row's keys is never read).
 //
-// AVX2 + FMA; head_dim a multiple of 8 (the caller checks). Plain C ABI, loaded with ctypes.
+// Keys and values are float32 or bfloat16 (a bfloat16 KV cache: each value widened to float32 as it is loaded, the
+// arithmetic float32 as before). AVX2 + FMA; head_dim a multiple of 8 (the caller checks). Plain C ABI, loaded
+// with ctypes.
 #include <immintrin.h>
 
 #include <cmath>
@@ -16,21 +18,29 @@
 
 namespace {
 
+// Eight consecutive cache elements as float32: loaded, or bfloat16 bit patterns shifted into the high half.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const uint16_t* p) {
+  const __m128i bits = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(bits), 16));
+}
+
 // Eight dot products at once: q [dim] against keys k[0..7] (rows of dim). Each key's lanes are summed by the
 // same tree ((0+1)+(2+3))+((4+5)+(6+7)) whatever its place among the eight, so a score is the same number in
 // every call that computes it; a NaN in one key (cache garbage) stays in that key's score.
-inline __m256 dot8(const float* q, const float* k, int64_t dim) {
+template <typename T>
+inline __m256 dot8(const float* q, const T* k, int64_t dim) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int64_t d = 0; d < dim; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
-    a0 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + d), a0);
-    a1 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + dim + d), a1);
-    a2 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 2 * dim + d), a2);
-    a3 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 3 * dim + d), a3);
-    a4 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 4 * dim + d), a4);
-    a5 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 5 * dim + d), a5);
-    a6 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 6 * dim + d), a6);
-    a7 = _mm256_fmadd_ps(qd, _mm256_loadu_ps(k + 7 * dim + d), a7);
+    a0 = _mm256_fmadd_ps(qd, load8(k + d), a0);
+    a1 = _mm256_fmadd_ps(qd, load8(k + dim + d), a1);
+    a2 = _mm256_fmadd_ps(qd, load8(k + 2 * dim + d), a2);
+    a3 = _mm256_fmadd_ps(qd, load8(k + 3 * dim + d), a3);
+    a4 = _mm256_fmadd_ps(qd, load8(k + 4 * dim + d), a4);
+    a5 = _mm256_fmadd_ps(qd, load8(k + 5 * dim + d), a5);
+    a6 = _mm256_fmadd_ps(qd, load8(k + 6 * dim + d), a6);
+    a7 = _mm256_fmadd_ps(qd, load8(k + 7 * dim + d), a7);
   }
   // hadd pairs lanes within each 128-bit half: after three rounds, lane i of each half holds a partial of key i.
   const __m256 h01 = _mm256_hadd_ps(a0, a1), h23 = _mm256_hadd_ps(a2, a3);
@@ -45,16 +55,16 @@ constexpr int64_t kKeyBlock = 64;  // keys per block: a block's keys and values 
 
 // out[0 .. 8 LANES) += sum over visible keys j in [begin, end), in order, of w[j] * v[j][0 .. 8 LANES)
 // (v rows of stride dim). The accumulators are registers (LANES is a compile-time count).
-template <int LANES>
-inline void accumulate(const float* w, const uint8_t* seen, const float* v, int64_t dim, int64_t begin, int64_t end,
+template <int LANES, typename T>
+inline void accumulate(const float* w, const uint8_t* seen, const T* v, int64_t dim, int64_t begin, int64_t end,
                        float* out) {
   __m256 acc[LANES];
   for (int d = 0; d < LANES; ++d) acc[d] = _mm256_loadu_ps(out + 8 * d);
   for (int64_t j = begin; j < end; ++j) {
     if (!seen[j]) continue;
     const __m256 p = _mm256_set1_ps(w[j]);
-    const float* vj = v + j * dim;
-    for (int d = 0; d < LANES; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * d), acc[d]);
+    const T* vj = v + j * dim;
+    for (int d = 0; d < LANES; ++d) acc[d] = _mm256_fmadd_ps(p, load8(vj + 8 * d), acc[d]);
   }
   for (int d = 0; d < LANES; ++d) _mm256_storeu_ps(out + 8 * d, acc[d]);
 }  // keys per block: a block's keys and values stay in L1 across the rows
@@ -64,12 +74,12 @@ inline void accumulate(const float* w, const uint8_t* seen, const float* v, int6
 // row's arithmetic is still its own, in key order (its accumulators are stored and reloaded between blocks,
 // which is exact), so its result is the one it would get alone.
 //   q: rows_total row pointers (dim each); visible: a mask row per row; out: a row of dim per row.
+template <typename T>
 void attend_rows(const float* const* q, const uint8_t* const* visible, float* const* out, int64_t rows_total,
-                 const float* k, const float* v, int64_t keys, int64_t dim, float scale, float* scores,
-                 float* padded_keys) {
+                 const T* k, const T* v, int64_t keys, int64_t dim, float scale, float* scores, T* padded_keys) {
   const int64_t full = keys / 8 * 8;
   if (full < keys) {  // the last partial chunk of 8 keys, zero-padded, so that every key goes through dot8
-    for (int64_t i = 0; i < 8 * dim; ++i) padded_keys[i] = 0.0f;
+    for (int64_t i = 0; i < 8 * dim; ++i) padded_keys[i] = T(0);
     for (int64_t i = 0; i < (keys - full) * dim; ++i) padded_keys[i] = k[full * dim + i];
   }
   const int64_t stride = (keys + 7) / 8 * 8;  // scores row length
@@ -78,7 +88,7 @@ void attend_rows(const float* const* q, const uint8_t* const* visible, float* co
     const int64_t end = block + kKeyBlock < keys ? block + kKeyBlock : keys;
     for (int64_t r = 0; r < rows_total; ++r) {
       for (int64_t j = block; j < end; j += 8) {
-        const float* chunk = j < full ? k + j * dim : padded_keys;
+        const T* chunk = j < full ? k + j * dim : padded_keys;
         _mm256_storeu_ps(scores + r * stride + j, _mm256_mul_ps(dot8(q[r], chunk, dim), scale8));
       }
     }
@@ -144,20 +154,15 @@ int64_t visible_extent(const uint8_t* visible, int64_t rows, int64_t keys) {
   return extent;
 }
 
-}  // namespace
-
-extern "C" {
-
 // q [batch, heads, rows, dim] contiguous; k, v: [keys, dim] blocks at batch and kv-head strides (elements);
 // visible [batch, rows, keys] (bytes, 1 = the row sees the key); out [batch, rows, heads, dim] contiguous.
-// dim <= 256. Returns 0, or -1 for a dim this kernel does not take.
-int dflash_attention(const float* q, const float* k, const float* v, int64_t k_batch_stride, int64_t k_head_stride,
-                     int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible, int64_t batch,
-                     int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale,
-                     float* out) {
-  if (dim % 8 != 0 || dim > 256 || heads % kv_heads != 0) return -1;
+template <typename T>
+void attend(const float* q, const T* k, const T* v, int64_t k_batch_stride, int64_t k_head_stride,
+            int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible, int64_t batch, int64_t heads,
+            int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale, float* out) {
   const int64_t group = heads / kv_heads, rows_total = group * rows;
-  std::vector<float> scores(rows_total * ((keys + 7) / 8 * 8)), padded_keys(8 * dim);
+  std::vector<float> scores(rows_total * ((keys + 7) / 8 * 8));
+  std::vector<T> padded_keys(8 * dim);
   std::vector<const float*> q_rows(rows_total);
   std::vector<const uint8_t*> mask_rows(rows_total);
   std::vector<float*> out_rows(rows_total);
@@ -174,6 +179,26 @@ int dflash_attention(const float* q, const float* k, const float* v, int64_t k_b
       attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, k + b * k_batch_stride + g * k_head_stride,
                   v + b * v_batch_stride + g * v_head_stride, extent, dim, scale, scores.data(), padded_keys.data());
     }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// attend() over float32 keys and values (bf16 != 0: bfloat16 ones, k and v pointing at uint16 bit patterns).
+// dim <= 256. Returns 0, or -1 for a dim this kernel does not take.
+int dflash_attention(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
+                     int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible,
+                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim,
+                     float scale, float* out) {
+  if (dim % 8 != 0 || dim > 256 || heads % kv_heads != 0) return -1;
+  if (bf16) {
+    attend(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), k_batch_stride, k_head_stride,
+           v_batch_stride, v_head_stride, visible, batch, heads, kv_heads, rows, keys, dim, scale, out);
+  } else {
+    attend(q, static_cast<const float*>(k), static_cast<const float*>(v), k_batch_stride, k_head_stride,
+           v_batch_stride, v_head_stride, visible, batch, heads, kv_heads, rows, keys, dim, scale, out);
   }
   return 0;
 }

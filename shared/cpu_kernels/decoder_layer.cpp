@@ -13,16 +13,16 @@
 extern "C" {
 
 void dflash_bf16_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
-int dflash_attention(const float* q, const float* k, const float* v, int64_t k_batch_stride, int64_t k_head_stride,
-                     int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible, int64_t batch,
-                     int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale,
-                     float* out);
+int dflash_attention(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
+                     int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible,
+                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim,
+                     float scale, float* out);
 void dflash_rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out);
 void dflash_add_rms_norm(const float* x, const float* delta, int64_t rows, int64_t n, const float* weight,
                          float eps, float* summed, float* out);
 int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
                            const float* norm_weight, float eps, const float* cos, const float* sin,
-                           const int64_t* slots, const int64_t* positions, float* k_cache, float* v_cache,
+                           const int64_t* slots, const int64_t* positions, void* k_cache, void* v_cache, int64_t bf16,
                            int64_t num_slots, int64_t capacity, float* q);
 void dflash_silu_mul(const float* gate_up, int64_t rows, int64_t intermediate, float* act);
 
@@ -51,17 +51,17 @@ struct StackShape {
 
 // One forward: batch rows of seq tokens each, attending over the first `keys` positions of their slots. cos, sin
 // [batch, seq, dim]; slots [batch]; positions [batch, seq]; visible [batch, seq, keys] (1 = the row sees the
-// key); k_caches, v_caches: a [num_slots, kv_heads, capacity, dim] cache per layer; taps: per layer null, or
-// where its output residual goes (rows of hidden floats, tap_stride apart).
+// key); k_caches, v_caches: a [num_slots, kv_heads, capacity, dim] cache per layer, float32 or (kv_bf16 != 0)
+// bfloat16; taps: per layer null, or where its output residual goes (rows of hidden floats, tap_stride apart).
 struct StackStep {
-  int64_t batch, seq, keys, num_slots, capacity;
+  int64_t batch, seq, keys, num_slots, capacity, kv_bf16;
   const float* cos;
   const float* sin;
   const int64_t* slots;
   const int64_t* positions;
   const uint8_t* visible;
-  float* const* k_caches;
-  float* const* v_caches;
+  void* const* k_caches;
+  void* const* v_caches;
   float* const* taps;
   int64_t tap_stride;
 };
@@ -89,20 +89,22 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
   if (step->keys > step->capacity) return -2;  // (after the range check: keys past the cache mean a position past it)
   const int64_t rows = step->batch * step->seq, width = (heads + 2 * kv_heads) * dim;
   const int64_t slot_stride = kv_heads * step->capacity * dim, head_stride = step->capacity * dim;
+  const int64_t element = step->kv_bf16 ? 2 : 4;  // bytes per cache element
   dflash_rms_norm(x, rows, hidden, shape->first_norm, shape->first_eps, h);
   for (int64_t index = 0; index < shape->layers; ++index) {
     const StackLayer& layer = layers[index];
-    float* k_cache = step->k_caches[index];
-    float* v_cache = step->v_caches[index];
+    char* k_cache = static_cast<char*>(step->k_caches[index]);
+    char* v_cache = static_cast<char*>(step->v_caches[index]);
     dflash_bf16_gemm(h, rows, hidden, layer.qkv, width, scratch->qkv);
     dflash_qk_rotary_cache(scratch->qkv, step->batch, step->seq, heads, kv_heads, dim, layer.qk_norm, layer.qk_eps,
-                           step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->num_slots,
-                           step->capacity, scratch->q);
+                           step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
+                           step->num_slots, step->capacity, scratch->q);
     for (int64_t b = 0; b < step->batch; ++b) {  // each row reads its own slot's keys straight from the cache
-      const int64_t offset = step->slots[b] * slot_stride;
-      dflash_attention(scratch->q + b * heads * step->seq * dim, k_cache + offset, v_cache + offset, slot_stride,
-                       head_stride, slot_stride, head_stride, step->visible + b * step->seq * step->keys, 1, heads,
-                       kv_heads, step->seq, step->keys, dim, shape->scale, scratch->attended + b * step->seq * heads * dim);
+      const int64_t offset = step->slots[b] * slot_stride * element;  // bytes
+      dflash_attention(scratch->q + b * heads * step->seq * dim, k_cache + offset, v_cache + offset, step->kv_bf16,
+                       slot_stride, head_stride, slot_stride, head_stride, step->visible + b * step->seq * step->keys,
+                       1, heads, kv_heads, step->seq, step->keys, dim, shape->scale,
+                       scratch->attended + b * step->seq * heads * dim);
     }
     dflash_bf16_gemm(scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
     dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.post_norm, layer.post_eps, x, h);

@@ -9,6 +9,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 
 #include "simd_exp.h"
 
@@ -51,24 +52,26 @@ void dflash_add_rms_norm(const float* x, const float* delta, int64_t rows, int64
   }
 }
 
-// qkv [batch, seq, (heads + 2 kv_heads) * dim] (a fused projection's rows); cos, sin [batch, seq, dim];
-// norm_weight [heads + kv_heads, dim] or null (no q/k norm); slots [batch]; positions [batch, seq].
-// Writes q [batch, heads, seq, dim] and, for each row, k and v into the caches [slots, kv_heads, capacity, dim]
-// at (slots[b], :, positions[b, t]). Returns 0, or -1 (nothing written) when a slot or position is outside the
-// cache or dim is odd.
-int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
-                           const float* norm_weight, float eps, const float* cos, const float* sin,
-                           const int64_t* slots, const int64_t* positions, float* k_cache, float* v_cache,
-                           int64_t num_slots, int64_t capacity, float* q) {
-  if (dim % 2 != 0 || dim > 1024) return -1;
-  for (int64_t b = 0; b < batch; ++b) {
-    if (slots[b] < 0 || slots[b] >= num_slots) return -1;
-    for (int64_t t = 0; t < seq; ++t) {
-      if (positions[b * seq + t] < 0 || positions[b * seq + t] >= capacity) return -1;
-    }
-  }
+}  // extern "C"
+
+namespace {
+
+// A float32 value as a cache element: itself, or its bfloat16 bit pattern rounded to nearest even, as PyTorch's
+// float -> bfloat16 conversion rounds (the PyTorch path's cache write gives the same bits; a NaN stays a NaN,
+// whose bit pattern in PyTorch depends on its code path).
+inline void store(float* out, float x) { *out = x; }
+inline void store(uint16_t* out, float x) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  *out = std::isnan(x) ? uint16_t{0x7FC0} : static_cast<uint16_t>((bits + 0x7FFFu + ((bits >> 16) & 1u)) >> 16);
+}
+
+template <typename T>
+void rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
+                  const float* norm_weight, float eps, const float* cos, const float* sin, const int64_t* slots,
+                  const int64_t* positions, T* k_cache, T* v_cache, int64_t capacity, float* q) {
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
-  float normed[1024];
+  float normed[1024], rotated[1024];
   for (int64_t b = 0; b < batch; ++b) {
     for (int64_t t = 0; t < seq; ++t) {
       const float* row = qkv + (b * seq + t) * width;
@@ -81,19 +84,51 @@ int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t
           normalize_row(x, norm_weight + h * dim, dim, eps, normed);
           x = normed;
         }
-        float* out = h < heads ? q + ((b * heads + h) * seq + t) * dim
-                               : k_cache + ((slots[b] * kv_heads + (h - heads)) * capacity + position) * dim;
+        float* out = h < heads ? q + ((b * heads + h) * seq + t) * dim : rotated;
         for (int64_t d = 0; d < half; ++d) {  // rotate half: (x1, x2) -> (x1 cos - x2 sin, x2 cos + x1 sin)
           out[d] = x[d] * c[d] - x[d + half] * s[d];
           out[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
         }
+        if (h >= heads) {
+          T* key = k_cache + ((slots[b] * kv_heads + (h - heads)) * capacity + position) * dim;
+          for (int64_t d = 0; d < dim; ++d) store(key + d, rotated[d]);
+        }
       }
       for (int64_t h = 0; h < kv_heads; ++h) {
         const float* x = row + (heads + kv_heads + h) * dim;
-        float* out = v_cache + ((slots[b] * kv_heads + h) * capacity + position) * dim;
-        for (int64_t d = 0; d < dim; ++d) out[d] = x[d];
+        T* out = v_cache + ((slots[b] * kv_heads + h) * capacity + position) * dim;
+        for (int64_t d = 0; d < dim; ++d) store(out + d, x[d]);
       }
     }
+  }
+}
+
+}  // namespace
+
+extern "C" {
+
+// qkv [batch, seq, (heads + 2 kv_heads) * dim] (a fused projection's rows); cos, sin [batch, seq, dim];
+// norm_weight [heads + kv_heads, dim] or null (no q/k norm); slots [batch]; positions [batch, seq].
+// Writes q [batch, heads, seq, dim] and, for each row, k and v into the caches [slots, kv_heads, capacity, dim]
+// (float32, or bfloat16 where bf16 != 0) at (slots[b], :, positions[b, t]). Returns 0, or -1 (nothing written)
+// when a slot or position is outside the cache or dim is odd.
+int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
+                           const float* norm_weight, float eps, const float* cos, const float* sin,
+                           const int64_t* slots, const int64_t* positions, void* k_cache, void* v_cache, int64_t bf16,
+                           int64_t num_slots, int64_t capacity, float* q) {
+  if (dim % 2 != 0 || dim > 1024) return -1;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (slots[b] < 0 || slots[b] >= num_slots) return -1;
+    for (int64_t t = 0; t < seq; ++t) {
+      if (positions[b * seq + t] < 0 || positions[b * seq + t] >= capacity) return -1;
+    }
+  }
+  if (bf16) {
+    rotary_cache(qkv, batch, seq, heads, kv_heads, dim, norm_weight, eps, cos, sin, slots, positions,
+                 static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), capacity, q);
+  } else {
+    rotary_cache(qkv, batch, seq, heads, kv_heads, dim, norm_weight, eps, cos, sin, slots, positions,
+                 static_cast<float*>(k_cache), static_cast<float*>(v_cache), capacity, q);
   }
   return 0;
 }

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_kernels.library import TILE, check_arguments
+from shared.cpu_kernels.library import KV_DTYPES, TILE, check_arguments
 
 _pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -25,7 +25,7 @@ class StackShape(ctypes.Structure):
 
 class StackStep(ctypes.Structure):
     _fields_ = [("batch", _count), ("seq", _count), ("keys", _count), ("num_slots", _count), ("capacity", _count),
-                ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("positions", _pointer),
+                ("kv_bf16", _count), ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("positions", _pointer),
                 ("visible", _pointer), ("k_caches", _pointer), ("v_caches", _pointer), ("taps", _pointer),
                 ("tap_stride", _count)]
 
@@ -130,7 +130,7 @@ class StackStepInputs:
               tap_layers: tuple[int, ...]) -> "StackStepInputs":
         """cos, sin [batch, seq, dim] float32; slots [batch]; positions [batch, seq]; mask [batch, 1, seq, keys]
         bool (shared.attention.visibility_mask); keys, values: each layer's cache [slots, kv_heads, capacity,
-        dim] float32."""
+        dim], float32 or bfloat16 (all alike)."""
         batch, seq = positions.shape
         length = mask.shape[-1]
         layers = stack.layers
@@ -141,7 +141,8 @@ class StackStepInputs:
         ok = (cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (batch, seq, dim)
               and slots.shape == (batch,) and len(keys) == len(values) == len(layers)
               and all(t in range(len(layers)) for t in tap_layers) and len(set(tap_layers)) == len(tap_layers)
-              and all(k.dtype == v.dtype == torch.float32 and k.is_contiguous() and v.is_contiguous()
+              and keys[0].dtype in KV_DTYPES
+              and all(k.dtype == v.dtype == keys[0].dtype and k.is_contiguous() and v.is_contiguous()
                       and k.shape == v.shape == keys[0].shape and k.dim() == 4 and k.shape[1] == kv_heads
                       and k.shape[3] == dim for k, v in zip(keys, values)))
         check_arguments(ok, "stack step", cos, sin, slots, positions, mask)
@@ -153,7 +154,8 @@ class StackStepInputs:
         k_caches = (ctypes.c_void_p * len(layers))(*(k.data_ptr() for k in keys))
         v_caches = (ctypes.c_void_p * len(layers))(*(v.data_ptr() for v in values))
         c_taps = (ctypes.c_void_p * len(layers))(*tap_pointers)
-        c_step = StackStep(batch, seq, length, keys[0].shape[0], keys[0].shape[2], cos.data_ptr(), sin.data_ptr(),
+        c_step = StackStep(batch, seq, length, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
+                           cos.data_ptr(), sin.data_ptr(),
                            slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), ctypes.addressof(k_caches),
                            ctypes.addressof(v_caches), ctypes.addressof(c_taps), len(tap_layers) * hidden)
         c_scratch, buffer = _scratch(rows, layers[0])

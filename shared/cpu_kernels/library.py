@@ -30,6 +30,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_ge
 HEADERS = [Path(__file__).with_name("simd_exp.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
 TILE = 16  # output columns per weight tile (kTile in the source)
+KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV cache element types the attention kernels read
 
 
 class CpuKernels:
@@ -48,8 +49,8 @@ class CpuKernels:
         self.gemm_isa = "avx512" if uses_avx512() else "avx2"  # what bf16_matmul (and every layer kernel) runs
         self._attention = library.dflash_attention
         self._attention.restype = ctypes.c_int
-        self._attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 4 + [ctypes.c_void_p] + \
-            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]
+        self._attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] + \
+            [ctypes.c_int64] * 6 + [ctypes.c_float, ctypes.c_void_p]  # (q, k, v, bf16, strides, ...)
         pointer, count, real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
         self._rms_norm = library.dflash_rms_norm
         self._rms_norm.restype = None
@@ -59,8 +60,8 @@ class CpuKernels:
         self._add_rms_norm.argtypes = [pointer, pointer, count, count, pointer, real, pointer, pointer]
         self._qk_rotary_cache = library.dflash_qk_rotary_cache
         self._qk_rotary_cache.restype = ctypes.c_int
-        self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] * 2 + \
-            [pointer]
+        self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] * 3 + \
+            [pointer]  # (..., k_cache, v_cache, bf16, num_slots, capacity, q)
 
         self._decoder_stack = library.dflash_decoder_stack
         self._decoder_stack.restype = ctypes.c_int
@@ -107,21 +108,23 @@ class CpuKernels:
     def attention(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor, scale: float):
         """shared.attention.cached_attention's contract, computed row by row (see attention.cpp): q [batch, heads,
         queries, dim]; k, v [batch, kv_heads, keys, dim] (cache views: only the last two dims need be dense);
-        mask [batch, 1, queries, keys]. Returns [batch, queries, heads * dim]. Float32 only; other head sizes
-        (not a multiple of 8, or over 256) take cached_attention."""
+        mask [batch, 1, queries, keys]. Returns [batch, queries, heads * dim]. Float32 queries; keys and values
+        float32 or bfloat16 (a bfloat16 KV cache, widened as read). Other head sizes (not a multiple of 8, or over
+        256) take cached_attention."""
         batch, heads, queries, dim = q.shape
         kv_heads, keys = k.shape[1], k.shape[2]
         if q.dtype != torch.float32 or dim % 8 or dim > 256:
-            return cached_attention(q, k, v, mask, scale)
-        check_arguments(k.shape == v.shape == (batch, kv_heads, keys, dim) and k.dtype == v.dtype == torch.float32
-                        and heads % kv_heads == 0 and mask.shape[-2:] == (queries, keys), "attention", q, k, v, mask)
+            return cached_attention(q, k.to(q.dtype), v.to(q.dtype), mask, scale)
+        check_arguments(k.shape == v.shape == (batch, kv_heads, keys, dim) and k.dtype == v.dtype
+                        and k.dtype in KV_DTYPES and heads % kv_heads == 0 and mask.shape[-2:] == (queries, keys),
+                        "attention", q, k, v, mask)
         q = q.contiguous()
         k, v = (t if t.stride(-1) == 1 and t.stride(-2) == dim else t.contiguous() for t in (k, v))
         visible = mask.expand(batch, 1, queries, keys)[:, 0].contiguous().view(torch.uint8)  # [batch, queries, keys]
         out = torch.empty(batch, queries, heads * dim, dtype=torch.float32, device=q.device)
         if out.numel():
-            self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.stride(0), k.stride(1), v.stride(0),
-                            v.stride(1), visible.data_ptr(), batch, heads, kv_heads, queries, keys, dim, scale,
+            self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.dtype == torch.bfloat16, k.stride(0),
+                            k.stride(1), v.stride(0), v.stride(1), visible.data_ptr(), batch, heads, kv_heads, queries, keys, dim, scale,
                             out.data_ptr())
         return out
 
@@ -162,13 +165,14 @@ class CpuKernels:
                         slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """The attention input from a fused q/k/v projection qkv [b, s, (heads + 2 kv_heads) * dim]: q and k heads
         normalized (norm_weight [heads + kv_heads, dim], or None) and rotated by cos/sin [b, s, dim], k and v
-        written into one layer's caches keys/values [slots, kv_heads, capacity, dim] at slots [b] and positions
-        [b, s]. Returns q [b, heads, s, dim]."""
+        written into one layer's caches keys/values [slots, kv_heads, capacity, dim] (float32, or bfloat16 rounded
+        as PyTorch rounds) at slots [b] and positions [b, s]. Returns q [b, heads, s, dim]."""
         batch, seq = qkv.shape[0], qkv.shape[1]
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
         width = (heads + 2 * kv_heads) * dim
-        check_arguments(qkv.dtype == cos.dtype == sin.dtype == keys.dtype == values.dtype == torch.float32
+        check_arguments(qkv.dtype == cos.dtype == sin.dtype == torch.float32 and keys.dtype == values.dtype
+                        and keys.dtype in KV_DTYPES
                         and qkv.shape == (batch, seq, width) and cos.shape == sin.shape == (batch, seq, dim)
                         and slots.shape == (batch,) and positions.shape == (batch, seq) and keys.is_contiguous()
                         and values.is_contiguous() and keys.shape == values.shape
@@ -182,7 +186,8 @@ class CpuKernels:
         norm = 0 if norm_weight is None else norm_weight.data_ptr()
         status = self._qk_rotary_cache(qkv.data_ptr(), batch, seq, heads, kv_heads, dim, norm, eps, cos.data_ptr(),
                                        sin.data_ptr(), slots.data_ptr(), positions.data_ptr(), keys.data_ptr(),
-                                       values.data_ptr(), keys.shape[0], keys.shape[2], q.data_ptr())
+                                       values.data_ptr(), keys.dtype == torch.bfloat16, keys.shape[0], keys.shape[2],
+                                       q.data_ptr())
         if status != 0:
             raise _outside_cache(keys, slots, positions)
         return q

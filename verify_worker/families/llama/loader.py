@@ -5,7 +5,7 @@ from pathlib import Path
 import torch
 
 from shared.checkpoint_io import check_tensor_names, load_tensor_slices
-from shared.dtype_choice import resolve_dtype
+from shared.dtype_choice import kv_cache_dtype, resolve_dtype
 from shared.packed_linear import float32_kernels_run
 from shared.rope import inverse_frequencies
 from verify_worker.families.llama.config import TargetConfig
@@ -23,13 +23,14 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
     check_tensor_names(folder, cfg.tensor_shapes(), optional)
     slices = shard_slices(cfg, tp) if tp.parallel else {}
     kernels = pack and float32_kernels_run(device)
-    tensors = load_tensor_slices(folder, slices, dtype=resolve_dtype(dtype, cfg.checkpoint_dtype, device, kernels),
-                                 device=device)
+    compute = resolve_dtype(dtype, cfg.checkpoint_dtype, device, kernels)
+    tensors = load_tensor_slices(folder, slices, dtype=compute, device=device)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     with torch.device("meta"):
         model = TargetModel(cfg, tp)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)  # buffers are not in the checkpoint
+    model.kv_dtype = kv_cache_dtype(dtype, cfg.checkpoint_dtype, compute, kernels)
     model = model.eval().requires_grad_(False)
     return model.pack() if pack else model

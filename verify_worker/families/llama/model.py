@@ -92,6 +92,7 @@ class TargetAttention(nn.Module):
         else:
             cache.write(self.layer_index, slots, positions, k.transpose(1, 2), v)
             keys, values = cache.read(self.layer_index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
+            keys, values = keys.to(q.dtype), values.to(q.dtype)  # (a bfloat16 cache under float32 maths: widened)
         out = attend(q, keys, values, mask, self.head_dim**-0.5)  # [b, s, heads * dim]
         return self.o_proj(out)
 
@@ -145,6 +146,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         self.head = None  # the lm_head packed for inference (set by pack())
         self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
         self.whole_layers: StackWeights | None = None  # every layer in one kernel call (set by pack())
+        self.kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: the weights' (set by the loader)
 
     commits_state = False  # a positional KV cache: rollback is the committed length alone
 
@@ -152,7 +154,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         cfg = self.config
         return PositionalKVCache(
             cfg.num_layers, num_slots, self.local.num_kv_heads, capacity, cfg.head_dim,
-            dtype=self.embed_weight.dtype, device=self.embed_weight.device,
+            dtype=self.kv_dtype or self.embed_weight.dtype, device=self.embed_weight.device,
         )
 
     # the family interface (verify_worker/families/interface.py)
@@ -161,7 +163,8 @@ class TargetModel(EmbeddingHead, nn.Module):
 
     def state_bytes_per_slot(self, capacity: int) -> int:
         cfg = self.config
-        return 2 * cfg.num_layers * self.local.num_kv_heads * capacity * cfg.head_dim * self.embed_weight.element_size()
+        element = (self.kv_dtype or self.embed_weight.dtype).itemsize
+        return 2 * cfg.num_layers * self.local.num_kv_heads * capacity * cfg.head_dim * element
 
     def step(self, batch: StepBatch, state: PositionalKVCache, taps: tuple[int, ...] = ()) -> TargetOutput:
         return self(batch.input_ids, batch.positions, state, batch.slots, taps)
