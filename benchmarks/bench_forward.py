@@ -2,8 +2,9 @@
 (TargetModel.pack: fused q/k/v and gate/up, the device's fastest weight layout, q and k heads normalized and
 rotated together), measured in interleaved rounds in one process; prints medians and ratios. For float32 on
 CPU it times both packed layouts: "transposed" (PyTorch's GEMM on [in, out] weights) and "bf16" (the C++
-kernel on the checkpoint's bfloat16 weights, the default where it builds), and "bf16 per-op", the same
-kernels called op by op instead of two calls a layer (shared/cpu_kernels/decoder_layer.cpp).
+kernel on the checkpoint's bfloat16 weights, the default where it builds), "bf16 per-op", the same
+kernels called op by op instead of one call for the whole layer stack (shared/cpu_kernels/decoder_layer.cpp),
+and "bf16 + bf16 cache", the served default (--dtype auto keeps the KV cache in bfloat16 there).
 
     python benchmarks/bench_forward.py                         # demo target, float32, 1 thread
     python benchmarks/bench_forward.py --dtype bfloat16 --threads 2
@@ -60,6 +61,9 @@ def main(argv=None) -> int:
         per_op = load_target(folder, dtype=args.dtype, pack=False).pack(layouts[-1])
         per_op.whole_layers = None
         models[f"{layouts[-1]} per-op"] = per_op
+        bf16_cache = load_target(folder, dtype=args.dtype, pack=False).pack(layouts[-1])
+        bf16_cache.kv_dtype = torch.bfloat16  # what --dtype auto serves a bfloat16 checkpoint with here
+        models[f"{layouts[-1]} + bf16 cache"] = bf16_cache
     vocab = models["as loaded"].config.vocab_size
     names = list(models)
     print(f"target {folder}, {args.dtype}, {args.threads} thread(s), context {args.context}; ms per forward, "
