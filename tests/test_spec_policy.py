@@ -314,3 +314,41 @@ def test_new_requests_start_from_the_past_requests_mean_not_the_mean_over_steps(
     policy.step_samples[(16, True)] = deque([0.025])
     policy.step_samples[(16, False)] = deque([0.005])
     assert policy.preferred_mode([f"new{i}" for i in range(16)]) == "plain"
+
+
+class _Recording(ScriptedProposer):
+    """Records which requests each draft call carries."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.calls: list[list[str]] = []
+
+    def propose(self, items):
+        self.calls.append([item.request_id for item in items])
+        return super().propose(items)
+
+
+def test_a_scored_probe_drafts_a_few_requests_in_turn(tmp_path):
+    """Eight greedy streams, plain decoding preferred: a scored probe drafts at most probe_rows (3) of them, those
+    never measured first, then those probed longest ago, so successive probes measure every stream in turn. Each
+    request's context still reaches the drafter whole and in order (the scripted drafter checks), and the
+    output is the plain one."""
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4)
+    target = load_target(tmp_path)
+    requests = [GenerationRequest((5, 6, 7, i), 40) for i in range(8)]
+    plain = SpeculativeEngine(target, None, max_requests=8).generate(requests)
+    sequences = {r.request_id: list(r.prompt_ids) + want.token_ids for r, want in zip(requests, plain)}
+    proposer = _Recording(sequences, 8, target.config.num_layers, error_rate=0.0)
+    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=4, probe_rows=3)
+    policy.step_samples[(8, True)] = deque([1.0])
+    policy.step_samples[(8, False)] = deque([1e-3])  # plain: 8 tokens x 1 ms < 1 s
+    engine = SpeculativeEngine(target, proposer, max_requests=8, policy=policy)
+    states = [engine.add(r) for r in requests]
+    while engine.has_work():
+        engine.step()
+    assert len(proposer.calls) >= 6 and all(1 <= len(call) <= 3 for call in proposer.calls)
+    ids = [s.request_id for s in states]
+    assert set(proposer.calls[0] + proposer.calls[1] + proposer.calls[2]) == set(ids)  # each in turn
+    assert not set(proposer.calls[0]) & set(proposer.calls[1])
+    for state, want in zip(states, plain):
+        assert state.output_ids == want.token_ids and state.stats.draft_tokens == 0

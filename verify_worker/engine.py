@@ -306,10 +306,13 @@ class SpeculativeEngine:
         report.policy_plain = free and not speculate
         asked = [num_drafts(s, self.block_size, self.proposer is not None and (speculate or pin))
                  for s, pin in zip(states, pinned)]
+        scored = free and speculate and self.policy.probing is not None and all(
+            s.request.sampling.greedy for s, pin in zip(states, pinned) if not pin)
+        if scored:  # a probe of greedy requests: only the rows it measures draft (see AdaptiveSpeculation.probe_rows)
+            measured = set(self.policy.probing)
+            asked = [a if pin or s.request_id in measured else 0 for a, s, pin in zip(asked, states, pinned)]
         drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
-        if free and speculate and self.policy.probing is not None and all(
-                s.request.sampling.greedy for s, pin in zip(states, pinned) if not pin):
-            # a probe of greedy requests: the free rows' drafts are kept and scored later, not verified
+        if scored:  # the free rows' drafts are kept and scored later, not verified
             self._remember_shadow_drafts(states, drafts, [0 if pin else c for c, pin in zip(counts, pinned)])
             counts = [c if pin else 0 for c, pin in zip(counts, pinned)]
             drafts = drafts[:, : max(counts, default=0)]

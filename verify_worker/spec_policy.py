@@ -22,8 +22,11 @@ plain steps and commits 3.4 tokens a request) a probe every 8 steps cost 15% of 
 makes speculation preferred, or a batch with requests whose A was never measured and could tip it (were their
 mean A as high as it plausibly is: an upper confidence bound from the recent requests' A), starts again at
 `probe_every`. The cap is 64, not more: a probe is also when a drafter that stopped answering is noticed (at 16
-demo streams 64 plain steps take about 1.3 s), and its call carries every request's context rows of the
-plain steps before it (its deadline grows with them: `DraftDeadline`).
+demo streams 64 plain steps take about 1.3 s), and its call carries every drafted request's context rows of
+the plain steps before it (its deadline grows with them: `DraftDeadline`). A probe measures at most
+`probe_rows` requests (a scored probe drafts only theirs): those never measured first, then those probed
+longest ago, so successive probes go round the batch; the drafter's intake of each drafted request's context
+is most of a probe's cost, and the batch's choice needs the mean acceptance, which a few requests estimate.
 
 Some requests pin their own rows to speculation (the engine drafts for them whatever `speculate` says for the
 others, `SpeculativeEngine._pins_drafts`; `speculate` also takes the same two flags for a step of its own):
@@ -65,10 +68,12 @@ class AdaptiveSpeculation:
     steps_in_mode: int = 0
     last_mode: bool | None = None
     probe_spacing: dict[int, int] = field(default_factory=dict)  # batch bucket -> plain steps between probes
-    probing: list[str] | None = None  # the requests of a probe in flight (a speculative step against preference)
+    probing: list[str] | None = None  # the requests a probe in flight measures (a speculative step against preference)
     measuring: dict[str, int] = field(default_factory=dict)  # request -> step of its probe, acceptance not in yet
     steps: int = 0  # decode steps observed
     measuring_steps: int = 16  # how long a probe's acceptance may take to come in (a scored probe: its drafts)
+    probe_rows: int = 4  # the most requests one probe measures (the engine drafts these rows only in a scored one)
+    last_probed: dict[str, int] = field(default_factory=dict)  # request -> the step of its last probe
 
     def speculate(self, request_ids: list[str], asked: bool = False, seeded_sampling: bool = False) -> bool:
         """Whether the next decode step of these running requests drafts: always when one asked for drafts, or
@@ -84,8 +89,9 @@ class AdaptiveSpeculation:
             self.probe_spacing[bucket] = self.probe_every  # someone to measure: probe at the first spacing
         limit = self.refresh_every if preferred else self.probe_spacing.get(bucket, self.probe_every)
         if self.last_mode == preferred and self.steps_in_mode >= limit:
-            self.probing = None if preferred else list(request_ids)
+            self.probing = None if preferred else self._probe_subset(request_ids)
             self.measuring.update((r, self.steps) for r in self.probing or ())
+            self.last_probed.update((r, self.steps) for r in self.probing or ())
             return not preferred  # one step of the other mode, to keep it measured
         return preferred
 
@@ -122,6 +128,17 @@ class AdaptiveSpeculation:
         hope = self._plausible_acceptance(len(unmeasured))
         optimistic = sum(self.acceptance.get(r, hope) for r in request_ids) / len(request_ids)
         return optimistic * plain >= spec
+
+    def _probe_subset(self, request_ids: list[str]) -> list[str]:
+        """The requests a probe measures: at most probe_rows, those neither measured nor being measured first,
+        then those probed longest ago (in batch order among equals). A scored probe's cost is mostly the drafter taking in each drafted request's context since
+        its last draft call (at 16 demo streams and 64 plain steps between probes, 1024 rows: about 20 ms, four
+        plain steps); the batch's choice needs its mean acceptance, which a few requests a probe estimate, in
+        turn, as well as all of them."""
+        def staleness(request_id: str) -> tuple[bool, int]:
+            known = request_id in self.acceptance or self._being_measured(request_id)
+            return known, self.last_probed.get(request_id, -1)
+        return sorted(request_ids, key=staleness)[: self.probe_rows]
 
     def _being_measured(self, request_id: str) -> bool:
         """Probed in the last measuring_steps steps: a scored probe's acceptance comes in steps later."""
@@ -173,6 +190,7 @@ class AdaptiveSpeculation:
 
     def forget(self, request_id: str) -> None:
         self.measuring.pop(request_id, None)
+        self.last_probed.pop(request_id, None)
         accepted = self.acceptance.pop(request_id, None)
         if accepted is not None:  # (a request forgotten twice, once again after its last step: kept once)
             self.past_acceptance.pop(request_id, None)
