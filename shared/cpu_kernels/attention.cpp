@@ -28,8 +28,7 @@ inline __m256 load8(const uint16_t* p) {
 // Eight dot products at once: q [dim] against keys k[0..7] (rows of dim). Each key's lanes are summed by the
 // same tree ((0+1)+(2+3))+((4+5)+(6+7)) whatever its place among the eight, so a score is the same number in
 // every call that computes it; a NaN in one key (cache garbage) stays in that key's score.
-template <typename T>
-inline __m256 dot8(const float* q, const T* k, int64_t dim) {
+inline __m256 dot8(const float* q, const float* k, int64_t dim) {
   __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
   for (int64_t d = 0; d < dim; d += 8) {
     const __m256 qd = _mm256_loadu_ps(q + d);
@@ -55,40 +54,58 @@ constexpr int64_t kKeyBlock = 64;  // keys per block: a block's keys and values 
 
 // out[0 .. 8 LANES) += sum over visible keys j in [begin, end), in order, of w[j] * v[j][0 .. 8 LANES)
 // (v rows of stride dim). The accumulators are registers (LANES is a compile-time count).
-template <int LANES, typename T>
-inline void accumulate(const float* w, const uint8_t* seen, const T* v, int64_t dim, int64_t begin, int64_t end,
+template <int LANES>
+inline void accumulate(const float* w, const uint8_t* seen, const float* v, int64_t dim, int64_t begin, int64_t end,
                        float* out) {
   __m256 acc[LANES];
   for (int d = 0; d < LANES; ++d) acc[d] = _mm256_loadu_ps(out + 8 * d);
   for (int64_t j = begin; j < end; ++j) {
     if (!seen[j]) continue;
     const __m256 p = _mm256_set1_ps(w[j]);
-    const T* vj = v + j * dim;
-    for (int d = 0; d < LANES; ++d) acc[d] = _mm256_fmadd_ps(p, load8(vj + 8 * d), acc[d]);
+    const float* vj = v + j * dim;
+    for (int d = 0; d < LANES; ++d) acc[d] = _mm256_fmadd_ps(p, _mm256_loadu_ps(vj + 8 * d), acc[d]);
   }
   for (int d = 0; d < LANES; ++d) _mm256_storeu_ps(out + 8 * d, acc[d]);
-}  // keys per block: a block's keys and values stay in L1 across the rows
+}
+
+// Keys (or values) [begin, end) of a block as float32 rows of dim, zero-padded to whole chunks of 8 keys: float32
+// ones where they lie (the partial chunk copied into `padded`), bfloat16 ones widened into `widened` once per
+// block, so that every row of the block reads float32 (exact: a bfloat16 is the top half of a float32).
+inline const float* block_rows(const float* x, int64_t begin, int64_t end, int64_t dim, float* padded, float*) {
+  const int64_t full = (end - begin) / 8 * 8;
+  if (full == end - begin) return x + begin * dim;
+  for (int64_t i = 0; i < 8 * dim; ++i) padded[i] = 0.0f;
+  for (int64_t i = 0; i < (end - begin - full) * dim; ++i) padded[i] = x[(begin + full) * dim + i];
+  return nullptr;  // the caller reads the full chunks in place and the last from padded
+}
+inline const float* block_rows(const uint16_t* x, int64_t begin, int64_t end, int64_t dim, float*, float* widened) {
+  const int64_t count = (end - begin) * dim, padded_count = (end - begin + 7) / 8 * 8 * dim;
+  int64_t i = 0;
+  for (; i + 8 <= count; i += 8) _mm256_storeu_ps(widened + i, load8(x + begin * dim + i));  // (dim % 8 == 0)
+  for (; i < padded_count; ++i) widened[i] = 0.0f;
+  return widened;
+}
 
 // All query rows of one (batch entry, KV head): the group's heads x the call's rows, each against the keys its
 // mask row shows. Keys and values are read block by block and reused by every row (not re-read per row); each
 // row's arithmetic is still its own, in key order (its accumulators are stored and reloaded between blocks,
-// which is exact), so its result is the one it would get alone.
-//   q: rows_total row pointers (dim each); visible: a mask row per row; out: a row of dim per row.
+// which is exact), so its result is the one it would get alone. T: float (float32 cache) or uint16_t (bfloat16).
+//   q: rows_total row pointers (dim each); visible: a mask row per row; out: a row of dim per row; padded: 8 keys
+//   of dim floats; widened: kKeyBlock keys of dim floats.
 template <typename T>
 void attend_rows(const float* const* q, const uint8_t* const* visible, float* const* out, int64_t rows_total,
-                 const T* k, const T* v, int64_t keys, int64_t dim, float scale, float* scores, T* padded_keys) {
-  const int64_t full = keys / 8 * 8;
-  if (full < keys) {  // the last partial chunk of 8 keys, zero-padded, so that every key goes through dot8
-    for (int64_t i = 0; i < 8 * dim; ++i) padded_keys[i] = T(0);
-    for (int64_t i = 0; i < (keys - full) * dim; ++i) padded_keys[i] = k[full * dim + i];
-  }
+                 const T* k, const T* v, int64_t keys, int64_t dim, float scale, float* scores, float* padded,
+                 float* widened) {
   const int64_t stride = (keys + 7) / 8 * 8;  // scores row length
   const __m256 scale8 = _mm256_set1_ps(scale);
   for (int64_t block = 0; block < keys; block += kKeyBlock) {
     const int64_t end = block + kKeyBlock < keys ? block + kKeyBlock : keys;
+    const float* rows = block_rows(k, block, end, dim, padded, widened);  // null: float32 keys in place
+    const int64_t full = block + (end - block) / 8 * 8;
     for (int64_t r = 0; r < rows_total; ++r) {
-      for (int64_t j = block; j < end; j += 8) {
-        const T* chunk = j < full ? k + j * dim : padded_keys;
+      for (int64_t j = block; j < end; j += 8) {  // every key through dot8, the last partial chunk zero-padded
+        const float* chunk = rows != nullptr ? rows + (j - block) * dim
+                                             : (j < full ? reinterpret_cast<const float*>(k) + j * dim : padded);
         _mm256_storeu_ps(scores + r * stride + j, _mm256_mul_ps(dot8(q[r], chunk, dim), scale8));
       }
     }
@@ -114,19 +131,23 @@ void attend_rows(const float* const* q, const uint8_t* const* visible, float* co
     inverse_total[r] = 1.0f / total;
   }
   for (int64_t block = 0; block < keys; block += kKeyBlock) {
-    const int64_t end = block + kKeyBlock < keys ? block + kKeyBlock : keys;
+    const int64_t end = block + kKeyBlock < keys ? block + kKeyBlock : keys, n = end - block;
+    const float* rows = block_rows(v, block, end, dim, padded, widened);
+    const float* values = rows != nullptr ? rows : reinterpret_cast<const float*>(v) + block * dim;  // (in place)
     for (int64_t r = 0; r < rows_total; ++r) {
       if (inverse_total[r] == 0.0f) continue;
+      const float* w = scores + r * stride + block;
+      const uint8_t* seen = visible[r] + block;
       for (int64_t d = 0; d < dim; d += 64) {  // 64 columns at a time: their accumulators fit in registers
         switch ((dim - d) / 8 < 8 ? (dim - d) / 8 : 8) {
-          case 8: accumulate<8>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
-          case 7: accumulate<7>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
-          case 6: accumulate<6>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
-          case 5: accumulate<5>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
-          case 4: accumulate<4>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
-          case 3: accumulate<3>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
-          case 2: accumulate<2>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
-          default: accumulate<1>(scores + r * stride, visible[r], v + d, dim, block, end, out[r] + d); break;
+          case 8: accumulate<8>(w, seen, values + d, dim, 0, n, out[r] + d); break;
+          case 7: accumulate<7>(w, seen, values + d, dim, 0, n, out[r] + d); break;
+          case 6: accumulate<6>(w, seen, values + d, dim, 0, n, out[r] + d); break;
+          case 5: accumulate<5>(w, seen, values + d, dim, 0, n, out[r] + d); break;
+          case 4: accumulate<4>(w, seen, values + d, dim, 0, n, out[r] + d); break;
+          case 3: accumulate<3>(w, seen, values + d, dim, 0, n, out[r] + d); break;
+          case 2: accumulate<2>(w, seen, values + d, dim, 0, n, out[r] + d); break;
+          default: accumulate<1>(w, seen, values + d, dim, 0, n, out[r] + d); break;
         }
       }
     }
@@ -161,8 +182,7 @@ void attend(const float* q, const T* k, const T* v, int64_t k_batch_stride, int6
             int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible, int64_t batch, int64_t heads,
             int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale, float* out) {
   const int64_t group = heads / kv_heads, rows_total = group * rows;
-  std::vector<float> scores(rows_total * ((keys + 7) / 8 * 8));
-  std::vector<T> padded_keys(8 * dim);
+  std::vector<float> scores(rows_total * ((keys + 7) / 8 * 8)), padded(8 * dim), widened(kKeyBlock * dim);
   std::vector<const float*> q_rows(rows_total);
   std::vector<const uint8_t*> mask_rows(rows_total);
   std::vector<float*> out_rows(rows_total);
@@ -177,7 +197,8 @@ void attend(const float* q, const T* k, const T* v, int64_t k_batch_stride, int6
         }
       }
       attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, k + b * k_batch_stride + g * k_head_stride,
-                  v + b * v_batch_stride + g * v_head_stride, extent, dim, scale, scores.data(), padded_keys.data());
+                  v + b * v_batch_stride + g * v_head_stride, extent, dim, scale, scores.data(), padded.data(),
+                  widened.data());
     }
   }
 }

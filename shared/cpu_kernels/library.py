@@ -124,8 +124,8 @@ class CpuKernels:
         out = torch.empty(batch, queries, heads * dim, dtype=torch.float32, device=q.device)
         if out.numel():
             self._attention(q.data_ptr(), k.data_ptr(), v.data_ptr(), k.dtype == torch.bfloat16, k.stride(0),
-                            k.stride(1), v.stride(0), v.stride(1), visible.data_ptr(), batch, heads, kv_heads, queries, keys, dim, scale,
-                            out.data_ptr())
+                            k.stride(1), v.stride(0), v.stride(1), visible.data_ptr(), batch, heads, kv_heads,
+                            queries, keys, dim, scale, out.data_ptr())
         return out
 
     def top_k(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor]:
