@@ -30,7 +30,7 @@ from verify_worker.families.interface import StepBatch, TargetFamily
 from verify_worker.logprobs import TokenLogprob, token_logprobs
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
 from verify_worker.request_snapshot import RequestSnapshot
-from verify_worker.scheduler import num_drafts, plan_prefill
+from verify_worker.scheduler import num_drafts, padding_groups, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
 
 
@@ -177,8 +177,8 @@ class SpeculativeEngine:
         events: dict[str, StepEvent] = {}
         kept: dict[int, int] = {}  # slot -> tokens of this step the target keeps (committed once the step is done)
         chunks = plan_prefill([s for s in self.prefilling if s.request_id in group], self.max_prefill_tokens)
-        if chunks:
-            self._prefill(chunks, events, report, kept)
+        for similar in padding_groups(chunks):  # one forward per group of similar lengths (padding costs rows)
+            self._prefill(similar, events, report, kept)
         decoding = sorted((s for s in self.running.values() if s.request_id in group), key=lambda s: s.slot)
         if decoding:
             self._decode(decoding, events, report, kept)
@@ -277,7 +277,7 @@ class SpeculativeEngine:
             none = torch.zeros(len(done), 0, dtype=torch.long)  # the first token: a verify step with no drafts
             first = self._verify([chunks[row][0] for row in done], none, [0] * len(done), [None] * len(done),
                                  logits[:, None])[1]
-        report.prefill_tokens = sum(n for _, n in chunks)
+        report.prefill_tokens += sum(n for _, n in chunks)
         for row, (state, n) in enumerate(chunks):
             if state.request.prompt_logprobs:
                 self._score_prompt(state, out.hidden[row, :n])

@@ -15,6 +15,25 @@ def plan_prefill(prefilling: list[RequestState], budget: int) -> list[tuple[Requ
     return plan
 
 
+def padding_groups(chunks: list[tuple[RequestState, int]], waste: float = 0.25) -> list[list[tuple[RequestState, int]]]:
+    """The prompt chunks of one step in forwards of similar lengths: a forward pads its rows to its longest
+    chunk, and every padded position goes through every GEMM (16 demo prompts of 20-116 tokens padded to 116:
+    1856 rows for 942 tokens, 1.8x the time of the chunks alone). Sorted by length, a group grows while its
+    padded size stays within (1 + waste) of its tokens; chunks of one length stay in one forward (a forward
+    costs about 0.1 ms on top of its rows)."""
+    groups: list[list[tuple[RequestState, int]]] = []
+    tokens = 0
+    for chunk in sorted(chunks, key=lambda c: c[1]):
+        group = groups[-1] if groups else None
+        if group is not None and (len(group) + 1) * chunk[1] <= (1 + waste) * (tokens + chunk[1]):
+            group.append(chunk)
+            tokens += chunk[1]
+        else:
+            groups.append([chunk])
+            tokens = chunk[1]
+    return groups
+
+
 def num_drafts(state: RequestState, block_size: int, has_proposer: bool) -> int:
     """Drafts to ask for: up to block_size - 1, capped by the request's knob and by the tokens it still needs
     (the verify step always adds one token of the target's own)."""
