@@ -204,6 +204,12 @@ def test_a_probe_that_catches_up_on_context_still_measures_acceptance(tmp_path):
     assert state.stats.draft_tokens == 0 and not policy.acceptance  # scored, never verified; forgotten at the end
 
 
+def _plain_runs(target, requests):
+    """The requests decoded plainly, and each one's prompt + output (a scripted drafter's reference)."""
+    plain = SpeculativeEngine(target, None, max_requests=len(requests)).generate(requests)
+    return plain, {r.request_id: list(r.prompt_ids) + want.token_ids for r, want in zip(requests, plain)}
+
+
 class _TwoRightThenWrong(ScriptedProposer):
     """Proposes the target's own next two tokens, then a wrong one."""
 
@@ -222,8 +228,7 @@ def test_a_greedy_probe_is_a_plain_step_whose_drafts_are_scored_like_a_verify(tm
     write_hf_checkpoint(tmp_path, "qwen3", seed=4)
     target = load_target(tmp_path)
     requests = [GenerationRequest((5, 6, 7, i), 30) for i in range(2)]
-    plain = SpeculativeEngine(target, None, max_requests=2).generate(requests)
-    sequences = {r.request_id: list(r.prompt_ids) + want.token_ids for r, want in zip(requests, plain)}
+    plain, sequences = _plain_runs(target, requests)
     proposer = _TwoRightThenWrong(sequences, 8, target.config.num_layers, error_rate=0.0)
     policy = AdaptiveSpeculation(probe_every=8, max_probe_every=8)  # a probe's 7 drafts are scored 7 steps later
     policy.step_samples[(2, True)] = deque([1.0])
@@ -250,8 +255,7 @@ def test_a_request_that_asks_for_drafts_drafts_alone_while_the_others_decode_pla
     target = load_target(tmp_path)
     requests = [GenerationRequest((5, 6, 7, i), 24, num_speculative_tokens=2 if i == 0 else None)
                 for i in range(4)]
-    plain = SpeculativeEngine(target, None, max_requests=4).generate(requests)
-    sequences = {r.request_id: list(r.prompt_ids) + want.token_ids for r, want in zip(requests, plain)}
+    plain, sequences = _plain_runs(target, requests)
     proposer = ScriptedProposer(sequences, 8, target.config.num_layers, error_rate=0.0)
     policy = AdaptiveSpeculation(probe_every=10 ** 6, max_probe_every=10 ** 6)  # no probe in this test
     policy.step_samples[(4, True)] = deque([1.0])
@@ -336,8 +340,7 @@ def test_a_scored_probe_drafts_a_few_requests_in_turn(tmp_path):
     write_hf_checkpoint(tmp_path, "qwen3", seed=4)
     target = load_target(tmp_path)
     requests = [GenerationRequest((5, 6, 7, i), 40) for i in range(8)]
-    plain = SpeculativeEngine(target, None, max_requests=8).generate(requests)
-    sequences = {r.request_id: list(r.prompt_ids) + want.token_ids for r, want in zip(requests, plain)}
+    plain, sequences = _plain_runs(target, requests)
     proposer = _Recording(sequences, 8, target.config.num_layers, error_rate=0.0)
     policy = AdaptiveSpeculation(probe_every=4, max_probe_every=4, probe_rows=3)
     policy.step_samples[(8, True)] = deque([1.0])
