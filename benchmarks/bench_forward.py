@@ -4,7 +4,8 @@ rotated together), measured in interleaved rounds in one process; prints medians
 CPU it times both packed layouts: "transposed" (PyTorch's GEMM on [in, out] weights) and "bf16" (the C++
 kernel on the checkpoint's bfloat16 weights, the default where it builds), "bf16 per-op", the same
 kernels called op by op instead of one call for the whole layer stack (shared/cpu_kernels/decoder_layer.cpp),
-and "bf16 + bf16 cache", the served default (--dtype auto keeps the KV cache in bfloat16 there).
+"bf16 + bf16 cache", the served default (--dtype auto keeps the KV cache in bfloat16 there), and "... N thr",
+that with the layer stack and lm_head shared between --kernel-threads threads (worker_pool.h; the same bits).
 
     python benchmarks/bench_forward.py                         # demo target, float32, 1 thread
     python benchmarks/bench_forward.py --dtype bfloat16 --threads 2
@@ -32,6 +33,8 @@ def parse_args(argv=None):
     parser.add_argument("--dtype", default="float32")
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--shapes", default="1x1,1x8,16x1,16x8")
+    parser.add_argument("--kernel-threads", type=int, default=2,
+                        help="threads of the last column's C++ layer stack (1: no such column)")
     parser.add_argument("--context", type=int, default=200, help="cached positions before the new tokens")
     parser.add_argument("--rounds", type=int, default=7)
     parser.add_argument("--calls", type=int, default=30, help="timed forwards per model per round")
@@ -64,6 +67,10 @@ def main(argv=None) -> int:
         bf16_cache = load_target(folder, dtype=args.dtype, pack=False).pack(layouts[-1])
         bf16_cache.kv_dtype = torch.bfloat16  # what --dtype auto serves a bfloat16 checkpoint with here
         models[f"{layouts[-1]} + bf16 cache"] = bf16_cache
+        if args.kernel_threads > 1:
+            pooled = load_target(folder, dtype=args.dtype, pack=False).pack(layouts[-1], args.kernel_threads)
+            pooled.kv_dtype = torch.bfloat16
+            models[f"... {args.kernel_threads} thr"] = pooled
     vocab = models["as loaded"].config.vocab_size
     names = list(models)
     print(f"target {folder}, {args.dtype}, {args.threads} thread(s), context {args.context}; ms per forward, "

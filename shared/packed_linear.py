@@ -66,6 +66,7 @@ class PackedLinear(nn.Module):
         self.register_buffer("weight", stored)
         self.register_buffer("bias", bias)
         self.reduce = reduce
+        self.pool = None  # a CpuKernels.worker_pool whose threads share the product (the owner sets it)
 
     @classmethod
     def of(cls, *linears: nn.Linear, layout: str,
@@ -82,7 +83,7 @@ class PackedLinear(nn.Module):
         if self.reduce is None and self.layout == "fused":
             return F.linear(x, self.weight, self.bias)
         if self.kernels is not None:
-            out = self.kernels.bf16_matmul(x, self.weight, self.out_features)
+            out = self.kernels.bf16_matmul(x, self.weight, self.out_features, pool=self.pool)
         elif self.transposed:
             out = torch.matmul(x, self.weight)
         else:

@@ -8,6 +8,12 @@ from collections.abc import Callable
 READY_PREFIX = "DFLASH_READY"
 
 
+def usable_cores() -> int:
+    """The cores this process may run on (its affinity mask where the OS has one)."""
+    affinity = getattr(os, "sched_getaffinity", None)
+    return len(affinity(0)) if affinity is not None else (os.cpu_count() or 1)
+
+
 def default_threads(role: str) -> int:
     """Threads per role when all roles share one host: half the cores for the verify worker, a quarter for the
     drafter, the rest for the gateway and clients. Measured on 2 cores with the demo pair (dflash-bench, block

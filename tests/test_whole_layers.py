@@ -64,3 +64,65 @@ def test_a_position_outside_the_cache_is_refused_before_anything_is_written(tmp_
 def test_layers_with_a_bias_keep_the_per_op_path(tmp_path):
     target = _packed(tmp_path, "llama", attention_bias=True)
     assert target.kernels is not None and target.whole_layers is None
+
+
+def _step(target, prompt, ids, positions, slots):
+    """Prefill then one step (the whole-layer path); (output, logits of the step, cache)."""
+    cache = target.new_cache(6, 64)
+    batch, context = prompt.shape
+    with torch.inference_mode():
+        target(prompt, torch.arange(context)[None].expand(batch, -1), cache, slots)
+        out = target(ids, positions, cache, slots, (1, 0))
+        return out, target.logits(out.hidden), cache
+
+
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("batch,seq,slots", [(1, 1, [0]), (1, 8, [3]), (3, 5, [4, 0, 2])],
+                         ids=["plain", "verify8", "scattered"])
+def test_the_stack_shared_between_threads_gives_the_same_bits(tmp_path, threads, batch, seq, slots):
+    target = _packed(tmp_path, "qwen3")
+    target.kv_dtype = torch.bfloat16
+    generator = torch.Generator().manual_seed(threads * 100 + batch)
+    context = 23
+    prompt = torch.randint(0, 128, (batch, context), generator=generator)
+    ids = torch.randint(0, 128, (batch, seq), generator=generator)
+    positions = context + torch.arange(seq)[None].expand(batch, -1)
+    slots = torch.tensor(slots)
+    alone = _step(target, prompt, ids, positions, slots)
+    target.share_kernel_threads(threads)
+    assert target.pool is not None and target.pool.threads == threads and target.head.pool is target.pool
+    shared = _step(target, prompt, ids, positions, slots)
+    target.share_kernel_threads(1)
+    assert target.pool is None and target.head.pool is None
+    (out_a, logits_a, cache_a), (out_s, logits_s, cache_s) = alone, shared
+    assert torch.equal(out_a.hidden, out_s.hidden) and torch.equal(out_a.taps, out_s.taps)
+    assert torch.equal(logits_a, logits_s)
+    for a, b in zip(cache_a.keys + cache_a.values, cache_s.keys + cache_s.values):
+        assert torch.equal(a, b)
+
+
+def test_a_pooled_product_equals_the_single_thread_one_call_after_call():
+    kernels = cpu_kernels()
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(83, 40, generator=generator).to(torch.bfloat16).float()  # 6 tiles, the last partial
+    tiles = kernels.bf16_tiles(weight)
+    pool = kernels.worker_pool(2)
+    try:
+        for rows in [1, 2, 7, 13, 1, 30] * 20:  # many jobs in a row: each must run every part exactly once
+            x = torch.randn(rows, 40, generator=generator)
+            assert torch.equal(kernels.bf16_matmul(x, tiles, 83, pool=pool), kernels.bf16_matmul(x, tiles, 83))
+    finally:
+        pool.close()
+        pool.close()  # closing twice is harmless
+
+
+def test_load_target_shares_the_kernel_threads_it_is_given(tmp_path):
+    write_hf_checkpoint(tmp_path, "qwen3", seed=5, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)  # as the verify worker runs PyTorch on 2 cores: the C++ kernels are its float32 path
+    try:
+        target = load_target(tmp_path, dtype="float32", kernel_threads=2)
+        assert target.whole_layers is not None and target.pool is not None and target.pool.threads == 2
+        assert load_target(tmp_path, dtype="float32").pool is None
+    finally:
+        torch.set_num_threads(before)

@@ -32,7 +32,7 @@ from shared.config_json import read_config
 from shared.draft_config import DraftConfig
 from shared.errors import DFlashError, RequestError
 from shared.feature_transport import add_transport_flags, make_transport
-from shared.role import configure_process, run_worker
+from shared.role import configure_process, run_worker, usable_cores
 from shared.sampling import SamplingParams
 from shared.wire import WireError, decode, encode
 from verify_worker.draft_deadline import DraftDeadline
@@ -282,7 +282,11 @@ def parse_args(argv):
                              "pay (one drafted step after 8 plain ones re-measures it)")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")))
+    parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")),
+                        help="PyTorch's threads (0: half the cores, see shared.role.default_threads)")
+    parser.add_argument("--kernel-threads", type=int, default=int(env("DFLASH_VERIFY_KERNEL_THREADS", "0")),
+                        help="threads of the C++ CPU layer stack, where it runs (0: every core this process may "
+                             "use; a busy core's thread just takes no share, the caller does its parts)")
     add_transport_flags(parser, env)
     tp = parser.add_argument_group("tensor parallelism (one process per rank; rank 0 owns the sockets)")
     tp.add_argument("--world-size", type=int, default=int(env("DFLASH_TP_WORLD_SIZE", "1")),
@@ -350,7 +354,8 @@ def build_server(args, log) -> VerifyServer:
                           f"(--draft-timeout / --collective-timeout: {longest_wait:g} s), or be 0")
     args.device = rank_device(args.device, args.rank, args.world_size)
     tp = join_group(settings, args.device)
-    target = load_target(args.target, device=args.device, dtype=args.dtype, tp=tp)
+    target = load_target(args.target, device=args.device, dtype=args.dtype, tp=tp,
+                         kernel_threads=args.kernel_threads or usable_cores())
     if tp.rank > 0:
         log.info("tensor-parallel rank %d of %d: following rank 0", tp.rank, tp.world_size)
         return FollowerServer(target, log)

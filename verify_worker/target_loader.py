@@ -9,9 +9,15 @@ from verify_worker.parallel.group import TensorParallel
 
 
 def load_target(folder: str | Path, device: str = "cpu", dtype: str = "auto",
-                tp: TensorParallel = TensorParallel(), pack: bool = True) -> TargetFamily:
+                tp: TensorParallel = TensorParallel(), pack: bool = True, kernel_threads: int = 1) -> TargetFamily:
     """Load an HF checkpoint strictly (a missing, unexpected or mis-shaped tensor is a CheckpointError; an
     unknown architecture or a shape TP N cannot split a ConfigError). pack: lay the weights out for inference
-    (False keeps the checkpoint's modules and names, for training and tests)."""
+    (False keeps the checkpoint's modules and names, for training and tests). kernel_threads: the threads a
+    packed family's C++ CPU layer stack shares (families without one ignore it; the same bits whatever the
+    count)."""
     config = read_config(folder)
-    return family_for(config).load(folder, config, device, dtype, tp, pack)
+    target = family_for(config).load(folder, config, device, dtype, tp, pack)
+    share = getattr(target, "share_kernel_threads", None)  # an optional family hook (the dense C++ stack)
+    if pack and kernel_threads > 1 and share is not None:
+        share(kernel_threads)
+    return target

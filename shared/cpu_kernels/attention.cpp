@@ -177,29 +177,32 @@ int64_t visible_extent(const uint8_t* visible, int64_t rows, int64_t keys) {
 
 // q [batch, heads, rows, dim] contiguous; k, v: [keys, dim] blocks at batch and kv-head strides (elements);
 // visible [batch, rows, keys] (bytes, 1 = the row sees the key); out [batch, rows, heads, dim] contiguous.
+// Computes the units [u0, u1) of the batch * kv_heads (batch entry, kv head) pairs, unit b * kv_heads + g: the
+// query heads of kv head g for every row of entry b. A unit's result does not depend on which others share the
+// call, so units split between threads give the same bits (decoder_layer.cpp).
 template <typename T>
 void attend(const float* q, const T* k, const T* v, int64_t k_batch_stride, int64_t k_head_stride,
-            int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible, int64_t batch, int64_t heads,
-            int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale, float* out) {
+            int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible, int64_t heads,
+            int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale, float* out, int64_t u0,
+            int64_t u1) {
   const int64_t group = heads / kv_heads, rows_total = group * rows;
   std::vector<float> scores(rows_total * ((keys + 7) / 8 * 8)), padded(8 * dim), widened(kKeyBlock * dim);
   std::vector<const float*> q_rows(rows_total);
   std::vector<const uint8_t*> mask_rows(rows_total);
   std::vector<float*> out_rows(rows_total);
-  for (int64_t b = 0; b < batch; ++b) {
+  for (int64_t unit = u0; unit < u1; ++unit) {
+    const int64_t b = unit / kv_heads, g = unit % kv_heads;
     const int64_t extent = visible_extent(visible + b * rows * keys, rows, keys);
-    for (int64_t g = 0; g < kv_heads; ++g) {
-      for (int64_t h = g * group, r = 0; h < (g + 1) * group; ++h) {
-        for (int64_t i = 0; i < rows; ++i, ++r) {
-          q_rows[r] = q + ((b * heads + h) * rows + i) * dim;
-          mask_rows[r] = visible + (b * rows + i) * keys;
-          out_rows[r] = out + ((b * rows + i) * heads + h) * dim;
-        }
+    for (int64_t h = g * group, r = 0; h < (g + 1) * group; ++h) {
+      for (int64_t i = 0; i < rows; ++i, ++r) {
+        q_rows[r] = q + ((b * heads + h) * rows + i) * dim;
+        mask_rows[r] = visible + (b * rows + i) * keys;
+        out_rows[r] = out + ((b * rows + i) * heads + h) * dim;
       }
-      attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, k + b * k_batch_stride + g * k_head_stride,
-                  v + b * v_batch_stride + g * v_head_stride, extent, dim, scale, scores.data(), padded.data(),
-                  widened.data());
     }
+    attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, k + b * k_batch_stride + g * k_head_stride,
+                v + b * v_batch_stride + g * v_head_stride, extent, dim, scale, scores.data(), padded.data(),
+                widened.data());
   }
 }
 
@@ -207,20 +210,29 @@ void attend(const float* q, const T* k, const T* v, int64_t k_batch_stride, int6
 
 extern "C" {
 
-// attend() over float32 keys and values (bf16 != 0: bfloat16 ones, k and v pointing at uint16 bit patterns).
-// dim <= 256. Returns 0, or -1 for a dim this kernel does not take.
+// dflash_attention on the (batch entry, kv head) units [u0, u1) only (see attend); the caller checks the shape.
+void dflash_attention_units(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
+                            int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride,
+                            const uint8_t* visible, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,
+                            int64_t dim, float scale, float* out, int64_t u0, int64_t u1) {
+  if (bf16) {
+    attend(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), k_batch_stride, k_head_stride,
+           v_batch_stride, v_head_stride, visible, heads, kv_heads, rows, keys, dim, scale, out, u0, u1);
+  } else {
+    attend(q, static_cast<const float*>(k), static_cast<const float*>(v), k_batch_stride, k_head_stride,
+           v_batch_stride, v_head_stride, visible, heads, kv_heads, rows, keys, dim, scale, out, u0, u1);
+  }
+}
+
+// attend() over float32 keys and values (bf16 != 0: bfloat16 ones, k and v pointing at uint16 bit patterns),
+// every unit. dim <= 256. Returns 0, or -1 for a dim this kernel does not take.
 int dflash_attention(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
                      int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible,
                      int64_t batch, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim,
                      float scale, float* out) {
   if (dim % 8 != 0 || dim > 256 || heads % kv_heads != 0) return -1;
-  if (bf16) {
-    attend(q, static_cast<const uint16_t*>(k), static_cast<const uint16_t*>(v), k_batch_stride, k_head_stride,
-           v_batch_stride, v_head_stride, visible, batch, heads, kv_heads, rows, keys, dim, scale, out);
-  } else {
-    attend(q, static_cast<const float*>(k), static_cast<const float*>(v), k_batch_stride, k_head_stride,
-           v_batch_stride, v_head_stride, visible, batch, heads, kv_heads, rows, keys, dim, scale, out);
-  }
+  dflash_attention_units(q, k, v, bf16, k_batch_stride, k_head_stride, v_batch_stride, v_head_stride, visible, heads,
+                         kv_heads, rows, keys, dim, scale, out, 0, batch * kv_heads);
   return 0;
 }
 

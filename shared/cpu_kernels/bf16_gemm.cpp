@@ -118,6 +118,8 @@ void tile_rows(const float* x, int64_t M, int64_t K, const Weight* w, float* y, 
 extern "C" {
 
 void dflash_bf16_gemm_avx512(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
+void dflash_bf16_gemm_avx512_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y,
+                                   int64_t t0, int64_t t1);
 
 // 1 where dflash_bf16_gemm uses the AVX-512 kernel (the CPU has AVX-512F and the OS saves its registers).
 int dflash_bf16_gemm_uses_avx512() {
@@ -125,12 +127,14 @@ int dflash_bf16_gemm_uses_avx512() {
   return uses;
 }
 
-// The AVX2 kernel whatever the CPU (dflash_bf16_gemm's arguments; the tests compare the two).
-void dflash_bf16_gemm_avx2(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
-  const int64_t tiles = (N + kTile - 1) / kTile;
+// The AVX2 kernel whatever the CPU, on the output tiles [t0, t1) only (16 columns each; the rest of y untouched):
+// every element is computed as in the whole product, so a product split by tiles between threads gives the same
+// bits (decoder_layer.cpp's pooled GEMMs).
+void dflash_bf16_gemm_avx2_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y,
+                                 int64_t t0, int64_t t1) {
   // More rows than one micro-kernel call reuse each tile: widen it to float32 once (K x 16, in cache).
   std::vector<float> widened(M > kMaxRows ? static_cast<size_t>(K) * kTile : 0);
-  for (int64_t t = 0; t < tiles; ++t) {
+  for (int64_t t = t0; t < t1; ++t) {
     const uint16_t* tile = w + t * K * kTile;
     const int cols = static_cast<int>(N - t * kTile < kTile ? N - t * kTile : kTile);
     if (widened.empty()) {
@@ -147,13 +151,24 @@ void dflash_bf16_gemm_avx2(const float* x, int64_t M, int64_t K, const uint16_t*
   }
 }
 
+// The AVX2 kernel whatever the CPU (dflash_bf16_gemm's arguments; the tests compare the two).
+void dflash_bf16_gemm_avx2(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  dflash_bf16_gemm_avx2_tiles(x, M, K, w, N, y, 0, (N + kTile - 1) / kTile);
+}
+
+// dflash_bf16_gemm on the output tiles [t0, t1) only, with this CPU's kernel.
+void dflash_bf16_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
+                            int64_t t1) {
+  if (dflash_bf16_gemm_uses_avx512()) {
+    dflash_bf16_gemm_avx512_tiles(x, M, K, w, N, y, t0, t1);
+  } else {
+    dflash_bf16_gemm_avx2_tiles(x, M, K, w, N, y, t0, t1);
+  }
+}
+
 // x [M, K] and y [M, N] row-major float32; w: ceil(N / 16) tiles of [K][16] bfloat16 bit patterns.
 void dflash_bf16_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
-  if (dflash_bf16_gemm_uses_avx512()) {
-    dflash_bf16_gemm_avx512(x, M, K, w, N, y);
-  } else {
-    dflash_bf16_gemm_avx2(x, M, K, w, N, y);
-  }
+  dflash_bf16_gemm_tiles(x, M, K, w, N, y, 0, (N + kTile - 1) / kTile);
 }
 
 }  // extern "C"

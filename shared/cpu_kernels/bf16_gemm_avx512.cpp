@@ -94,17 +94,22 @@ void rows_tail(int64_t rows, const float* x, int64_t K, const uint16_t* w, float
 
 extern "C" {
 
-// As dflash_bf16_gemm (same arguments, same result bit for bit); only where the CPU has AVX-512F.
-void dflash_bf16_gemm_avx512(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
-  const int64_t tiles = (N + kTile - 1) / kTile;
+// As dflash_bf16_gemm_avx2_tiles (same arguments, same result bit for bit); only where the CPU has AVX-512F.
+void dflash_bf16_gemm_avx512_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y,
+                                   int64_t first, int64_t end) {
   // Columns in groups of 16 tiles (256 columns: their weights stay in cache while every row block passes).
   constexpr int64_t kGroup = 16;
-  for (int64_t t0 = 0; t0 < tiles; t0 += kGroup) {
-    const int64_t t1 = t0 + kGroup < tiles ? t0 + kGroup : tiles;
+  for (int64_t t0 = first; t0 < end; t0 += kGroup) {
+    const int64_t t1 = t0 + kGroup < end ? t0 + kGroup : end;
     int64_t m = 0;
     for (; m + kRows <= M; m += kRows) rows_block<kRows>(x + m * K, K, w, y + m * N, N, t0, t1);
     rows_tail(M - m, x + m * K, K, w, y + m * N, N, t0, t1);
   }
+}
+
+// As dflash_bf16_gemm (same arguments, same result bit for bit); only where the CPU has AVX-512F.
+void dflash_bf16_gemm_avx512(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
+  dflash_bf16_gemm_avx512_tiles(x, M, K, w, N, y, 0, (N + kTile - 1) / kTile);
 }
 
 }  // extern "C"

@@ -6,17 +6,23 @@
 //   the next norm (the following layer's input norm, or the model's final one).
 // The same kernels (bf16_gemm.cpp, layer_ops.cpp, attention.cpp) on the same values in the same order as the
 // per-op path, row by row (a row's result never depends on the other rows), so the same bits.
+// With a worker pool (worker_pool.h) the projections are split by output tiles and attention by (batch entry, kv
+// head) between its threads: each output element is still computed by the same instructions from the same
+// values, so the bits do not depend on the thread count (the tests compare 1, 2 and 3 threads).
 // Plain C ABI, loaded with ctypes: the structs mirror layer_step.py's ctypes structures field by field.
 #include <cstdint>
 #include <cstring>
 
+#include "worker_pool.h"
+
 extern "C" {
 
-void dflash_bf16_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y);
-int dflash_attention(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
-                     int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride, const uint8_t* visible,
-                     int64_t batch, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim,
-                     float scale, float* out);
+void dflash_bf16_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
+                            int64_t t1);
+void dflash_attention_units(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
+                            int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride,
+                            const uint8_t* visible, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,
+                            int64_t dim, float scale, float* out, int64_t u0, int64_t u1);
 void dflash_rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out);
 void dflash_add_rms_norm(const float* x, const float* delta, int64_t rows, int64_t n, const float* weight,
                          float eps, float* summed, float* out);
@@ -72,11 +78,78 @@ struct StackScratch {
   float *qkv, *q, *attended, *projected, *gate_up, *act;
 };
 
+}  // extern "C"
+
+namespace {
+
+constexpr int64_t kTile = 16;          // output columns per weight tile (bf16_gemm.cpp)
+constexpr int64_t kPartsPerThread = 4;  // parts per thread of a pooled GEMM: a late helper still takes a share
+
+struct GemmJob {
+  const float* x;
+  int64_t M, K;
+  const uint16_t* w;
+  int64_t N;
+  float* y;
+  int64_t tiles, parts;
+};
+
+void gemm_part(void* context, int64_t part) {
+  const GemmJob& job = *static_cast<const GemmJob*>(context);
+  dflash_bf16_gemm_tiles(job.x, job.M, job.K, job.w, job.N, job.y, part * job.tiles / job.parts,
+                         (part + 1) * job.tiles / job.parts);
+}
+
+// dflash_bf16_gemm's product, its output tiles shared between the pool's threads (pool null: this thread alone).
+void pooled_gemm(dflash::WorkerPool* pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                 float* y) {
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  const int64_t threads = pool == nullptr ? 1 : pool->threads();
+  GemmJob job{x, M, K, w, N, y, tiles, threads == 1 ? 1 : (tiles < kPartsPerThread * threads ? tiles
+                                                                                              : kPartsPerThread * threads)};
+  if (threads == 1 || M == 0) {
+    dflash_bf16_gemm_tiles(x, M, K, w, N, y, 0, tiles);
+    return;
+  }
+  pool->run(job.parts, gemm_part, &job);
+}
+
+// Attention of every row of a forward: unit b * kv_heads + g is batch entry b's query heads of kv head g, over
+// its own slot's keys, read straight from the cache.
+struct AttentionJob {
+  const StackShape* shape;
+  const StackStep* step;
+  const float* q;
+  const char* k_cache;
+  const char* v_cache;
+  float* attended;
+};
+
+void attention_part(void* context, int64_t unit) {
+  const AttentionJob& job = *static_cast<const AttentionJob*>(context);
+  const StackShape& shape = *job.shape;
+  const StackStep& step = *job.step;
+  const int64_t heads = shape.heads, kv_heads = shape.kv_heads, dim = shape.dim, seq = step.seq;
+  const int64_t b = unit / kv_heads, g = unit % kv_heads;
+  const int64_t slot_stride = kv_heads * step.capacity * dim, head_stride = step.capacity * dim;
+  const int64_t offset = step.slots[b] * slot_stride * (step.kv_bf16 ? 2 : 4);  // bytes
+  dflash_attention_units(job.q + b * heads * seq * dim, job.k_cache + offset, job.v_cache + offset, step.kv_bf16,
+                         slot_stride, head_stride, slot_stride, head_stride, step.visible + b * seq * step.keys,
+                         heads, kv_heads, seq, step.keys, dim, shape.scale, job.attended + b * seq * heads * dim, g,
+                         g + 1);
+}
+
+}  // namespace
+
+extern "C" {
+
 // x [batch * seq, hidden]: the embeddings in, the last residual out (updated in place); h [batch * seq, hidden]:
 // the final norm's output. Returns 0; -1 for a slot or position outside the cache (nothing written); -2 for a
 // shape attention refuses (nothing written).
+// pool: a dflash_pool_create pool, or null for this thread alone.
 int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, const StackStep* step,
-                         const StackScratch* scratch, float* x, float* h) {
+                         const StackScratch* scratch, float* x, float* h, void* pool_handle) {
+  dflash::WorkerPool* pool = static_cast<dflash::WorkerPool*>(pool_handle);
   const int64_t heads = shape->heads, kv_heads = shape->kv_heads, dim = shape->dim, hidden = shape->hidden;
   if (dim % 8 != 0 || dim > 256 || kv_heads <= 0 || heads % kv_heads != 0) return -2;
   for (int64_t b = 0; b < step->batch; ++b) {  // checked before layer 0 writes: every layer writes the same places
@@ -88,29 +161,26 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
   }
   if (step->keys > step->capacity) return -2;  // (after the range check: keys past the cache mean a position past it)
   const int64_t rows = step->batch * step->seq, width = (heads + 2 * kv_heads) * dim;
-  const int64_t slot_stride = kv_heads * step->capacity * dim, head_stride = step->capacity * dim;
-  const int64_t element = step->kv_bf16 ? 2 : 4;  // bytes per cache element
   dflash_rms_norm(x, rows, hidden, shape->first_norm, shape->first_eps, h);
   for (int64_t index = 0; index < shape->layers; ++index) {
     const StackLayer& layer = layers[index];
     char* k_cache = static_cast<char*>(step->k_caches[index]);
     char* v_cache = static_cast<char*>(step->v_caches[index]);
-    dflash_bf16_gemm(h, rows, hidden, layer.qkv, width, scratch->qkv);
+    pooled_gemm(pool, h, rows, hidden, layer.qkv, width, scratch->qkv);
     dflash_qk_rotary_cache(scratch->qkv, step->batch, step->seq, heads, kv_heads, dim, layer.qk_norm, layer.qk_eps,
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
                            step->num_slots, step->capacity, scratch->q);
-    for (int64_t b = 0; b < step->batch; ++b) {  // each row reads its own slot's keys straight from the cache
-      const int64_t offset = step->slots[b] * slot_stride * element;  // bytes
-      dflash_attention(scratch->q + b * heads * step->seq * dim, k_cache + offset, v_cache + offset, step->kv_bf16,
-                       slot_stride, head_stride, slot_stride, head_stride, step->visible + b * step->seq * step->keys,
-                       1, heads, kv_heads, step->seq, step->keys, dim, shape->scale,
-                       scratch->attended + b * step->seq * heads * dim);
+    AttentionJob attention{shape, step, scratch->q, k_cache, v_cache, scratch->attended};
+    if (pool == nullptr) {
+      for (int64_t unit = 0; unit < step->batch * kv_heads; ++unit) attention_part(&attention, unit);
+    } else {
+      pool->run(step->batch * kv_heads, attention_part, &attention);
     }
-    dflash_bf16_gemm(scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
+    pooled_gemm(pool, scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
     dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.post_norm, layer.post_eps, x, h);
-    dflash_bf16_gemm(h, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);
+    pooled_gemm(pool, h, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);
     dflash_silu_mul(scratch->gate_up, rows, shape->intermediate, scratch->act);
-    dflash_bf16_gemm(scratch->act, rows, shape->intermediate, layer.down, hidden, scratch->projected);
+    pooled_gemm(pool, scratch->act, rows, shape->intermediate, layer.down, hidden, scratch->projected);
     dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.next_norm, layer.next_eps, x, h);
     if (step->taps[index] != nullptr) {
       for (int64_t r = 0; r < rows; ++r) {
@@ -119,6 +189,12 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
     }
   }
   return 0;
+}
+
+// y [M, N] = x [M, K] @ the tiled weight, as dflash_bf16_gemm, shared between a pool's threads (the lm_head).
+void dflash_bf16_gemm_pooled(void* pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                             float* y) {
+  pooled_gemm(static_cast<dflash::WorkerPool*>(pool), x, M, K, w, N, y);
 }
 
 }  // extern "C"

@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, attention.cpp,
-layer_ops.cpp, decoder_layer.cpp, top_k.cpp; simd_exp.h):
+layer_ops.cpp, decoder_layer.cpp, worker_pool.cpp, top_k.cpp; simd_exp.h, worker_pool.h):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
 keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
 DFLASH_CPU_KERNELS=off, `cpu_kernels()` is None and every caller keeps its PyTorch path.
@@ -26,9 +26,10 @@ if TYPE_CHECKING:  # layer_step imports this module
     from shared.cpu_kernels.layer_step import StackStepInputs, StackWeights
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "attention.cpp",
-                                                        "layer_ops.cpp", "decoder_layer.cpp", "top_k.cpp")]
-HEADERS = [Path(__file__).with_name("simd_exp.h")]
-FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC"]
+                                                        "layer_ops.cpp", "decoder_layer.cpp", "worker_pool.cpp",
+                                                        "top_k.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h")]
+FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV cache element types the attention kernels read
 
@@ -65,7 +66,14 @@ class CpuKernels:
 
         self._decoder_stack = library.dflash_decoder_stack
         self._decoder_stack.restype = ctypes.c_int
-        self._decoder_stack.argtypes = [pointer] * 6  # layers, shape, step, scratch (structs), x, h
+        self._decoder_stack.argtypes = [pointer] * 7  # layers, shape, step, scratch (structs), x, h, pool
+        self._gemm_pooled = library.dflash_bf16_gemm_pooled
+        self._gemm_pooled.restype = None
+        self._gemm_pooled.argtypes = [pointer] + self._gemm.argtypes
+        self._pool_create = library.dflash_pool_create
+        self._pool_create.restype, self._pool_create.argtypes = pointer, [count]
+        self._pool_destroy = library.dflash_pool_destroy
+        self._pool_destroy.restype, self._pool_destroy.argtypes = None, [pointer]
         self._silu_mul = library.dflash_silu_mul
         self._silu_mul.restype = None
         self._silu_mul.argtypes = [pointer, count, count, pointer]
@@ -87,12 +95,19 @@ class CpuKernels:
         padded[:out_features] = weight.to(torch.bfloat16)
         return padded.view(tiles, TILE, in_features).transpose(1, 2).contiguous()  # [tiles, in, 16]
 
-    def bf16_matmul(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int, isa: str | None = None
-                    ) -> torch.Tensor:
+    def worker_pool(self, threads: int) -> "WorkerPool":
+        """Threads (the caller's included) that share the layer stack's projections and attention, and a pooled
+        bf16_matmul's tiles (worker_pool.h); the same bits as one thread."""
+        return WorkerPool(self, threads)
+
+    def bf16_matmul(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int, isa: str | None = None,
+                    pool: "WorkerPool | None" = None) -> torch.Tensor:
         """x [..., in] float32 @ the tiled weight -> [..., out] float32 (rows computed independently). isa: None
         for this CPU's kernel (gemm_isa), "avx2" or "avx512" to force one (the same sums bit for bit; "avx512"
-        only where gemm_isa is)."""
+        only where gemm_isa is). pool: output tiles shared between its threads (this CPU's kernel)."""
         gemm = self._gemm if isa is None else self._gemm_by_isa[isa]
+        if pool is not None and isa is None:
+            gemm = functools.partial(self._gemm_pooled, pool.handle)
         if isa == "avx512" and self.gemm_isa != "avx512":
             raise RuntimeError("bf16_matmul: this CPU has no AVX-512F")
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
@@ -202,18 +217,19 @@ class CpuKernels:
         self._silu_mul(rows.data_ptr(), rows.shape[0], rows.shape[1] // 2, act.data_ptr())
         return act.view(*gate_up.shape[:-1], rows.shape[1] // 2)
 
-    def decoder_stack(self, x: torch.Tensor, stack: "StackWeights", step: "StackStepInputs") -> tuple[torch.Tensor,
-                                                                                                      torch.Tensor]:
+    def decoder_stack(self, x: torch.Tensor, stack: "StackWeights", step: "StackStepInputs",
+                      pool: "WorkerPool | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer of a dense decoder in one call (decoder_layer.cpp): x [rows, hidden] float32 (the
         embeddings) -> (the last layer's residual, its final norm), each [rows, hidden]. Writes the rows' keys and
-        values into every layer's caches and the tapped layers' outputs into step.taps."""
+        values into every layer's caches and the tapped layers' outputs into step.taps. pool: the threads that
+        share the work (None: this one)."""
         x = x.contiguous().clone()  # updated in place by the call
         check_arguments(x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] == step.c_step.batch * step.c_step.seq
                         and x.shape[1] == stack.c_shape.hidden, "decoder_stack", x)
         h = torch.empty_like(x)
         status = self._decoder_stack(ctypes.addressof(stack.c_layers), ctypes.addressof(stack.c_shape),
                                      ctypes.addressof(step.c_step), ctypes.addressof(step.c_scratch), x.data_ptr(),
-                                     h.data_ptr())
+                                     h.data_ptr(), None if pool is None else pool.handle)
         if status == -1:
             raise _outside_cache(step.first_keys, step.slots, step.positions)
         if status != 0:
@@ -221,6 +237,26 @@ class CpuKernels:
             raise ValueError(f"decoder_stack: a shape the attention kernel does not take (head size {first.dim}, "
                              f"{first.heads} heads on {first.kv_heads}, {step.c_step.keys} keys)")
         return x, h
+
+
+class WorkerPool:
+    """A worker_pool.h pool (CpuKernels.worker_pool): its helper threads live until close() or garbage collection."""
+
+    def __init__(self, kernels: CpuKernels, threads: int):
+        self.threads = max(1, int(threads))
+        self._destroy = kernels._pool_destroy
+        self.handle = kernels._pool_create(self.threads)
+
+    def __deepcopy__(self, memo) -> "WorkerPool":
+        return self  # threads cannot be copied; a copied model shares them
+
+    def close(self) -> None:
+        if self.handle:
+            self._destroy(self.handle)
+            self.handle = None
+
+    def __del__(self):
+        self.close()
 
 
 def _outside_cache(keys: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> IndexError:

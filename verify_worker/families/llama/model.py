@@ -146,6 +146,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         self.head = None  # the lm_head packed for inference (set by pack())
         self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
         self.whole_layers: StackWeights | None = None  # every layer in one kernel call (set by pack())
+        self.pool = None  # the threads the layer stack and the lm_head share (set by pack(), with whole_layers)
         self.kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: the weights' (set by the loader)
 
     commits_state = False  # a positional KV cache: rollback is the committed length alone
@@ -237,7 +238,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         batch, seq, hidden = x.shape
         step = StackStepInputs.build(cos, sin, slots, positions, mask, cache.keys, cache.values, self.whole_layers,
                                      tap_layers)
-        _, h = self.kernels.decoder_stack(x.reshape(batch * seq, hidden), self.whole_layers, step)
+        _, h = self.kernels.decoder_stack(x.reshape(batch * seq, hidden), self.whole_layers, step, self.pool)
         tapped = None if step.taps is None else step.taps.view(batch, seq, -1)  # in the drafter's order
         return TargetOutput(hidden=h.view(batch, seq, hidden), taps=tapped)
 
@@ -270,11 +271,12 @@ class TargetModel(EmbeddingHead, nn.Module):
         first = layers[0].input_layernorm
         return StackWeights.of(result, first.weight.detach().float().contiguous(), first.eps)
 
-    def pack(self, layout: str | None = "auto") -> "TargetModel":
+    def pack(self, layout: str | None = "auto", kernel_threads: int = 1) -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
         in `layout` ("auto": the one this device and dtype multiply fastest, see shared.packed_linear; None
         keeps the loaded modules). The loaded tensors are released; the module then no longer has the
-        checkpoint's names."""
+        checkpoint's names. kernel_threads: the threads the C++ layer stack and lm_head share, where they run
+        (the same bits whatever the count)."""
         if layout == "auto":
             layout = packing_layout(self.embed_weight)
         if layout is not None:
@@ -285,7 +287,17 @@ class TargetModel(EmbeddingHead, nn.Module):
                 layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj))
             if self.kernels is not None and not self.tp.parallel:
                 self.whole_layers = self._whole_layer_weights()
+            self.share_kernel_threads(kernel_threads)
         return self
+
+    def share_kernel_threads(self, threads: int) -> None:
+        """Run the C++ layer stack and lm_head on `threads` threads (the caller's included; 1: the caller's
+        alone). Nothing where the stack does not run (another layout, tensor parallelism)."""
+        if self.pool is not None:
+            self.pool.close()
+        self.pool = self.kernels.worker_pool(threads) if self.whole_layers is not None and threads > 1 else None
+        if isinstance(self.head, PackedLinear):
+            self.head.pool = self.pool
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""

@@ -1,0 +1,102 @@
+// worker_pool.h's pool, and its C ABI for ctypes (create, destroy, a pooled bfloat16 GEMM for the lm_head).
+#include "worker_pool.h"
+
+#include <immintrin.h>
+
+#include <chrono>
+
+namespace dflash {
+
+namespace {
+
+constexpr auto kSpin = std::chrono::microseconds(50);  // how long an idle helper waits awake for the next job
+
+}  // namespace
+
+WorkerPool::WorkerPool(int threads) {
+  for (int i = 1; i < threads; ++i) helpers_.emplace_back([this] { help(); });
+}
+
+WorkerPool::~WorkerPool() {
+  {
+    std::lock_guard<std::mutex> lock(mutex_);
+    stop_.store(true);
+  }
+  wake_.notify_all();
+  for (std::thread& helper : helpers_) helper.join();
+}
+
+void WorkerPool::run(int64_t parts, Part part, void* context) {
+  if (helpers_.empty() || parts <= 1) {
+    for (int64_t p = 0; p < parts; ++p) part(context, p);
+    return;
+  }
+  part_.store(part);
+  context_.store(context);
+  parts_.store(parts);
+  done_.store(0);
+  const uint64_t generation = (job_.load() >> 32) + 1;
+  job_.store(generation << 32);  // publishes the job (sequentially consistent, as is every atomic here)
+  if (sleeping_.load() > 0) {
+    { std::lock_guard<std::mutex> lock(mutex_); }  // a helper between its check and its wait holds the lock
+    wake_.notify_all();
+  }
+  work_on(generation);
+  for (int spins = 0; done_.load() < parts; ++spins) {  // a helper finishing a part it claimed
+    if (spins < 4096) {
+      _mm_pause();
+    } else {
+      std::this_thread::yield();
+    }
+  }
+}
+
+void WorkerPool::work_on(uint64_t generation) {
+  const Part part = part_.load();
+  void* const context = context_.load();
+  const int64_t parts = parts_.load();
+  uint64_t job = job_.load();
+  while ((job >> 32) == generation && static_cast<int64_t>(job & 0xffffffffu) < parts) {
+    if (job_.compare_exchange_weak(job, job + 1)) {  // claimed part (job & 0xffffffff) of this generation
+      part(context, static_cast<int64_t>(job & 0xffffffffu));
+      done_.fetch_add(1);
+      job = job_.load();
+    }
+  }
+}
+
+void WorkerPool::help() {
+  uint64_t seen = job_.load() >> 32;
+  while (true) {
+    const auto idle_since = std::chrono::steady_clock::now();
+    uint64_t generation = job_.load() >> 32;
+    for (int spins = 0; generation == seen && !stop_.load(); ++spins) {
+      _mm_pause();
+      if (spins % 64 == 63 && std::chrono::steady_clock::now() - idle_since > kSpin) {
+        std::unique_lock<std::mutex> lock(mutex_);
+        sleeping_.fetch_add(1);
+        wake_.wait(lock, [&] { return (job_.load() >> 32) != seen || stop_.load(); });
+        sleeping_.fetch_sub(1);
+      }
+      generation = job_.load() >> 32;
+    }
+    if (stop_.load()) return;
+    seen = generation;
+    work_on(generation);
+  }
+}
+
+}  // namespace dflash
+
+extern "C" {
+
+void dflash_bf16_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
+                            int64_t t1);
+
+void* dflash_pool_create(int64_t threads) { return new dflash::WorkerPool(threads < 1 ? 1 : static_cast<int>(threads)); }
+
+void dflash_pool_destroy(void* pool) { delete static_cast<dflash::WorkerPool*>(pool); }
+
+int64_t dflash_pool_threads(const void* pool) { return static_cast<const dflash::WorkerPool*>(pool)->threads(); }
+
+}  // extern "C"
