@@ -10,7 +10,7 @@ import torch
 from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
 from shared.errors import ConfigError
-from shared.packed_linear import packed_head
+from shared.packed_linear import PackedLinear, packed_head
 from shared.proposals import DraftItem, DraftResult
 from shared.sampling import batch_sampling_probs, request_generator, sample_from
 
@@ -72,6 +72,18 @@ class LocalProposer:
         self.ingest_seconds = 0.0  # of the last call
         self.last_used: dict[str, int] = {}  # request id -> call counter of its last draft
         self.clock = 0
+        self.pool = None  # the threads the drafter's C++ projections and the head share (share_kernel_threads)
+
+    def share_kernel_threads(self, threads: int) -> None:
+        """Run the drafter's C++ projections and the lm_head on `threads` threads (the caller's included; 1: its
+        alone), the same bits whatever the count. Nothing where the drafter is not on the C++ kernels."""
+        if self.pool is not None:
+            self.pool.close()
+        kernels = self.drafter.kernels
+        self.pool = kernels.worker_pool(threads) if kernels is not None and threads > 1 else None
+        for module in [*self.drafter.modules(), self.lm_head]:
+            if isinstance(module, PackedLinear) and module.kernels is not None:
+                module.pool = self.pool
 
     @property
     def kind(self) -> str:

@@ -25,7 +25,7 @@ from shared.errors import DFlashError
 from shared.feature_transport import FrameTransport, add_transport_flags, make_transport
 from shared.packed_linear import float32_kernels_run
 from shared.proposals import DraftResult
-from shared.role import configure_process, run_worker
+from shared.role import configure_process, run_worker, usable_cores
 from shared.target_facts import TargetFacts
 from shared.wire import WireError, decode, encode
 
@@ -142,7 +142,11 @@ def parse_args(argv):
     parser.add_argument("--draft-sampling", choices=[m.value for m in DraftSampling], default="dense")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=int(env("DFLASH_DRAFT_THREADS", "0")))
+    parser.add_argument("--threads", type=int, default=int(env("DFLASH_DRAFT_THREADS", "0")),
+                        help="PyTorch's threads (0: a quarter of the cores, see shared.role.default_threads)")
+    parser.add_argument("--kernel-threads", type=int, default=int(env("DFLASH_DRAFT_KERNEL_THREADS", "0")),
+                        help="threads of the drafter's C++ CPU projections, where they run (0: every core this "
+                             "process may use)")
     add_transport_flags(parser, env)
     return parser.parse_args(argv)
 
@@ -160,6 +164,7 @@ def build_server(args, log: logging.Logger) -> DraftServer:
         max_model_len=args.max_model_len or target_cfg.max_position_embeddings,
         draft_sampling=DraftSampling(args.draft_sampling),
     )
+    proposer.share_kernel_threads(args.kernel_threads or usable_cores())
     metrics = DraftMetrics()
     transport = make_transport(args.feature_transport, args.feature_pair_addr, sender=False, device=args.device,
                                backend=args.feature_pair_backend, timeout_s=args.feature_pair_timeout)

@@ -101,7 +101,10 @@ def parse_args(argv):
                                                                           "the cores)")
     parser.add_argument("--verify-kernel-threads", type=int, default=0,
                         help="threads of the verify worker's C++ CPU layer stack (0: every core it may use)")
-    parser.add_argument("--draft-threads", type=int, default=0)
+    parser.add_argument("--draft-threads", type=int, default=0, help="the draft worker's PyTorch threads (0: a "
+                                                                        "quarter of the cores)")
+    parser.add_argument("--draft-kernel-threads", type=int, default=0,
+                        help="threads of the drafter's C++ CPU projections (0: every core it may use)")
     parser.add_argument("--draft-timeout", type=float, default=5.0,
                         help="the longest wait for a draft (a fresh drafter, a call catching up on a prompt); steady "
                              "calls wait 8x their recent median, at least 0.25 s; a drafter that dies is noticed at once")
@@ -174,7 +177,8 @@ def build_children(args) -> dict[str, Child]:
         verify += ["--draft", draft]
         draft_argv = ["--target", target, "--draft", draft, "--draft-addr", drafts, "--metrics-port",
                       str(args.metrics_base_port + 1), "--max-requests", str(args.max_running), "--device",
-                      args.device, "--dtype", args.dtype, "--threads", str(args.draft_threads), "--draft-sampling",
+                      args.device, "--dtype", args.dtype, "--threads", str(args.draft_threads),
+                      "--kernel-threads", str(args.draft_kernel_threads), "--draft-sampling",
                       args.draft_sampling]
         if args.block_size is not None:
             draft_argv += ["--block-size", str(args.block_size)]

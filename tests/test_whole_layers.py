@@ -126,3 +126,4 @@ def test_load_target_shares_the_kernel_threads_it_is_given(tmp_path):
         assert load_target(tmp_path, dtype="float32").pool is None
     finally:
         torch.set_num_threads(before)
+

@@ -334,9 +334,11 @@ def served_max_len(args, cfg) -> int:
 def local_proposer(args, target, max_running: int) -> LocalProposer:
     """The drafter in the verify worker's own process, sharing the target's embedding and lm_head."""
     drafter = load_drafter(args.draft, dtype=target.embed_weight.dtype, device=args.device)
-    return LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=args.block_size,
-                         max_requests=max_running, max_model_len=served_max_len(args, target.config),
-                         draft_sampling=DraftSampling(args.draft_sampling))
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=args.block_size,
+                             max_requests=max_running, max_model_len=served_max_len(args, target.config),
+                             draft_sampling=DraftSampling(args.draft_sampling))
+    proposer.share_kernel_threads(args.kernel_threads or usable_cores())  # its calls and the target's alternate
+    return proposer
 
 
 def build_server(args, log) -> VerifyServer:
