@@ -127,3 +127,21 @@ def test_load_target_shares_the_kernel_threads_it_is_given(tmp_path):
     finally:
         torch.set_num_threads(before)
 
+
+
+def test_one_pool_used_from_two_threads_at_once_still_computes_every_product():
+    from concurrent.futures import ThreadPoolExecutor
+
+    kernels = cpu_kernels()
+    generator = torch.Generator().manual_seed(1)
+    weight = torch.randn(200, 64, generator=generator).to(torch.bfloat16).float()
+    tiles = kernels.bf16_tiles(weight)
+    inputs = [torch.randn(rows, 64, generator=generator) for rows in (1, 9, 3, 17) * 10]
+    expected = [kernels.bf16_matmul(x, tiles, 200) for x in inputs]
+    pool = kernels.worker_pool(2)
+    try:
+        with ThreadPoolExecutor(2) as callers:  # ctypes releases the GIL: the two callers' jobs may overlap
+            got = list(callers.map(lambda x: kernels.bf16_matmul(x, tiles, 200, pool=pool), inputs))
+    finally:
+        pool.close()
+    assert all(torch.equal(a, b) for a, b in zip(got, expected))

@@ -31,6 +31,7 @@ void WorkerPool::run(int64_t parts, Part part, void* context) {
     for (int64_t p = 0; p < parts; ++p) part(context, p);
     return;
   }
+  std::lock_guard<std::mutex> one_job(run_mutex_);
   part_.store(part);
   context_.store(context);
   parts_.store(parts);

@@ -27,6 +27,7 @@ class WorkerPool {
 
   int threads() const { return static_cast<int>(helpers_.size()) + 1; }
   // Runs part(context, p) for p in [0, parts), on this thread and the helpers; returns when every part is done.
+  // Jobs from several threads at once run one after another (ctypes calls release the GIL).
   void run(int64_t parts, Part part, void* context);
 
  private:
@@ -44,6 +45,7 @@ class WorkerPool {
   std::atomic<int> sleeping_{0};
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
+  std::mutex run_mutex_;  // one job at a time
   std::condition_variable wake_;
   std::vector<std::thread> helpers_;
 };
