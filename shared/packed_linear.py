@@ -41,7 +41,8 @@ def packing_layout(weight: torch.Tensor) -> str | None:
 
 def float32_kernels_run(device) -> bool:
     """Whether a float32 model on this device packs its bfloat16-exact weights for the C++ kernels ("bf16"
-    above): a CPU where they build, with torch on one thread (the kernels are single-threaded)."""
+    above): a CPU where they build, with torch on one thread (each kernel runs on its caller's thread; the target's
+    layer stack and the drafter's projections share a worker pool of their own, --kernel-threads)."""
     return str(device).startswith("cpu") and torch.get_num_threads() == 1 and cpu_kernels() is not None
 
 
