@@ -10,6 +10,7 @@
 // head) between its threads: each output element is still computed by the same instructions from the same
 // values, so the bits do not depend on the thread count (the tests compare 1, 2 and 3 threads).
 // Plain C ABI, loaded with ctypes: the structs mirror layer_step.py's ctypes structures field by field.
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
@@ -85,6 +86,15 @@ namespace {
 constexpr int64_t kTile = 16;          // output columns per weight tile (bf16_gemm.cpp)
 constexpr int64_t kPartsPerThread = 4;  // parts per thread of a pooled GEMM: a late helper still takes a share
 
+// The parts [0, parts) of a job, on the pool's threads (pool null: on this thread, in order).
+void run_parts(dflash::WorkerPool* pool, int64_t parts, dflash::WorkerPool::Part part, void* context) {
+  if (pool == nullptr) {
+    for (int64_t p = 0; p < parts; ++p) part(context, p);
+  } else {
+    pool->run(parts, part, context);
+  }
+}
+
 struct GemmJob {
   const float* x;
   int64_t M, K;
@@ -105,13 +115,9 @@ void pooled_gemm(dflash::WorkerPool* pool, const float* x, int64_t M, int64_t K,
                  float* y) {
   const int64_t tiles = (N + kTile - 1) / kTile;
   const int64_t threads = pool == nullptr ? 1 : pool->threads();
-  GemmJob job{x, M, K, w, N, y, tiles, threads == 1 ? 1 : (tiles < kPartsPerThread * threads ? tiles
-                                                                                              : kPartsPerThread * threads)};
-  if (threads == 1 || M == 0) {
-    dflash_bf16_gemm_tiles(x, M, K, w, N, y, 0, tiles);
-    return;
-  }
-  pool->run(job.parts, gemm_part, &job);
+  const int64_t parts = threads == 1 ? 1 : std::min(tiles, kPartsPerThread * threads);
+  GemmJob job{x, M, K, w, N, y, tiles, parts};
+  run_parts(pool, parts, gemm_part, &job);
 }
 
 // Attention of every row of a forward: unit b * kv_heads + g is batch entry b's query heads of kv head g, over
@@ -171,11 +177,7 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
                            step->num_slots, step->capacity, scratch->q);
     AttentionJob attention{shape, step, scratch->q, k_cache, v_cache, scratch->attended};
-    if (pool == nullptr) {
-      for (int64_t unit = 0; unit < step->batch * kv_heads; ++unit) attention_part(&attention, unit);
-    } else {
-      pool->run(step->batch * kv_heads, attention_part, &attention);
-    }
+    run_parts(pool, step->batch * kv_heads, attention_part, &attention);
     pooled_gemm(pool, scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
     dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.post_norm, layer.post_eps, x, h);
     pooled_gemm(pool, h, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);

@@ -1,4 +1,4 @@
-// worker_pool.h's pool, and its C ABI for ctypes (create, destroy, a pooled bfloat16 GEMM for the lm_head).
+// worker_pool.h's pool, and its C ABI for ctypes (create, destroy; decoder_layer.cpp's jobs run on it).
 #include "worker_pool.h"
 
 #include <immintrin.h>
@@ -91,13 +91,8 @@ void WorkerPool::help() {
 
 extern "C" {
 
-void dflash_bf16_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
-                            int64_t t1);
-
 void* dflash_pool_create(int64_t threads) { return new dflash::WorkerPool(threads < 1 ? 1 : static_cast<int>(threads)); }
 
 void dflash_pool_destroy(void* pool) { delete static_cast<dflash::WorkerPool*>(pool); }
-
-int64_t dflash_pool_threads(const void* pool) { return static_cast<const dflash::WorkerPool*>(pool)->threads(); }
 
 }  // extern "C"
