@@ -18,8 +18,9 @@ torch). It is started with `python -m vllm.entrypoints.openai.api_server` (the `
 distribution named vllm) and VLLM_CPU_KVCACHE_SPACE=2. Prompts are the held-out benchmark prompts sent as token
 ids, so tokenization cannot differ; greedy, --max-tokens each; each engine in the dtype it is fastest in here
 (--dtype, --vllm-dtype). Prints per setup and concurrency the median
-aggregate tok/s over rounds and the ratios, counts greedy outputs that differ between each dflash setup and
-dflash-plain (must be 0), and writes peer.json (and peer.png with matplotlib). --variants adds more dflash-serve
+aggregate tok/s over rounds and the ratios, counts the prompts whose greedy output, in any wave of any round and
+concurrency, differs between a dflash setup and dflash-plain's first wave (must be 0; each difference is listed,
+dflash-plain's own included), and writes peer.json (and peer.png with matplotlib). --variants adds more dflash-serve
 servers with other flags (each its own server, measured in turn like the others).
 """
 
@@ -210,7 +211,7 @@ def main(argv=None) -> int:
                     if round_index:
                         rates[setup, c].append(result["tok_s"])
                         print(f"round {round_index} c={c} {setup}: {result['tok_s']:.1f} tok/s", flush=True)
-                    outputs.setdefault(setup, result["outputs"])
+                    outputs.setdefault(setup, []).append((round_index, c, result["outputs"]))
     finally:
         for server in {id(s): s for s in servers.values()}.values():
             server.stop()
@@ -237,14 +238,34 @@ def main(argv=None) -> int:
             print(f"  dflash over its own plain decoding: {medians['dflash'] / medians['dflash-plain']:.2f}x "
                   f"(per round, median: {paired_plain:.2f}x)")
     if "dflash-plain" in outputs:
-        report["greedy_mismatches"] = {}
-        for setup in (s for s in setups if s.startswith("dflash") and s != "dflash-plain"):
-            mismatches = sum(a != b for a, b in zip(outputs[setup], outputs["dflash-plain"]))
-            report["greedy_mismatches"][setup] = mismatches
-            print(f"greedy outputs differing between {setup} and dflash-plain: {mismatches} of {len(prompts)}")
+        report["greedy_mismatches"], report["mismatch_details"] = {}, []
+        reference = outputs["dflash-plain"][0][2]  # greedy: every wave of every dflash setup must give these
+        for setup in (s for s in setups if s.startswith("dflash")):
+            differing = mismatches(reference, outputs[setup])
+            report["mismatch_details"] += [{"setup": setup, **d} for d in differing]
+            if setup == "dflash-plain":
+                continue
+            report["greedy_mismatches"][setup] = len({d["prompt"] for d in differing})
+            print(f"greedy outputs differing between {setup} and dflash-plain: "
+                  f"{report['greedy_mismatches'][setup]} of {len(prompts)}")
+        for d in report["mismatch_details"]:
+            print(f"  {d['setup']} round {d['round']} c={d['concurrency']} prompt {d['prompt']}: first differs at "
+                  f"token {d['first_difference']} ({d['lengths'][0]} against {d['lengths'][1]} tokens)")
     (out / "peer.json").write_text(json.dumps(report, indent=1))
     plot(report, concurrencies, setups, out)
     return 0
+
+
+def mismatches(reference: list, waves: list) -> list[dict]:
+    """Where a setup's greedy outputs, in every wave (round, concurrency, outputs), differ from the reference."""
+    found = []
+    for round_index, concurrency, wave_outputs in waves:
+        for prompt, (got, want) in enumerate(zip(wave_outputs, reference)):
+            if got != want:
+                first = next((i for i, (a, b) in enumerate(zip(got, want)) if a != b), min(len(got), len(want)))
+                found.append({"round": round_index, "concurrency": concurrency, "prompt": prompt,
+                              "first_difference": first, "lengths": [len(got), len(want)]})
+    return found
 
 
 def plot(report: dict, concurrencies: list[int], setups: list[str], out: Path) -> None:

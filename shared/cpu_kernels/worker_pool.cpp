@@ -10,6 +10,7 @@ namespace dflash {
 namespace {
 
 constexpr auto kSpin = std::chrono::microseconds(50);  // how long an idle helper waits awake for the next job
+constexpr uint64_t kClosed = 0xffffffffu;  // a job's part counter once it is over: no part of it can be claimed
 
 }  // namespace
 
@@ -32,11 +33,15 @@ void WorkerPool::run(int64_t parts, Part part, void* context) {
     return;
   }
   std::lock_guard<std::mutex> one_job(run_mutex_);
+  const uint64_t previous = job_.load() >> 32;
+  // Close the last job before its description is overwritten: a helper that saw that job but reads the new
+  // description can then claim nothing with it (its claim of the old counter fails).
+  job_.store((previous << 32) | kClosed);
   part_.store(part);
   context_.store(context);
   parts_.store(parts);
   done_.store(0);
-  const uint64_t generation = (job_.load() >> 32) + 1;
+  const uint64_t generation = previous + 1;
   job_.store(generation << 32);  // publishes the job (sequentially consistent, as is every atomic here)
   if (sleeping_.load() > 0) {
     { std::lock_guard<std::mutex> lock(mutex_); }  // a helper between its check and its wait holds the lock
@@ -53,10 +58,12 @@ void WorkerPool::run(int64_t parts, Part part, void* context) {
 }
 
 void WorkerPool::work_on(uint64_t generation) {
+  // The counter first, then the description: a claim succeeds only while the counter still holds the value read,
+  // so before run() closed this job and described the next one; the description read is then this job's.
+  uint64_t job = job_.load();
   const Part part = part_.load();
   void* const context = context_.load();
   const int64_t parts = parts_.load();
-  uint64_t job = job_.load();
   while ((job >> 32) == generation && static_cast<int64_t>(job & 0xffffffffu) < parts) {
     if (job_.compare_exchange_weak(job, job + 1)) {  // claimed part (job & 0xffffffff) of this generation
       part(context, static_cast<int64_t>(job & 0xffffffffu));
