@@ -10,7 +10,8 @@ namespace dflash {
 namespace {
 
 constexpr auto kSpin = std::chrono::microseconds(50);  // how long an idle helper waits awake for the next job
-constexpr uint64_t kClosed = 0xffffffffu;  // a job's part counter once it is over: no part of it can be claimed
+constexpr uint64_t kPartMask = 0xffffffffu;  // the low 32 bits of job_: the next unclaimed part
+constexpr uint64_t kClosed = kPartMask;  // a job's part counter once it is over: no part of it can be claimed
 
 }  // namespace
 
@@ -64,9 +65,9 @@ void WorkerPool::work_on(uint64_t generation) {
   const Part part = part_.load();
   void* const context = context_.load();
   const int64_t parts = parts_.load();
-  while ((job >> 32) == generation && static_cast<int64_t>(job & 0xffffffffu) < parts) {
-    if (job_.compare_exchange_weak(job, job + 1)) {  // claimed part (job & 0xffffffff) of this generation
-      part(context, static_cast<int64_t>(job & 0xffffffffu));
+  while ((job >> 32) == generation && static_cast<int64_t>(job & kPartMask) < parts) {
+    if (job_.compare_exchange_weak(job, job + 1)) {  // claimed part (job & kPartMask) of this generation
+      part(context, static_cast<int64_t>(job & kPartMask));
       done_.fetch_add(1);
       job = job_.load();
     }
