@@ -10,28 +10,12 @@
 // head) between its threads: each output element is still computed by the same instructions from the same
 // values, so the bits do not depend on the thread count (the tests compare 1, 2 and 3 threads).
 // Plain C ABI, loaded with ctypes: the structs mirror layer_step.py's ctypes structures field by field.
-#include <algorithm>
 #include <cstdint>
 #include <cstring>
 
-#include "worker_pool.h"
+#include "pooled_jobs.h"
 
 extern "C" {
-
-void dflash_bf16_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
-                            int64_t t1);
-void dflash_attention_units(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
-                            int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride,
-                            const uint8_t* visible, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,
-                            int64_t dim, float scale, float* out, int64_t u0, int64_t u1);
-void dflash_rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out);
-void dflash_add_rms_norm(const float* x, const float* delta, int64_t rows, int64_t n, const float* weight,
-                         float eps, float* summed, float* out);
-int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
-                           const float* norm_weight, float eps, const float* cos, const float* sin,
-                           const int64_t* slots, const int64_t* positions, void* k_cache, void* v_cache, int64_t bf16,
-                           int64_t num_slots, int64_t capacity, float* q);
-void dflash_silu_mul(const float* gate_up, int64_t rows, int64_t intermediate, float* act);
 
 // One layer: weights as bf16_gemm tiles (qkv out (heads + 2 kv_heads) * dim, o out hidden, gate_up out
 // 2 * intermediate, down out hidden), float32 norm weights (qk_norm [heads + kv_heads, dim] or null).
@@ -81,71 +65,7 @@ struct StackScratch {
 
 }  // extern "C"
 
-namespace {
-
-constexpr int64_t kTile = 16;          // output columns per weight tile (bf16_gemm.cpp)
-constexpr int64_t kPartsPerThread = 4;  // parts per thread of a pooled GEMM: a late helper still takes a share
-
-// The parts [0, parts) of a job, on the pool's threads (pool null: on this thread, in order).
-void run_parts(dflash::WorkerPool* pool, int64_t parts, dflash::WorkerPool::Part part, void* context) {
-  if (pool == nullptr) {
-    for (int64_t p = 0; p < parts; ++p) part(context, p);
-  } else {
-    pool->run(parts, part, context);
-  }
-}
-
-struct GemmJob {
-  const float* x;
-  int64_t M, K;
-  const uint16_t* w;
-  int64_t N;
-  float* y;
-  int64_t tiles, parts;
-};
-
-void gemm_part(void* context, int64_t part) {
-  const GemmJob& job = *static_cast<const GemmJob*>(context);
-  dflash_bf16_gemm_tiles(job.x, job.M, job.K, job.w, job.N, job.y, part * job.tiles / job.parts,
-                         (part + 1) * job.tiles / job.parts);
-}
-
-// dflash_bf16_gemm's product, its output tiles shared between the pool's threads (pool null: this thread alone).
-void pooled_gemm(dflash::WorkerPool* pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
-                 float* y) {
-  const int64_t tiles = (N + kTile - 1) / kTile;
-  const int64_t threads = pool == nullptr ? 1 : pool->threads();
-  const int64_t parts = threads == 1 ? 1 : std::min(tiles, kPartsPerThread * threads);
-  GemmJob job{x, M, K, w, N, y, tiles, parts};
-  run_parts(pool, parts, gemm_part, &job);
-}
-
-// Attention of every row of a forward: unit b * kv_heads + g is batch entry b's query heads of kv head g, over
-// its own slot's keys, read straight from the cache.
-struct AttentionJob {
-  const StackShape* shape;
-  const StackStep* step;
-  const float* q;
-  const char* k_cache;
-  const char* v_cache;
-  float* attended;
-};
-
-void attention_part(void* context, int64_t unit) {
-  const AttentionJob& job = *static_cast<const AttentionJob*>(context);
-  const StackShape& shape = *job.shape;
-  const StackStep& step = *job.step;
-  const int64_t heads = shape.heads, kv_heads = shape.kv_heads, dim = shape.dim, seq = step.seq;
-  const int64_t b = unit / kv_heads, g = unit % kv_heads;
-  const int64_t slot_stride = kv_heads * step.capacity * dim, head_stride = step.capacity * dim;
-  const int64_t offset = step.slots[b] * slot_stride * (step.kv_bf16 ? 2 : 4);  // bytes
-  dflash_attention_units(job.q + b * heads * seq * dim, job.k_cache + offset, job.v_cache + offset, step.kv_bf16,
-                         slot_stride, head_stride, slot_stride, head_stride, step.visible + b * seq * step.keys,
-                         heads, kv_heads, seq, step.keys, dim, shape.scale, job.attended + b * seq * heads * dim, g,
-                         g + 1);
-}
-
-}  // namespace
+using dflash::jobs::pooled_gemm;
 
 extern "C" {
 
@@ -176,8 +96,10 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
     dflash_qk_rotary_cache(scratch->qkv, step->batch, step->seq, heads, kv_heads, dim, layer.qk_norm, layer.qk_eps,
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
                            step->num_slots, step->capacity, scratch->q);
-    AttentionJob attention{shape, step, scratch->q, k_cache, v_cache, scratch->attended};
-    run_parts(pool, step->batch * kv_heads, attention_part, &attention);
+    dflash::jobs::CacheAttention attention{scratch->q, k_cache, v_cache, step->kv_bf16, step->capacity,
+                                           step->slots, step->visible, heads, kv_heads, dim, step->seq, step->keys,
+                                           shape->scale, scratch->attended};
+    dflash::jobs::pooled_cache_attention(pool, step->batch, &attention);
     pooled_gemm(pool, scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
     dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.post_norm, layer.post_eps, x, h);
     pooled_gemm(pool, h, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_kernels.library import KV_DTYPES, TILE, check_arguments
+from shared.cpu_kernels.library import KV_DTYPES, check_arguments, tiles_of
 
 _pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -63,9 +63,9 @@ class DenseLayerWeights:
         ok = (self.dim % 8 == 0 and self.dim <= 256 and self.kv_heads > 0 and self.heads % self.kv_heads == 0
               and all(t.dtype == torch.bfloat16 and t.is_contiguous() for t in (self.qkv, self.o, self.gate_up,
                                                                                 self.down))
-              and _tiles_of(self.qkv, self.hidden, width) and _tiles_of(self.o, self.heads * self.dim, self.hidden)
-              and _tiles_of(self.gate_up, self.hidden, self.gate_up_width) and self.gate_up_width % 2 == 0
-              and _tiles_of(self.down, intermediate, self.hidden)
+              and tiles_of(self.qkv, self.hidden, width) and tiles_of(self.o, self.heads * self.dim, self.hidden)
+              and tiles_of(self.gate_up, self.hidden, self.gate_up_width) and self.gate_up_width % 2 == 0
+              and tiles_of(self.down, intermediate, self.hidden)
               and all(n.shape == (self.hidden,) and n.dtype == torch.float32 and n.is_contiguous()
                       for n in (self.post_norm, self.next_norm))
               and (self.qk_norm is None or (self.qk_norm.shape == (self.heads + self.kv_heads, self.dim)
@@ -76,10 +76,6 @@ class DenseLayerWeights:
     @property
     def qk_norm_ptr(self) -> int:
         return 0 if self.qk_norm is None else self.qk_norm.data_ptr()
-
-
-def _tiles_of(tiles: torch.Tensor, in_features: int, out_features: int) -> bool:
-    return tiles.dim() == 3 and tiles.shape == (-(-out_features // TILE), in_features, TILE)
 
 
 @dataclass(frozen=True)

@@ -1,0 +1,102 @@
+// The building blocks of the one-call forwards (decoder_layer.cpp for the target, draft_block.cpp for the
+// drafter): the elementary kernels' C entry points, and the two jobs a worker pool shares between its threads, a
+// GEMM split by output tiles and attention over a slot cache split by (batch entry, kv head). Which thread runs a
+// part never changes its result, so the bits are those of one thread.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "worker_pool.h"
+
+extern "C" {
+
+void dflash_bf16_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
+                            int64_t t1);
+void dflash_attention_units(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
+                            int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride,
+                            const uint8_t* visible, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,
+                            int64_t dim, float scale, float* out, int64_t u0, int64_t u1);
+void dflash_rms_norm(const float* x, int64_t rows, int64_t n, const float* weight, float eps, float* out);
+void dflash_add_rms_norm(const float* x, const float* delta, int64_t rows, int64_t n, const float* weight,
+                         float eps, float* summed, float* out);
+int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
+                           const float* norm_weight, float eps, const float* cos, const float* sin,
+                           const int64_t* slots, const int64_t* positions, void* k_cache, void* v_cache, int64_t bf16,
+                           int64_t num_slots, int64_t capacity, float* q);
+void dflash_silu_mul(const float* gate_up, int64_t rows, int64_t intermediate, float* act);
+
+}  // extern "C"
+
+namespace dflash::jobs {
+
+constexpr int64_t kTile = 16;           // output columns per weight tile (bf16_gemm.cpp)
+constexpr int64_t kPartsPerThread = 4;  // parts per thread of a pooled GEMM: a late helper still takes a share
+
+// The parts [0, parts) of a job, on the pool's threads (pool null: on this thread, in order).
+inline void run_parts(WorkerPool* pool, int64_t parts, WorkerPool::Part part, void* context) {
+  if (pool == nullptr) {
+    for (int64_t p = 0; p < parts; ++p) part(context, p);
+  } else {
+    pool->run(parts, part, context);
+  }
+}
+
+struct GemmJob {
+  const float* x;
+  int64_t M, K;
+  const uint16_t* w;
+  int64_t N;
+  float* y;
+  int64_t tiles, parts;
+};
+
+inline void gemm_part(void* context, int64_t part) {
+  const GemmJob& job = *static_cast<const GemmJob*>(context);
+  dflash_bf16_gemm_tiles(job.x, job.M, job.K, job.w, job.N, job.y, part * job.tiles / job.parts,
+                         (part + 1) * job.tiles / job.parts);
+}
+
+// y [M, N] = x [M, K] @ w (bf16_gemm.cpp's tiles), the output tiles shared between the pool's threads (pool
+// null: this thread alone).
+inline void pooled_gemm(WorkerPool* pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
+                        float* y) {
+  const int64_t tiles = (N + kTile - 1) / kTile;
+  const int64_t threads = pool == nullptr ? 1 : pool->threads();
+  const int64_t parts = threads == 1 ? 1 : std::min(tiles, kPartsPerThread * threads);
+  GemmJob job{x, M, K, w, N, y, tiles, parts};
+  run_parts(pool, parts, gemm_part, &job);
+}
+
+// Attention of batch entries of seq rows each, read straight from one layer's cache [num_slots, kv_heads,
+// capacity, dim] (float32, or bfloat16 where kv_bf16): q [batch, heads, seq, dim]; slots [batch]; visible
+// [batch, seq, keys] (1 = the row sees the key); attended [batch, seq, heads * dim].
+struct CacheAttention {
+  const float* q;
+  const char* k_cache;
+  const char* v_cache;
+  int64_t kv_bf16, capacity;
+  const int64_t* slots;
+  const uint8_t* visible;
+  int64_t heads, kv_heads, dim, seq, keys;
+  float scale;
+  float* attended;
+};
+
+// Unit b * kv_heads + g: batch entry b's query heads of kv head g.
+inline void cache_attention_part(void* context, int64_t unit) {
+  const CacheAttention& job = *static_cast<const CacheAttention*>(context);
+  const int64_t heads = job.heads, kv_heads = job.kv_heads, dim = job.dim, seq = job.seq;
+  const int64_t b = unit / kv_heads, g = unit % kv_heads;
+  const int64_t slot_stride = kv_heads * job.capacity * dim, head_stride = job.capacity * dim;
+  const int64_t offset = job.slots[b] * slot_stride * (job.kv_bf16 ? 2 : 4);  // bytes
+  dflash_attention_units(job.q + b * heads * seq * dim, job.k_cache + offset, job.v_cache + offset, job.kv_bf16,
+                         slot_stride, head_stride, slot_stride, head_stride, job.visible + b * seq * job.keys, heads,
+                         kv_heads, seq, job.keys, dim, job.scale, job.attended + b * seq * heads * dim, g, g + 1);
+}
+
+inline void pooled_cache_attention(WorkerPool* pool, int64_t batch, CacheAttention* job) {
+  run_parts(pool, batch * job->kv_heads, cache_attention_part, job);
+}
+
+}  // namespace dflash::jobs
