@@ -14,8 +14,10 @@ from torch.nn import functional as F
 
 from cuda_ext.dflash2_walk.op import walk
 from cuda_ext.dflash2_walk.reference import pair_scores
-from draft_worker.draft_model import DFlashDraftModel, DraftDecoderLayer
+from draft_worker.draft_model import DFlashDraftModel, DraftDecoderLayer, native_tiles
+from shared.cpu_kernels.draft_step import ConvWeights
 from shared.draft_config import DraftConfig
+from shared.packed_linear import PackedLinear
 
 
 class DynamicConv(nn.Module):
@@ -37,6 +39,16 @@ class DynamicConv(nn.Module):
         self.base_kernel.zero_()
         self.base_kernel[:, 0] = 1.0
         self.kernel_projection.weight.zero_()
+
+    def pack(self, layout: str) -> None:
+        """Inference: the kernel projection in the layer's layout (on the C++ kernels, the same GEMM as
+        draft_block.cpp's)."""
+        self.kernel_projection = PackedLinear.of(self.kernel_projection, layout=layout)
+
+    def native_weights(self) -> ConvWeights | None:
+        if not native_tiles(self.kernel_projection):
+            return None
+        return ConvWeights(self.kernel_projection.weight, self.base_kernel.detach().float().contiguous())
 
     def _filter(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [n, B, H]; weights [n, B, kernel, H]: y_t = sum_o weights[t, o] * x_{t-o}."""
@@ -64,6 +76,15 @@ class DFlash2DecoderLayer(DraftDecoderLayer):
         d2 = cfg.dflash2
         self.attention_conv = DynamicConv(cfg.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
         self.mlp_conv = DynamicConv(cfg.hidden_size, d2.conv_kernel_size, d2.conv_group_size)
+
+    def pack(self, layout: str) -> None:
+        super().pack(layout)
+        self.attention_conv.pack(layout)
+        self.mlp_conv.pack(layout)
+
+    def native_convs(self) -> tuple[ConvWeights, ConvWeights] | None:
+        convs = self.attention_conv.native_weights(), self.mlp_conv.native_weights()
+        return None if None in convs else convs
 
     def _sublayers(self, x: torch.Tensor, attend) -> torch.Tensor:
         """x [n, B, H] whole blocks; attend(h [n, B, H]) -> attention output [n, B, H]."""

@@ -9,7 +9,9 @@ from torch import nn
 
 from cuda_ext.block_attention.op import block_attention
 from cuda_ext.block_attention.op import kernel_available as block_attention_available
+from cuda_ext.dispatch import kernel_entry
 from shared.attention import cached_attention, visibility_mask
+from shared.cpu_kernels.draft_step import ConvWeights, DraftBlockWeights, DraftLayerWeights, DraftStepInputs
 from shared.cpu_kernels.library import cpu_kernels
 from shared.draft_config import DraftConfig
 from shared.kv_cache import PositionalKVCache, slot_selector
@@ -120,6 +122,28 @@ class DraftDecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = GatedMLP(cfg.hidden_size, cfg.intermediate_size)
 
+    def pack(self, layout: str) -> None:
+        self.self_attn.pack(layout)
+        self.mlp.pack(layout)
+
+    def native_convs(self) -> "tuple[ConvWeights | None, ConvWeights | None] | None":
+        """The dynamic convolutions as draft_block.cpp takes them: (None, None) for a layer without (DFlash)."""
+        return None, None
+
+    def native_weights(self, next_norm: RMSNorm) -> DraftLayerWeights | None:
+        """This packed layer as draft_block.cpp takes it (next_norm: the norm after it), or None where a weight is
+        not on the C++ kernels (not bfloat16-exact, or with a bias)."""
+        attn, mlp = self.self_attn, self.mlp
+        linears = (attn.q_proj, attn.kv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+        convs = self.native_convs()
+        if attn.kernels is None or convs is None or not all(native_tiles(m) for m in linears):
+            return None
+        return DraftLayerWeights(
+            attn.q_proj.weight, attn.q_norm_rows.float().contiguous(), attn.q_norm.eps, attn.kv_proj.weight,
+            attn.k_norm_rows.float().contiguous(), attn.k_norm.eps, attn.o_proj.weight, norm_weight(
+                self.post_attention_layernorm), self.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
+            mlp.down_proj.weight, norm_weight(next_norm), next_norm.eps, *convs)
+
     def forward(self, x, cos, sin, cache, slots, positions, block_end):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, positions, block_end)
         return x + self.mlp(self.post_attention_layernorm(x))
@@ -143,6 +167,8 @@ class DFlashDraftModel(nn.Module):
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
+        self.native_block: DraftBlockWeights | None = None  # every layer in one kernel call (set by pack())
+        self.pool = None  # the threads that share the one call's work (the proposer sets it)
 
     def pack(self, layout: str | None = "auto") -> "DFlashDraftModel":
         """For inference (the proposers call it): fuse k/v and gate/up and store the projections in `layout`
@@ -156,13 +182,26 @@ class DFlashDraftModel(nn.Module):
         self.fc = PackedLinear.of(self.fc, layout=layout)
         self.kernels = cpu_kernels() if layout == "bf16" else None
         for layer in self.layers:
-            layer.self_attn.pack(layout)
-            layer.mlp.pack(layout)
+            layer.pack(layout)
         if self.kernels is not None:
             for module in self.modules():
                 if isinstance(module, RMSNorm):
                     module.kernels = self.kernels
+            self.native_block = self._native_block()
         return self
+
+    def _native_block(self) -> DraftBlockWeights | None:
+        """block_hidden as one draft_block.cpp call, where every layer's weights are on the C++ kernels."""
+        cfg = self.config
+        after = [layer.input_layernorm for layer in self.layers[1:]] + [self.norm]
+        layers = [layer.native_weights(norm) for layer, norm in zip(self.layers, after)]
+        if not layers or any(w is None for w in layers) or self.hidden_norm.weight.dtype != torch.float32:
+            return None
+        d2 = cfg.dflash2
+        first = self.layers[0].input_layernorm
+        return DraftBlockWeights.of(layers, norm_weight(first), first.eps, cfg.num_heads, cfg.num_kv_heads,
+                                    cfg.head_dim, cfg.intermediate_size, d2.conv_kernel_size if d2 else 0,
+                                    d2.conv_group_size if d2 else 0)
 
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
         cfg, weight = self.config, self.hidden_norm.weight  # never packed: the activations' dtype
@@ -184,14 +223,29 @@ class DFlashDraftModel(nn.Module):
         """Denoise one block per slot. block_embeds [b, B, hidden] (anchor then masks) sit at positions
         block_start[b] + 0..B-1, right after the slot's cached context. Returns [b, B, hidden] after the final
         norm. The block's keys/values land past the context length, so the cache keeps context rows only."""
-        block = block_embeds.shape[1]
+        batch, block, hidden = block_embeds.shape
         positions = block_start[:, None] + torch.arange(block, device=block_start.device)  # [b, B]
         cos, sin = rotary_cos_sin(self.inv_freq, positions, block_embeds.dtype)
         block_end = block_start + block
+        if self._runs_native(block_embeds):
+            kv_len = int(block_end.max())
+            masks = [visibility_mask(positions, kv_len, visible_end=None if layer.self_attn.causal else block_end,
+                                     sliding_window=layer.self_attn.window) for layer in self.layers]
+            step = DraftStepInputs.build(cos, sin, slots, positions, masks, cache.keys, cache.values,
+                                         self.native_block)
+            h = self.kernels.draft_block(block_embeds.reshape(batch * block, hidden), self.native_block, step,
+                                         self.pool)
+            return h.view(batch, block, hidden)
         x = block_embeds
         for layer in self.layers:
             x = layer(x, cos, sin, cache, slots, positions, block_end)
         return self.norm(x)
+
+    def _runs_native(self, block_embeds: torch.Tensor) -> bool:
+        """Whether block_hidden takes the one call: packed for it, float32 on CPU, and no block attention kernel
+        chosen (DFLASH_KERNELS=host sends the per-op path to cuda_ext's host build instead)."""
+        return (self.native_block is not None and block_embeds.dtype == torch.float32
+                and block_embeds.device.type == "cpu" and kernel_entry("block_attention", block_embeds.device) is None)
 
     def train_hidden(self, features: torch.Tensor, block_embeds: torch.Tensor, block_positions: torch.Tensor,
                      mask: torch.Tensor) -> torch.Tensor:
@@ -218,3 +272,13 @@ class DFlashDraftModel(nn.Module):
         if cap:
             logits = torch.tanh(logits / cap) * cap
         return logits
+
+
+def native_tiles(linear) -> bool:
+    """Whether a packed projection is bfloat16 tiles on the C++ kernels, without a bias (what draft_block.cpp
+    multiplies)."""
+    return isinstance(linear, PackedLinear) and linear.kernels is not None and linear.bias is None
+
+
+def norm_weight(norm: RMSNorm) -> torch.Tensor:
+    return norm.weight.detach().float().contiguous()

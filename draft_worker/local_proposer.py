@@ -81,6 +81,7 @@ class LocalProposer:
             self.pool.close()
         kernels = self.drafter.kernels
         self.pool = kernels.worker_pool(threads) if kernels is not None and threads > 1 else None
+        self.drafter.pool = self.pool  # its one-call block (draft_block.cpp)
         for module in [*self.drafter.modules(), self.lm_head]:
             if isinstance(module, PackedLinear) and module.kernels is not None:
                 module.pool = self.pool

@@ -1,5 +1,6 @@
 """Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, attention.cpp,
-layer_ops.cpp, decoder_layer.cpp, worker_pool.cpp, top_k.cpp; simd_exp.h, worker_pool.h):
+layer_ops.cpp, decoder_layer.cpp, draft_block.cpp, worker_pool.cpp, top_k.cpp; simd_exp.h, worker_pool.h,
+pooled_jobs.h):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
 keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
 DFLASH_CPU_KERNELS=off, `cpu_kernels()` is None and every caller keeps its PyTorch path.
@@ -23,12 +24,13 @@ from shared.attention import cached_attention
 from shared.native_build import cached_library
 
 if TYPE_CHECKING:  # layer_step imports this module
+    from shared.cpu_kernels.draft_step import DraftBlockWeights, DraftStepInputs
     from shared.cpu_kernels.layer_step import StackStepInputs, StackWeights
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "attention.cpp",
-                                                        "layer_ops.cpp", "decoder_layer.cpp", "worker_pool.cpp",
-                                                        "top_k.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h")]
+                                                        "layer_ops.cpp", "decoder_layer.cpp", "draft_block.cpp",
+                                                        "worker_pool.cpp", "top_k.cpp")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV cache element types the attention kernels read
@@ -67,6 +69,9 @@ class CpuKernels:
         self._decoder_stack = library.dflash_decoder_stack
         self._decoder_stack.restype = ctypes.c_int
         self._decoder_stack.argtypes = [pointer] * 7  # layers, shape, step, scratch (structs), x, h, pool
+        self._draft_block = library.dflash_draft_block
+        self._draft_block.restype = ctypes.c_int
+        self._draft_block.argtypes = [pointer] * 7  # the same, for draft_block.cpp's structs
         self._gemm_pooled = library.dflash_bf16_gemm_pooled
         self._gemm_pooled.restype = None
         self._gemm_pooled.argtypes = [pointer] + self._gemm.argtypes
@@ -238,6 +243,26 @@ class CpuKernels:
                              f"{first.heads} heads on {first.kv_heads}, {step.c_step.keys} keys)")
         return x, h
 
+    def draft_block(self, x: torch.Tensor, weights: "DraftBlockWeights", step: "DraftStepInputs",
+                    pool: "WorkerPool | None" = None) -> torch.Tensor:
+        """A drafter's every layer over one block per request in one call (draft_block.cpp): x [rows, hidden]
+        float32 (the block embeddings) -> the final norm's output [rows, hidden]. Writes the block rows' keys and
+        values into every layer's cache (past the context: the cache keeps context rows only)."""
+        x = x.contiguous().clone()  # updated in place by the call
+        check_arguments(x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] == step.c_step.batch * step.c_step.seq
+                        and x.shape[1] == weights.c_shape.hidden, "draft_block", x)
+        h = torch.empty_like(x)
+        status = self._draft_block(ctypes.addressof(weights.c_layers), ctypes.addressof(weights.c_shape),
+                                   ctypes.addressof(step.c_step), ctypes.addressof(step.c_scratch), x.data_ptr(),
+                                   h.data_ptr(), None if pool is None else pool.handle)
+        if status == -1:
+            raise _outside_cache(step.first_keys, step.slots, step.positions)
+        if status != 0:
+            shape = weights.c_shape
+            raise ValueError(f"draft_block: a shape the kernels do not take (head size {shape.dim}, {shape.heads} "
+                             f"heads on {shape.kv_heads}, {step.c_step.keys} keys, conv group {shape.conv_group})")
+        return h
+
 
 class WorkerPool:
     """A worker_pool.h pool (CpuKernels.worker_pool): its helper threads live until close() or garbage collection."""
@@ -270,6 +295,11 @@ def check_arguments(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:
     if not ok:
         described = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
         raise ValueError(f"{kernel}: unexpected arguments ({described})")
+
+
+def tiles_of(tiles: torch.Tensor, in_features: int, out_features: int) -> bool:
+    """Whether tiles is a [in, out] weight in bf16_tiles' layout."""
+    return tiles.dim() == 3 and tiles.shape == (-(-out_features // TILE), in_features, TILE)
 
 
 def bf16_exact(weight: torch.Tensor) -> bool:

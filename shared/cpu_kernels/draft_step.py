@@ -1,0 +1,185 @@
+"""The arguments of draft_block.cpp's one call (CpuKernels.draft_block), checked once: a packed drafter's weights
+when it is packed, a block's inputs and scratch once per draft (the C++ code trusts them, so a mismatch is refused
+here, before any memory is touched). The ctypes structures mirror the C++ structs field by field."""
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from shared.cpu_kernels.library import KV_DTYPES, check_arguments, tiles_of
+
+_pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
+
+
+class DraftConv(ctypes.Structure):
+    _fields_ = [("projection", _pointer), ("base", _pointer)]
+
+
+class DraftLayer(ctypes.Structure):
+    _fields_ = [("q", _pointer), ("q_norm", _pointer), ("q_eps", _real), ("kv", _pointer), ("k_norm", _pointer),
+                ("k_eps", _real), ("o", _pointer), ("post_norm", _pointer), ("post_eps", _real), ("gate_up", _pointer),
+                ("down", _pointer), ("next_norm", _pointer), ("next_eps", _real), ("attention_conv", DraftConv),
+                ("mlp_conv", DraftConv)]
+
+
+class DraftShape(ctypes.Structure):
+    _fields_ = [("layers", _count), ("hidden", _count), ("heads", _count), ("kv_heads", _count), ("dim", _count),
+                ("intermediate", _count), ("conv_kernel", _count), ("conv_group", _count), ("scale", _real),
+                ("first_norm", _pointer), ("first_eps", _real)]
+
+
+class DraftStep(ctypes.Structure):
+    _fields_ = [("batch", _count), ("seq", _count), ("keys", _count), ("num_slots", _count), ("capacity", _count),
+                ("kv_bf16", _count), ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("positions", _pointer),
+                ("visible", _pointer), ("k_caches", _pointer), ("v_caches", _pointer)]
+
+
+class DraftScratch(ctypes.Structure):
+    _fields_ = [(name, _pointer) for name in ("filtered", "projected", "dynamic", "q_rows", "q", "attended", "kv",
+                                              "gate_up", "act")]
+
+
+@dataclass(frozen=True)
+class ConvWeights:
+    """A DFlash 2 dynamic convolution: kernel_projection as bfloat16 tiles (out 2 * kernel * hidden / group) and
+    base [2, kernel, hidden] float32."""
+
+    projection: torch.Tensor
+    base: torch.Tensor
+
+
+@dataclass(frozen=True)
+class DraftLayerWeights:
+    """One packed drafter layer: bfloat16 weight tiles ([ceil(out / 16), in, 16], bf16_gemm.cpp's layout), float32
+    norms (q_norm [heads, dim] and k_norm [kv_heads, dim]: the head norm repeated per head), the convs of a DFlash 2
+    layer (None: a DFlash layer). next_norm: the norm after the layer (the next layer's input norm, or the
+    drafter's final one)."""
+
+    q: torch.Tensor
+    q_norm: torch.Tensor
+    q_eps: float
+    kv: torch.Tensor
+    k_norm: torch.Tensor
+    k_eps: float
+    o: torch.Tensor
+    post_norm: torch.Tensor
+    post_eps: float
+    gate_up: torch.Tensor
+    down: torch.Tensor
+    next_norm: torch.Tensor
+    next_eps: float
+    attention_conv: ConvWeights | None
+    mlp_conv: ConvWeights | None
+
+
+@dataclass(frozen=True)
+class DraftBlockWeights:
+    """Every layer of a packed drafter as draft_block.cpp takes them, and the first layer's input norm [hidden].
+    Holds the tensors the C structures point into."""
+
+    layers: list[DraftLayerWeights]
+    first_norm: torch.Tensor
+    c_layers: ctypes.Array
+    c_shape: DraftShape
+
+    @classmethod
+    def of(cls, layers: list[DraftLayerWeights], first_norm: torch.Tensor, first_eps: float, heads: int,
+           kv_heads: int, dim: int, intermediate: int, conv_kernel: int = 0,
+           conv_group: int = 0) -> "DraftBlockWeights":
+        hidden = first_norm.shape[0]
+        ok = (dim % 8 == 0 and dim <= 256 and kv_heads > 0 and heads % kv_heads == 0
+              and first_norm.dtype == torch.float32 and first_norm.is_contiguous()
+              and all(_layer_fits(w, hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group)
+                      for w in layers))
+        check_arguments(ok, "draft block weights", first_norm, *(t for w in layers for t in (w.q, w.kv, w.o)))
+        c_layers = (DraftLayer * len(layers))(*(DraftLayer(
+            w.q.data_ptr(), w.q_norm.data_ptr(), w.q_eps, w.kv.data_ptr(), w.k_norm.data_ptr(), w.k_eps, w.o.data_ptr(),
+            w.post_norm.data_ptr(), w.post_eps, w.gate_up.data_ptr(), w.down.data_ptr(), w.next_norm.data_ptr(),
+            w.next_eps, _c_conv(w.attention_conv), _c_conv(w.mlp_conv)) for w in layers))
+        c_shape = DraftShape(len(layers), hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group,
+                             dim ** -0.5, first_norm.data_ptr(), first_eps)
+        return cls(layers, first_norm, c_layers, c_shape)
+
+
+def _c_conv(conv: ConvWeights | None) -> DraftConv:
+    return DraftConv(0, 0) if conv is None else DraftConv(conv.projection.data_ptr(), conv.base.data_ptr())
+
+
+def _layer_fits(w: DraftLayerWeights, hidden: int, heads: int, kv_heads: int, dim: int, intermediate: int,
+                conv_kernel: int, conv_group: int) -> bool:
+    tiles = ((w.q, hidden, heads * dim), (w.kv, hidden, 2 * kv_heads * dim), (w.o, heads * dim, hidden),
+             (w.gate_up, hidden, 2 * intermediate), (w.down, intermediate, hidden))
+    convs = [c for c in (w.attention_conv, w.mlp_conv) if c is not None]
+    if convs:  # a DFlash 2 layer has both
+        if len(convs) != 2 or conv_kernel < 1 or conv_group < 1 or hidden % conv_group:
+            return False
+        width = 2 * conv_kernel * (hidden // conv_group)
+        tiles += tuple((c.projection, hidden, width) for c in convs)
+        if not all(c.base.shape == (2, conv_kernel, hidden) and c.base.dtype == torch.float32
+                   and c.base.is_contiguous() for c in convs):
+            return False
+    elif conv_kernel:
+        return False
+    norms = ((w.q_norm, (heads, dim)), (w.k_norm, (kv_heads, dim)), (w.post_norm, (hidden,)),
+             (w.next_norm, (hidden,)))
+    return (all(t.dtype == torch.bfloat16 and t.is_contiguous() and tiles_of(t, i, o) for t, i, o in tiles)
+            and all(n.shape == shape and n.dtype == torch.float32 and n.is_contiguous() for n, shape in norms))
+
+
+@dataclass(frozen=True)
+class DraftStepInputs:
+    """One block's arguments (the C structures and the tensors they point into): batch blocks of seq rows,
+    attending over the first `keys` positions of their slots."""
+
+    c_step: DraftStep
+    c_scratch: DraftScratch
+    slots: torch.Tensor
+    positions: torch.Tensor
+    first_keys: torch.Tensor
+    held: tuple
+
+    @classmethod
+    def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
+              masks: list[torch.Tensor], keys: list[torch.Tensor], values: list[torch.Tensor],
+              weights: DraftBlockWeights) -> "DraftStepInputs":
+        """cos, sin [batch, seq, dim] float32; slots [batch]; positions [batch, seq]; masks: per layer [batch, 1,
+        seq, keys] bool (shared.attention.visibility_mask; one length for all); keys, values: each layer's cache
+        [slots, kv_heads, capacity, dim], float32 or bfloat16 (all alike)."""
+        batch, seq = positions.shape
+        shape = weights.c_shape
+        length = masks[0].shape[-1]
+        cos, sin = cos.contiguous(), sin.contiguous()
+        slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        visible = [m.expand(batch, 1, seq, length)[:, 0].contiguous().view(torch.uint8) for m in masks]
+        ok = (cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (batch, seq, shape.dim)
+              and slots.shape == (batch,) and len(masks) == len(keys) == len(values) == shape.layers
+              and all(m.shape[-1] == length for m in masks) and keys[0].dtype in KV_DTYPES
+              and all(k.dtype == v.dtype == keys[0].dtype and k.is_contiguous() and v.is_contiguous()
+                      and k.shape == v.shape == keys[0].shape and k.dim() == 4 and k.shape[1] == shape.kv_heads
+                      and k.shape[3] == shape.dim for k, v in zip(keys, values)))
+        check_arguments(ok, "draft step", cos, sin, slots, positions, *masks)
+        c_visible = (ctypes.c_void_p * len(visible))(*(v.data_ptr() for v in visible))
+        k_caches = (ctypes.c_void_p * len(keys))(*(k.data_ptr() for k in keys))
+        v_caches = (ctypes.c_void_p * len(values))(*(v.data_ptr() for v in values))
+        c_step = DraftStep(batch, seq, length, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
+                           cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), positions.data_ptr(),
+                           ctypes.addressof(c_visible), ctypes.addressof(k_caches), ctypes.addressof(v_caches))
+        c_scratch, buffer = _scratch(batch * seq, shape)
+        return cls(c_step, c_scratch, slots, positions, keys[0],
+                   (cos, sin, visible, keys, values, c_visible, k_caches, v_caches, buffer))
+
+
+def _scratch(rows: int, shape: DraftShape) -> tuple[DraftScratch, torch.Tensor]:
+    """The buffers every layer of a block of `rows` rows reuses, carved from one allocation (the returned tensor),
+    in DraftScratch's order."""
+    attention = shape.heads * shape.dim
+    dynamic = 2 * shape.conv_kernel * (shape.hidden // shape.conv_group) if shape.conv_kernel else 0
+    widths = [shape.hidden, shape.hidden, dynamic, attention, attention, attention, 2 * shape.kv_heads * shape.dim,
+              2 * shape.intermediate, shape.intermediate]
+    buffer = torch.empty(rows * sum(widths), dtype=torch.float32)
+    pointers, offset = [], buffer.data_ptr()
+    for width in widths:
+        pointers.append(offset)
+        offset += rows * width * 4  # bytes
+    return DraftScratch(*pointers), buffer
