@@ -91,7 +91,8 @@ def test_a_block_outside_the_cache_is_refused_before_anything_is_written():
     cache = drafter.new_cache(2, 16)
     before = [k.clone() for k in cache.keys]
     embeds = torch.zeros(2, cfg.block_size, cfg.hidden_size)
-    with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):  # slot 0 fits, slot 1's block does not
+    # slot 0's block fits; slot 1's (positions 12-19 of 16) does not
+    with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):
         drafter.block_hidden(cache, torch.tensor([0, 1]), torch.tensor([0, 12]), embeds)
     assert all(torch.equal(a, b) for a, b in zip(before, cache.keys))
 

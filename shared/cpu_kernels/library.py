@@ -222,19 +222,28 @@ class CpuKernels:
         self._silu_mul(rows.data_ptr(), rows.shape[0], rows.shape[1] // 2, act.data_ptr())
         return act.view(*gate_up.shape[:-1], rows.shape[1] // 2)
 
+    @staticmethod
+    def _one_call(entry, name: str, x: torch.Tensor, c_layers, c_shape, step,
+                  pool) -> tuple[torch.Tensor, torch.Tensor, int]:
+        """A one-call forward (decoder_stack, draft_block): x [rows, hidden] float32, checked against the step, is
+        copied and updated in place; h [rows, hidden] receives the final norm. Returns (x, h, the entry's status)."""
+        x = x.contiguous().clone()
+        check_arguments(x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] == step.c_step.batch * step.c_step.seq
+                        and x.shape[1] == c_shape.hidden, name, x)
+        h = torch.empty_like(x)
+        status = entry(ctypes.addressof(c_layers), ctypes.addressof(c_shape), ctypes.addressof(step.c_step),
+                       ctypes.addressof(step.c_scratch), x.data_ptr(), h.data_ptr(),
+                       None if pool is None else pool.handle)
+        return x, h, status
+
     def decoder_stack(self, x: torch.Tensor, stack: "StackWeights", step: "StackStepInputs",
                       pool: "WorkerPool | None" = None) -> tuple[torch.Tensor, torch.Tensor]:
         """Every layer of a dense decoder in one call (decoder_layer.cpp): x [rows, hidden] float32 (the
         embeddings) -> (the last layer's residual, its final norm), each [rows, hidden]. Writes the rows' keys and
         values into every layer's caches and the tapped layers' outputs into step.taps. pool: the threads that
         share the work (None: this one)."""
-        x = x.contiguous().clone()  # updated in place by the call
-        check_arguments(x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] == step.c_step.batch * step.c_step.seq
-                        and x.shape[1] == stack.c_shape.hidden, "decoder_stack", x)
-        h = torch.empty_like(x)
-        status = self._decoder_stack(ctypes.addressof(stack.c_layers), ctypes.addressof(stack.c_shape),
-                                     ctypes.addressof(step.c_step), ctypes.addressof(step.c_scratch), x.data_ptr(),
-                                     h.data_ptr(), None if pool is None else pool.handle)
+        x, h, status = self._one_call(self._decoder_stack, "decoder_stack", x, stack.c_layers, stack.c_shape, step,
+                                      pool)
         if status == -1:
             raise _outside_cache(step.first_keys, step.slots, step.positions)
         if status != 0:
@@ -248,13 +257,8 @@ class CpuKernels:
         """A drafter's every layer over one block per request in one call (draft_block.cpp): x [rows, hidden]
         float32 (the block embeddings) -> the final norm's output [rows, hidden]. Writes the block rows' keys and
         values into every layer's cache (past the context: the cache keeps context rows only)."""
-        x = x.contiguous().clone()  # updated in place by the call
-        check_arguments(x.dim() == 2 and x.dtype == torch.float32 and x.shape[0] == step.c_step.batch * step.c_step.seq
-                        and x.shape[1] == weights.c_shape.hidden, "draft_block", x)
-        h = torch.empty_like(x)
-        status = self._draft_block(ctypes.addressof(weights.c_layers), ctypes.addressof(weights.c_shape),
-                                   ctypes.addressof(step.c_step), ctypes.addressof(step.c_scratch), x.data_ptr(),
-                                   h.data_ptr(), None if pool is None else pool.handle)
+        _, h, status = self._one_call(self._draft_block, "draft_block", x, weights.c_layers, weights.c_shape, step,
+                                      pool)
         if status == -1:
             raise _outside_cache(step.first_keys, step.slots, step.positions)
         if status != 0:
