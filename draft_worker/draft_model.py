@@ -229,8 +229,10 @@ class DFlashDraftModel(nn.Module):
         block_end = block_start + block
         if self._runs_native(block_embeds):
             kv_len = int(block_end.max())
-            masks = [visibility_mask(positions, kv_len, visible_end=None if layer.self_attn.causal else block_end,
-                                     sliding_window=layer.self_attn.window) for layer in self.layers]
+            kinds = [(layer.self_attn.causal, layer.self_attn.window) for layer in self.layers]
+            by_kind = {kind: visibility_mask(positions, kv_len, visible_end=None if kind[0] else block_end,
+                                             sliding_window=kind[1]) for kind in dict.fromkeys(kinds)}
+            masks = [by_kind[kind] for kind in kinds]  # layers alike share one mask (and its uint8 copy)
             step = DraftStepInputs.build(cos, sin, slots, positions, masks, cache.keys, cache.values,
                                          self.native_block)
             h = self.kernels.draft_block(block_embeds.reshape(batch * block, hidden), self.native_block, step,

@@ -151,7 +151,8 @@ class DraftStepInputs:
         length = masks[0].shape[-1]
         cos, sin = cos.contiguous(), sin.contiguous()
         slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
-        visible = [m.expand(batch, 1, seq, length)[:, 0].contiguous().view(torch.uint8) for m in masks]
+        converted = {id(m): m.expand(batch, 1, seq, length)[:, 0].contiguous().view(torch.uint8) for m in masks}
+        visible = [converted[id(m)] for m in masks]  # [batch, seq, keys] per layer; a shared mask converted once
         ok = (cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (batch, seq, shape.dim)
               and slots.shape == (batch,) and len(masks) == len(keys) == len(values) == shape.layers
               and all(m.shape[-1] == length for m in masks) and keys[0].dtype in KV_DTYPES
