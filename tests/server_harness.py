@@ -22,9 +22,10 @@ CHAT_TEMPLATE = ("{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{%
                  "{% if add_generation_prompt %}<assistant>{% endif %}")
 
 
-def write_server_models(root: Path) -> tuple[Path, Path]:
+def write_server_models(root: Path, dtype=None) -> tuple[Path, Path]:
+    """A tiny random Qwen3 target (float32, or `dtype`) with a byte tokenizer, and a DFlash drafter for it."""
     target, draft = root / "target", root / "draft"
-    write_hf_checkpoint(target, "qwen3", seed=7, vocab_size=258, max_position_embeddings=512)
+    write_hf_checkpoint(target, "qwen3", seed=7, dtype=dtype, vocab_size=258, max_position_embeddings=512)
     write_byte_tokenizer(target)
     (target / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT, "chat_template": CHAT_TEMPLATE}))
     save_drafter(random_drafter(tiny_draft_config(vocab=258, block_size=4), seed=3, std=0.2), draft)
