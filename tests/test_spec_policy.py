@@ -40,8 +40,8 @@ def test_probes_that_confirm_plain_decoding_come_less_often():
     """Speculation loses (2 tokens per 10 ms against 4 ms per token): each probe that confirms it doubles the
     plain steps before the next (4, 8, 16, then the cap of 16); a probe that finds speculation paying (the
     request now commits 8 tokens per step) brings back the first spacing, and so does a request never
-    measured."""
-    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=16)
+    measured. (No probe budget here: see the next test for that.)"""
+    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=16, probe_budget=None)
     batch = ["a"]
     policy.observe(batch, True, True, 0.010, [2], [True])
     policy.observe(batch, False, False, 0.004, [1], [False])
@@ -66,6 +66,37 @@ def test_probes_that_confirm_plain_decoding_come_less_often():
     policy.observe(["b"], False, False, 0.004, [1], [False])
     policy.speculate(["b"])  # b was never measured: probes come at the first spacing again
     assert policy.probe_spacing[1] == 4
+
+
+def test_probes_cost_at_most_their_budget_of_the_plain_decoding_time():
+    """A probe that costs 6 ms over the 4 ms plain step it replaces, under a 5% budget, comes at most once every
+    30 plain steps (6 ms is 5% of 120 ms), whatever the doubling schedule says (4, 8, 16); once probes cost
+    little (0.1 ms over), the doubling schedule alone spaces them again. The first probe comes before any was
+    measured: the budget needs what a probe costs."""
+    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=16, probe_budget=0.05)
+    batch = ["a"]
+    policy.observe(batch, True, True, 0.010, [2], [True])
+    policy.observe(batch, False, False, 0.004, [1], [False])
+
+    def gaps(probe_seconds: float, probes: int) -> list[int]:
+        found, plain_run = [], 0
+        while len(found) < probes:
+            if policy.speculate(batch):
+                found.append(plain_run)
+                plain_run = 0
+                policy.observe(batch, True, None, probe_seconds, [2], [True])  # a probe: untimed, catching up
+            else:
+                plain_run += 1
+                policy.observe(batch, False, False, 0.004, [1], [False])
+        return found
+
+    costly = gaps(0.010, 5)
+    assert costly == [3, 30, 30, 30, 30]
+    assert 4 * (0.010 - 0.004) / (sum(costly[1:]) * 0.004) <= 0.05  # after the first: 24 ms of probes per 480 ms
+    cheap = gaps(0.0041, 10)
+    assert policy.budget_spacing(1) == 1  # 0.1 ms is 5% of 2 ms: the budget alone would allow a probe every step
+    assert cheap[-2:] == [16, 16]  # the doubling schedule's cap (the window still holds costly probes at first)
+    assert AdaptiveSpeculation(probe_budget=None).budget_spacing(1) == 0
 
 
 def test_a_new_request_resets_the_probes_only_where_it_could_tip_the_batch():
@@ -170,6 +201,43 @@ def test_the_decision_follows_the_requests_own_acceptance():
     assert policy.preferred_mode(["a", "b"]) is None  # batches of 2 are measured on their own
 
 
+def test_the_per_step_overhead_counts_for_the_mode_that_takes_more_steps():
+    """2.2 tokens per 10 ms speculative step against 4 ms plain steps: plain by decode time alone (8.8 ms for
+    the same tokens). With 2 ms a step outside the decode time (server loop, bookkeeping) the plain steps for
+    those tokens take 13.2 ms against 12: speculation pays."""
+    policy = AdaptiveSpeculation()
+    policy.observe(["a"], True, True, 0.010, [3], [True])
+    policy.observe(["a"], True, True, 0.010, [1], [True])  # acceptance 3, then 0.9 * 3 + 0.1 * 1 = 2.8 ...
+    policy.acceptance["a"] = 2.2  # (set exactly, for round figures)
+    policy.observe(["a"], False, False, 0.004, [1], [False])
+    assert policy.step_overhead() == 0.0 and policy.preferred_mode(["a"]) == "plain"
+    for seconds in (0.002, 0.002, 0.5):  # a median: one slow turn (a stall, a new request admitted) moves nothing
+        policy.observe_overhead(seconds)
+    assert policy.step_overhead() == 0.002 and policy.preferred_mode(["a"]) == "speculative"
+
+
+def test_the_engine_reports_a_decode_steps_overhead_not_a_prefills(tmp_path):
+    """engine.observe_loop(seconds): the caller's turn around step() minus the step's decode time (draft,
+    transfer, verify) reaches the policy; a turn whose step prefilled says nothing about decode steps."""
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4)
+    target = load_target(tmp_path)
+    drafter = random_drafter(tiny_draft_config(block_size=4), seed=2, std=0.2)
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4, max_requests=1)
+    policy = AdaptiveSpeculation()
+    engine = SpeculativeEngine(target, proposer, max_requests=1, policy=policy)
+    engine.add(GenerationRequest((5, 6, 7), 8))
+    engine.step()  # the prompt
+    assert engine.last_report.prefill_tokens
+    engine.observe_loop(1.0)
+    assert not policy.overhead_samples
+    engine.step()  # a decode step
+    report = engine.last_report
+    decode = sum(report.seconds[p] for p in ("draft", "transfer", "verify"))
+    assert report.decode_requests == 1 and not report.prefill_tokens and decode > 0
+    engine.observe_loop(decode + 0.003)
+    assert list(policy.overhead_samples) == [pytest.approx(0.003)]
+
+
 def test_an_unmeasured_plain_mode_does_not_hold_the_batch_forever():
     """Under continuous prefill no plain step may be pure enough to time: the probe schedule still drafts."""
     policy = AdaptiveSpeculation(probe_every=3)
@@ -188,7 +256,8 @@ def test_a_probe_that_catches_up_on_context_still_measures_acceptance(tmp_path):
     target = load_target(tmp_path)
     drafter = random_drafter(tiny_draft_config(block_size=4), seed=2, std=0.2)
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4, max_requests=1)
-    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=4)  # a probe after every 4 plain steps
+    # a probe after every 4 plain steps (no budget: against a plain step of 1 us any probe would cost too much)
+    policy = AdaptiveSpeculation(probe_every=4, max_probe_every=4, probe_budget=None)
     policy.step_samples[(1, True)] = deque([1.0])  # drafting looks slow: plain decoding is preferred
     policy.step_samples[(1, False)] = deque([1e-6])
     engine = SpeculativeEngine(target, proposer, max_requests=1, policy=policy)
@@ -230,7 +299,8 @@ def test_a_greedy_probe_is_a_plain_step_whose_drafts_are_scored_like_a_verify(tm
     requests = [GenerationRequest((5, 6, 7, i), 30) for i in range(2)]
     plain, sequences = _plain_runs(target, requests)
     proposer = _TwoRightThenWrong(sequences, 8, target.config.num_layers, error_rate=0.0)
-    policy = AdaptiveSpeculation(probe_every=8, max_probe_every=8)  # a probe's 7 drafts are scored 7 steps later
+    # a probe's 7 drafts are scored 7 steps later (no budget: plain steps of 1 ms make any probe too costly)
+    policy = AdaptiveSpeculation(probe_every=8, max_probe_every=8, probe_budget=None)
     policy.step_samples[(2, True)] = deque([1.0])
     policy.step_samples[(2, False)] = deque([1e-3])  # plain: 8 tokens x 1 ms < 1 s
     engine = SpeculativeEngine(target, proposer, max_requests=2, policy=policy)

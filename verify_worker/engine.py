@@ -164,6 +164,15 @@ class SpeculativeEngine:
                 groups += [group[half:], group[:half]]
         return events
 
+    def observe_loop(self, seconds: float) -> None:
+        """The caller's loop took `seconds` around the last step() without waiting for work: what that step cost
+        beyond its decode time goes to the policy (a step with a prefill chunk says nothing about decode steps)."""
+        reports = self.last_reports
+        if self.policy is None or not reports or any(r.prefill_tokens or not r.decode_requests for r in reports):
+            return
+        decode = sum(r.seconds.get(p, 0.0) for r in reports for p in ("draft", "transfer", "verify"))
+        self.policy.observe_overhead(seconds - decode)
+
     def _take_slot(self) -> int:
         """The lowest free cache slot: running requests then hold few, low slots, so that a batch sorted by slot
         is often a consecutive run, whose cache rows attention reads as a view (other batches gather a copy of

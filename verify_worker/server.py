@@ -117,12 +117,17 @@ class VerifyServer:
         self.heartbeats.start()
         try:
             while True:
-                self._take_messages(block=not self.engine.has_work())
-                if self.engine.has_work():
+                busy = self.engine.has_work()  # then this turn waits for nothing: all of it is the step's cost
+                started = time.perf_counter()
+                self._take_messages(block=not busy)
+                stepped = self.engine.has_work()
+                if stepped:
                     self._step()
                 self._report_state()
                 if self.keep_alive is not None:
                     self.keep_alive()
+                if busy and stepped:
+                    self.engine.observe_loop(time.perf_counter() - started)
         except ParallelFailure as exc:  # a rank is gone: every request fails now, and the worker stops
             self.heartbeats.stop()  # and joined: no heartbeat may follow WorkerStopping
             self.log.error("%s", exc)

@@ -5,8 +5,11 @@ of them keeps the output exact (greedy: the same tokens; sampling: the same dist
 real mode of the same engine (every request drafts 0 tokens), not a fallback.
 
 The model: a speculative step of the batch costs Ts seconds and commits, per request, its acceptance length A
-(tokens per speculative step); a plain step costs Tp and commits one token per request. Speculate when the
-batch's mean A times Tp is at least Ts. Step times are measured per batch-size bucket (they barely vary from
+(tokens per speculative step); a plain step costs Tp and commits one token per request; either step costs O
+besides (the server loop around it and the engine's bookkeeping: `observe_overhead`). Speculate when the
+batch's mean A times (Tp + O) is at least Ts + O: plain decoding pays O once per token, speculation once per
+A tokens (served at concurrency 1 with the drafter in process, O of about 0.3 ms against Tp of 1.5 ms tipped
+the choice to speculation, which was the faster there by 10%). Step times are measured per batch-size bucket (they barely vary from
 step to step); A is measured per request (it varies a lot between requests: prompts, greedy or sampled) and
 starts at the mean of the requests measured so far. Step times are the median of the last `window` steps of a
 mode, since a step that builds new kernels or catches up on context can take ten times the usual. After
@@ -15,6 +18,13 @@ requests the engine makes such a probe a plain step whose drafts it scores later
 steps commit: the acceptance a verify would give, without the verify); after `refresh_every`
 speculative steps in a row one step is plain, to re-measure Tp. Until a mode is measured for a batch size the
 same schedule applies, speculation first.
+
+Probes keep within a budget: at most `probe_budget` (5%) of the plain decoding time goes to what probes cost
+beyond the plain steps they replace (their measured median). At concurrency 1 on the demo pair with the draft
+worker a probe costs 10-16 ms against 1.4 ms plain steps (it catches up on the context of every step since the
+last draft call, with a drafter idle long enough for its weights to drop out of the caches), so a probe comes
+every 120-170 plain steps; the schedule below alone probed every 8-64 and cost the default about 12% against
+plain decoding.
 
 A probe that leaves plain decoding preferred doubles the plain steps before the next one at that batch size
 (up to `max_probe_every`): where speculation clearly loses (16 demo streams: a speculative step takes 5.6
@@ -37,6 +47,7 @@ others, `SpeculativeEngine._pins_drafts`; `speculate` also takes the same two fl
   to run, so this keeps seeded sampling reproducible run to run. Greedy output does not depend on the schedule.
 """
 
+import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
@@ -74,6 +85,10 @@ class AdaptiveSpeculation:
     measuring_steps: int = 16  # how long a probe's acceptance may take to come in (a scored probe: its drafts)
     probe_rows: int = 4  # the most requests one probe measures (the engine drafts these rows only in a scored one)
     last_probed: dict[str, int] = field(default_factory=dict)  # request -> the step of its last probe
+    probe_budget: float | None = 0.05  # the most of the plain decoding time probes may cost (None: no limit)
+    max_budget_spacing: int = 1024  # the longest the budget stretches the plain steps between probes
+    probe_costs: dict[int, deque] = field(default_factory=dict)  # bucket -> seconds a probe took over a plain step
+    overhead_samples: deque = field(default_factory=lambda: deque(maxlen=63))  # seconds a step costs outside decode
 
     def speculate(self, request_ids: list[str], asked: bool = False, seeded_sampling: bool = False) -> bool:
         """Whether the next decode step of these running requests drafts: always when one asked for drafts, or
@@ -87,13 +102,36 @@ class AdaptiveSpeculation:
         bucket = batch_bucket(len(request_ids))
         if not measured or self._unmeasured_could_pay(request_ids):
             self.probe_spacing[bucket] = self.probe_every  # someone to measure: probe at the first spacing
-        limit = self.refresh_every if preferred else self.probe_spacing.get(bucket, self.probe_every)
+        if preferred:
+            limit = self.refresh_every
+        else:
+            limit = max(self.probe_spacing.get(bucket, self.probe_every), self.budget_spacing(len(request_ids)))
         if self.last_mode == preferred and self.steps_in_mode >= limit:
             self.probing = None if preferred else self._probe_subset(request_ids)
             self.measuring.update((r, self.steps) for r in self.probing or ())
             self.last_probed.update((r, self.steps) for r in self.probing or ())
             return not preferred  # one step of the other mode, to keep it measured
         return preferred
+
+    def observe_overhead(self, seconds: float) -> None:
+        """What a decode step cost its worker outside the engine's decode time (draft, transfer, verify): the
+        server loop around the step (events, metrics, messages) and the engine's own bookkeeping. Either mode
+        pays it once a step, so it counts for plain decoding, which takes more steps for the same tokens."""
+        self.overhead_samples.append(max(0.0, seconds))
+
+    def step_overhead(self) -> float:
+        """The median per-step overhead (0 before any was observed)."""
+        return statistics.median(self.overhead_samples) if self.overhead_samples else 0.0
+
+    def budget_spacing(self, batch_size: int) -> int:
+        """The fewest plain steps between probes at this batch size that keep what probes cost within
+        probe_budget of the plain decoding time (0 before a probe and a plain step were measured there)."""
+        costs = self.probe_costs.get(batch_bucket(batch_size))
+        plain = self.step_seconds(batch_size, False)
+        if self.probe_budget is None or not costs or not plain:
+            return 0
+        plain_step = plain + self.step_overhead()
+        return min(math.ceil(statistics.median(costs) / (self.probe_budget * plain_step)), self.max_budget_spacing)
 
     def step_seconds(self, batch_size: int, speculative: bool) -> float | None:
         """The median step time of a mode at this batch size, None before it was measured."""
@@ -114,7 +152,13 @@ class AdaptiveSpeculation:
         else:
             default = self.past_spread[0] if self.past_spread is not None else (self.mean_acceptance or 1.0)
         expected = sum(self.acceptance.get(r, default) for r in request_ids) / len(request_ids)
-        return expected * plain >= spec
+        return self._pays(expected, spec, plain)
+
+    def _pays(self, acceptance: float, spec: float, plain: float) -> bool:
+        """Whether a speculative step committing `acceptance` tokens a request beats as many plain steps, each
+        step paying the per-step overhead besides its decode time."""
+        overhead = self.step_overhead()
+        return acceptance * (plain + overhead) >= spec + overhead
 
     def _unmeasured_could_pay(self, request_ids: list[str]) -> bool:
         """Whether the batch has requests whose acceptance was never measured and, were they as good as they
@@ -127,7 +171,7 @@ class AdaptiveSpeculation:
         spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
         hope = self._plausible_acceptance(len(unmeasured))
         optimistic = sum(self.acceptance.get(r, hope) for r in request_ids) / len(request_ids)
-        return optimistic * plain >= spec
+        return self._pays(optimistic, spec, plain)
 
     def _probe_subset(self, request_ids: list[str]) -> list[str]:
         """The requests a probe measures: at most probe_rows, those neither measured nor being measured first,
@@ -175,6 +219,9 @@ class AdaptiveSpeculation:
                 self.record_acceptance(request_id, tokens)
         if self.probing is not None and chosen and request_ids:  # the probe's verdict sets the next spacing
             bucket = batch_bucket(len(request_ids))
+            plain = self.step_seconds(len(request_ids), False)
+            if plain is not None and seconds > 0:  # what it cost over the plain step it took the place of
+                self.probe_costs.setdefault(bucket, deque(maxlen=self.window)).append(max(0.0, seconds - plain))
             spacing = self.probe_spacing.get(bucket, self.probe_every)
             still_plain = self._preferred(request_ids) is False
             self.probe_spacing[bucket] = min(2 * spacing, self.max_probe_every) if still_plain else self.probe_every
