@@ -89,12 +89,12 @@ def decode(frames: list, registry: dict[str, type]) -> Message:
             values[descriptor["field"]] = RawTensor(descriptor["dtype"], tuple(descriptor["shape"]), frame)
         except (KeyError, TypeError) as exc:
             raise WireError(f"{cls.TYPE}: bad tensor descriptor {descriptor!r}: {exc}") from None
-    hints, names = _schema(cls)
-    if set(values) != names:
+    hints, names, checks = _schema(cls)
+    if values.keys() != names:
         missing, extra = sorted(names - set(values)), sorted(set(values) - names)
         raise WireError(f"{cls.TYPE}: missing fields {missing}, unexpected fields {extra}")
     for name, value in values.items():
-        if not _matches(value, hints[name]):
+        if not checks[name](value):
             raise WireError(f"{cls.TYPE}.{name}: {value!r:.80} is not a {hints[name]}")
     message = cls(**values)
     message.validate()
@@ -102,27 +102,34 @@ def decode(frames: list, registry: dict[str, type]) -> Message:
 
 
 @functools.cache
-def _schema(cls: type) -> tuple[dict, frozenset]:
-    """A message class's field types and names (resolving the annotations costs more than the rest of decode)."""
-    return typing.get_type_hints(cls), frozenset(f.name for f in dataclasses.fields(cls))
+def _schema(cls: type) -> tuple[dict, frozenset, dict]:
+    """A message class's field types, names and a check per field (resolving the annotations, and reading them
+    for every value, cost more than the rest of decode)."""
+    hints = typing.get_type_hints(cls)
+    names = frozenset(f.name for f in dataclasses.fields(cls))
+    return hints, names, {name: _check(hints[name]) for name in names}
 
 
-def _matches(value, hint) -> bool:
+@functools.cache
+def _check(hint) -> typing.Callable[[object], bool]:
+    """Whether a decoded value is of this declared type (bool is not an int, an int is a float): the test,
+    built once per hint."""
     origin = typing.get_origin(hint)
     if hint is typing.Any:
-        return True
+        return lambda value: True
     if origin in (typing.Union, types.UnionType):
-        return any(_matches(value, arg) for arg in typing.get_args(hint))
+        options = tuple(_check(arg) for arg in typing.get_args(hint))
+        return lambda value: any(option(value) for option in options)
     if hint is type(None):
-        return value is None
+        return lambda value: value is None
     if origin is list:
-        (item,) = typing.get_args(hint)
-        return isinstance(value, list) and all(_matches(v, item) for v in value)
+        item_check = _check(*typing.get_args(hint))
+        return lambda value: isinstance(value, list) and all(item_check(v) for v in value)
     if origin is dict:
-        key, item = typing.get_args(hint)
-        return isinstance(value, dict) and all(_matches(k, key) and _matches(v, item) for k, v in value.items())
+        key, item = (_check(arg) for arg in typing.get_args(hint))
+        return lambda value: isinstance(value, dict) and all(key(k) and item(v) for k, v in value.items())
     if hint is float:
-        return isinstance(value, (int, float)) and not isinstance(value, bool)
+        return lambda value: isinstance(value, (int, float)) and not isinstance(value, bool)
     if hint is int:
-        return isinstance(value, int) and not isinstance(value, bool)
-    return isinstance(value, hint)
+        return lambda value: isinstance(value, int) and not isinstance(value, bool)
+    return lambda value: isinstance(value, hint)
