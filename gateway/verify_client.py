@@ -65,6 +65,9 @@ class VerifyClient:
         self.receiver = self.context.socket(zmq.PULL)
         self.monitor = self.receiver.get_monitor_socket(zmq.EVENT_DISCONNECTED)  # a dead worker's socket closes
         self.receiver.connect(events_addr)
+        # the same socket, read without awaiting: one poll wakes the loop for every event already queued (a
+        # step of 16 streams sends 16), each awaited receive cost as much as the rest of the gateway's work
+        self.queued = zmq.Socket.shadow(self.receiver.underlying)
         self.dead_after_s = dead_after_s
         self.log = log or logging.getLogger("dflash.gateway")
         self.on_bad_message = on_bad_message or (lambda: None)
@@ -120,7 +123,7 @@ class VerifyClient:
         while True:
             ready = dict(await poller.poll(250))
             if self.receiver in ready:
-                self._take(await self.receiver.recv_multipart(copy=False))
+                self._take_queued()
             elif self.monitor in ready:  # after every message that arrived before it
                 event = parse_monitor_message(await self.monitor.recv_multipart())
                 if event["event"] == zmq.EVENT_DISCONNECTED and self.last_seen:
@@ -135,6 +138,15 @@ class VerifyClient:
             if alive:
                 why = f"silent for {self.dead_after_s:.1f} s"
             self.was_alive = alive
+
+    def _take_queued(self) -> None:
+        """Every event that has arrived, without waiting for more."""
+        while True:
+            try:
+                frames = self.queued.recv_multipart(zmq.NOBLOCK, copy=False)
+            except zmq.Again:
+                return
+            self._take(frames)
 
     def _take(self, frames) -> None:
         try:
