@@ -112,9 +112,9 @@ def parse_args(argv):
                         help="a verify worker whose loop makes no progress for this long is hung: it exits (0 = never)")
     parser.add_argument("--spec-policy", choices=["always", "adaptive"], default="adaptive",
                         help="adaptive (default): the verify worker decodes plainly while drafting is expected not to "
-                             "pay at the batch size (a drafted step after 8 plain ones, and rarer where such probes would cost over 5%% of "
-                             "the time, re-measures it; steps with "
-                             "a seeded sampled request always draft); always: every step drafts")
+                             "pay at the batch size (a drafted step after 8 plain ones, and rarer where such probes "
+                             "would cost over 5%% of the time, re-measures it; steps with a seeded sampled request "
+                             "always draft); always: every step drafts")
     parser.add_argument("--draft-placement", choices=["worker", "local"], default="worker",
                         help="worker: a draft worker process (the default); local: the drafter runs inside the "
                              "verify worker (no draft call between processes, no separate restart)")

@@ -170,8 +170,7 @@ class SpeculativeEngine:
         reports = self.last_reports
         if self.policy is None or not reports or any(r.prefill_tokens or not r.decode_requests for r in reports):
             return
-        decode = sum(r.seconds.get(p, 0.0) for r in reports for p in ("draft", "transfer", "verify"))
-        self.policy.observe_overhead(seconds - decode)
+        self.policy.observe_overhead(seconds - sum(r.decode_seconds() for r in reports))
 
     def _take_slot(self) -> int:
         """The lowest free cache slot: running requests then hold few, low slots, so that a batch sorted by slot
@@ -405,7 +404,7 @@ class SpeculativeEngine:
         plain steps; those say nothing about either mode's usual cost."""
         pure = (counts == asked and not (report.fallback or report.catch_up or report.prefill_tokens)
                 and (all(counts) or not any(counts)))
-        seconds = sum(report.seconds[p] for p in ("draft", "transfer", "verify"))
+        seconds = report.decode_seconds()
         self.policy.observe([s.request_id for s in states], chosen, any(counts) if pure else None, seconds,
                             committed, [c > 0 for c in counts])
         for state in states:

@@ -148,6 +148,10 @@ class StepReport:
     catch_up: bool = False  # the draft call carried more context than one step commits (slower than usual)
     seconds: dict[str, float] = field(default_factory=dict)  # draft, transfer, verify, prefill, cache, scheduling
 
+    def decode_seconds(self) -> float:
+        """The step's decode time, what the speculation policy compares between modes: draft, transfer, verify."""
+        return sum(self.seconds.get(phase, 0.0) for phase in ("draft", "transfer", "verify"))
+
 
 @dataclass
 class StepEvent:

@@ -284,8 +284,8 @@ def parse_args(argv):
                              "gateway and exits (0 = never); heartbeats flow meanwhile, whatever a step takes")
     parser.add_argument("--spec-policy", choices=["always", "adaptive"], default=env("DFLASH_SPEC_POLICY", "adaptive"),
                         help="always: every step drafts; adaptive: decode plainly while drafting is expected not to "
-                             "pay (a drafted step after 8 plain ones, and rarer where such probes would cost over 5%% of the "
-                             "time, re-measures it)")
+                             "pay (a drafted step after 8 plain ones, and rarer where such probes would cost over "
+                             "5%% of the time, re-measures it)")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")),
