@@ -12,7 +12,8 @@ A tokens (served at concurrency 1 with the drafter in process, O of about 0.3 ms
 the choice to speculation, which was the faster there by 10%). Step times are measured per batch-size bucket
 (they barely vary from step to step); A is measured per request (it varies a lot between requests: prompts,
 greedy or sampled) and starts at the mean of the requests measured so far. Step times are the median of the
-last `window` steps of a mode, since a step that builds new kernels or catches up on context can take ten times the usual. After
+last `window` steps of a mode, since a step that builds new kernels or catches up on context can take ten
+times the usual. After
 `probe_every` plain steps in a row one step drafts, to re-measure the requests' A (for a batch of greedy
 requests the engine makes such a probe a plain step whose drafts it scores later against the tokens the plain
 steps commit: the acceptance a verify would give, without the verify); after `refresh_every`
