@@ -269,7 +269,9 @@ class DFlashDraftModel(nn.Module):
     def logits(self, hidden: torch.Tensor, lm_head: "torch.Tensor | PackedLinear") -> torch.Tensor:
         """[..., hidden] through the target's lm_head (its weight [vocab, hidden], or packed) -> float32
         [..., vocab], with the published output multiplier and soft-capping."""
-        logits = project_rows(hidden, lm_head).float() * self.config.output_multiplier
+        logits = project_rows(hidden, lm_head).float()
+        if self.config.output_multiplier != 1.0:
+            logits = logits * self.config.output_multiplier
         cap = self.config.final_logit_softcapping
         if cap:
             logits = torch.tanh(logits / cap) * cap

@@ -154,7 +154,9 @@ class LocalProposer:
         block = min(self.block_size, max(item.num_draft for item in items) + 1)
         block_ids = torch.full((len(items), block), self.drafter.config.mask_token_id, device=device)
         block_ids[:, 0] = anchors  # [b, block]: anchor then masks
-        embeds = self.embed_weight[block_ids] * self.drafter.config.input_embedding_scale
+        embeds = self.embed_weight[block_ids]  # [b, block, hidden]
+        if self.drafter.config.input_embedding_scale != 1.0:
+            embeds = embeds * self.drafter.config.input_embedding_scale
         hidden = self.drafter.block_hidden(self.cache, slots, starts, embeds)  # [b, B, hidden]
         logits = self.drafter.logits(hidden[:, 1:], self.lm_head)  # [b, B-1, vocab]
         if isinstance(self.drafter, DFlash2DraftModel):
@@ -199,12 +201,17 @@ class LocalProposer:
 
     def _ingest(self, items: list[DraftItem], slots: torch.Tensor) -> None:
         rows = [item.context_features for item in items if len(item.context_features)]
-        if rows:
+        if len(items) == 1 and rows:  # one request (every step at concurrency 1): its rows are consecutive
+            start, count = items[0].context_start, len(rows[0])
+            row_slots = slots.repeat(count)
+            positions = torch.arange(start, start + count, device=slots.device)  # [rows]
+        elif rows:
             counts = torch.tensor([len(item.context_features) for item in items], device=slots.device)
             starts = torch.tensor([item.context_start for item in items], device=slots.device)
             row_slots = slots.repeat_interleave(counts)
             offsets = torch.arange(int(counts.sum()), device=slots.device) - (counts.cumsum(0) - counts).repeat_interleave(counts)
             positions = starts.repeat_interleave(counts) + offsets  # [rows]
+        if rows:
             # the target may compute in another dtype; frames (and a gloo pair) arrive in host memory
             features = torch.cat(rows).to(self.embed_weight.device, self.embed_weight.dtype)
             self.drafter.ingest_context(self.cache, row_slots, positions, features)

@@ -12,13 +12,11 @@ CUDA_MAX_CANDIDATES, CUDA_MAX_RANK = 2048, 1024  # rows.h: kWalkMaxCandidates, k
 from cuda_ext.dispatch import call_kernel, kernel_entry
 
 
-@torch.library.custom_op("dflash::dflash2_walk", mutates_args=())
-def walk_kernel(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, projected: torch.Tensor,
-                predecessor: torch.Tensor, successor: torch.Tensor, temperatures: torch.Tensor,
-                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """reference.walk's contract in one launch (uniforms [b, n] float64, read for sampled rows only). A row with a
-    token id outside the selector's vocabulary gets tokens and choices of -1 and a zero q (`walk` raises an
-    IndexError for it on CPU)."""
+def _launch(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, projected: torch.Tensor,
+            predecessor: torch.Tensor, successor: torch.Tensor, temperatures: torch.Tensor,
+            uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The kernel's launch behind the custom op (walk_kernel's contract); on CPU `walk` calls it directly: the
+    custom op's dispatch cost more than the host build's walk of a demo block."""
     device = unary.device
     unary, projected = unary.float().contiguous(), projected.float().contiguous()
     candidates, anchors = candidates.long().contiguous(), anchors.long().contiguous()
@@ -39,6 +37,16 @@ def walk_kernel(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Te
                 projected.data_ptr(), predecessor.data_ptr(), successor.data_ptr(), temperatures.data_ptr(),
                 uniforms.data_ptr(), batch, rows, k, rank, vocab, tokens.data_ptr(), choices.data_ptr(), q.data_ptr())
     return tokens, choices, q
+
+
+@torch.library.custom_op("dflash::dflash2_walk", mutates_args=())
+def walk_kernel(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, projected: torch.Tensor,
+                predecessor: torch.Tensor, successor: torch.Tensor, temperatures: torch.Tensor,
+                uniforms: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """reference.walk's contract in one launch (uniforms [b, n] float64, read for sampled rows only). A row with a
+    token id outside the selector's vocabulary gets tokens and choices of -1 and a zero q (`walk` raises an
+    IndexError for it on CPU)."""
+    return _launch(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms)
 
 
 @walk_kernel.register_fake
@@ -70,8 +78,8 @@ def walk(unary: torch.Tensor, candidates: torch.Tensor, anchors: torch.Tensor, p
     if uniforms is None:
         temperatures = temperatures.clamp(max=0)  # all greedy (no read-back of device values)
         uniforms = torch.zeros(candidates.shape[:2], dtype=torch.float64, device=unary.device)
-    tokens, choices, q = walk_kernel(unary, candidates, anchors, projected, predecessor, successor, temperatures,
-                                     uniforms)
+    launch = _launch if unary.device.type == "cpu" else walk_kernel  # a CUDA launch stays capturable
+    tokens, choices, q = launch(unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms)
     if tokens.device.type == "cpu" and bool((tokens < 0).any()):
         raise IndexError(f"dflash2_walk: a token id outside the vocabulary of the selector ({predecessor.shape[0]})")
     return tokens, choices, q
