@@ -176,10 +176,12 @@ class DFlash2DraftModel(DFlashDraftModel):
         Returns (tokens [b, n], q [b, n, K] (the distribution each token was drawn from; one-hot where greedy),
         candidate ids [b, n, K]).
         """
-        greedy = temperatures <= 0
-        sampling = uniforms is not None and not bool(greedy.all())  # else no q is needed but the one-hot
-        # a greedy row's argmax breaks ties by candidate order (best first); an all-sampled walk needs the set only
-        ordered = not sampling or bool(greedy.any())
+        sampling, ordered = False, True  # without uniforms every row is greedy: no q is needed but the one-hot
+        if uniforms is not None:
+            greedy = temperatures <= 0
+            sampling = not bool(greedy.all())
+            # a greedy row's argmax breaks ties by candidate order (best first); an all-sampled walk needs the set only
+            ordered = not sampling or bool(greedy.any())
         unary, candidates = self.candidates(logits, k) if ordered else self.candidate_set(logits, k or self.top_k)
         projected = self.candidate_selector.hidden_projection(hidden)  # [b, n, r]
         selector = self.candidate_selector

@@ -169,6 +169,7 @@ class DFlashDraftModel(nn.Module):
         self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
         self.native_block: DraftBlockWeights | None = None  # every layer in one kernel call (set by pack())
         self.pool = None  # the threads that share the one call's work (the proposer sets it)
+        self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [1, positions, dim] (_cos_sin)
 
     def pack(self, layout: str | None = "auto") -> "DFlashDraftModel":
         """For inference (the proposers call it): fuse k/v and gate/up and store the projections in `layout`
@@ -209,12 +210,23 @@ class DFlashDraftModel(nn.Module):
             cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype, weight.device
         )
 
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """rotary_cos_sin(self.inv_freq, positions, dtype), read from a table of the first positions (grown by
+        doubling): the same elementwise values, in one index per table where the computation is six small ops."""
+        table = self.rope_table
+        needed = int(positions.max()) + 1 if positions.numel() else 1
+        device = positions.device
+        if table is None or table[0].shape[1] < needed or table[0].dtype != dtype or table[0].device != device:
+            size = max(needed, 2 * table[0].shape[1] if table is not None else 1024)
+            table = self.rope_table = rotary_cos_sin(self.inv_freq, torch.arange(size, device=device)[None], dtype)
+        return table[0][0][positions], table[1][0][positions]  # [*positions.shape, dim] each
+
     def ingest_context(self, cache: PositionalKVCache, slots: torch.Tensor, positions: torch.Tensor,
                        features: torch.Tensor) -> None:
         """Cache every layer's keys/values of context rows: features [rows, taps * hidden] of the target,
         for cache slots [rows] at positions [rows]. Context rows are the same in every layer."""
         context = self.hidden_norm(self.fc(features.to(self.hidden_norm.weight.dtype)))[:, None]  # [rows, 1, hidden]
-        cos, sin = rotary_cos_sin(self.inv_freq, positions[:, None], context.dtype)
+        cos, sin = self._cos_sin(positions[:, None], context.dtype)  # [rows, 1, dim]
         for layer in self.layers:
             layer.self_attn.write_keys_values(context, cos, sin, cache, slots, positions[:, None])
 
@@ -225,7 +237,7 @@ class DFlashDraftModel(nn.Module):
         norm. The block's keys/values land past the context length, so the cache keeps context rows only."""
         batch, block, hidden = block_embeds.shape
         positions = block_start[:, None] + torch.arange(block, device=block_start.device)  # [b, B]
-        cos, sin = rotary_cos_sin(self.inv_freq, positions, block_embeds.dtype)
+        cos, sin = self._cos_sin(positions, block_embeds.dtype)  # [b, B, dim]
         block_end = block_start + block
         if self._runs_native(block_embeds):
             kv_len = int(block_end.max())

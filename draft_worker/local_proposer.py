@@ -203,7 +203,7 @@ class LocalProposer:
         rows = [item.context_features for item in items if len(item.context_features)]
         if len(items) == 1 and rows:  # one request (every step at concurrency 1): its rows are consecutive
             start, count = items[0].context_start, len(rows[0])
-            row_slots = slots.repeat(count)
+            row_slots = torch.full((count,), self.slots[items[0].request_id], device=slots.device)
             positions = torch.arange(start, start + count, device=slots.device)  # [rows]
         elif rows:
             counts = torch.tensor([len(item.context_features) for item in items], device=slots.device)
