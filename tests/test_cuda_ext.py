@@ -13,7 +13,7 @@ from cuda_ext.block_attention.op import block_attention, block_attention_kernel
 from cuda_ext.block_attention.op import kernel_available as block_attention_available
 from cuda_ext.dflash2_walk import reference as walk_reference
 from cuda_ext.dflash2_walk.op import walk, walk_kernel
-from cuda_ext.verify.op import verify_block, verify_block_kernel
+from cuda_ext.verify.op import verify_block, verify_block_kernel, verify_greedy
 from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.sampling import CDF_CHUNK, sample_from
 
@@ -87,6 +87,26 @@ def test_verify_kernel_takes_a_step_the_reference_must_densify():
     got = verify_block(*args, use_kernel=True)
     assert torch.equal(got, verify_block(*args, use_kernel=False))
     assert got[1].tolist() == [0, int(draft[1, 0])]
+
+
+def test_the_greedy_verify_equals_the_reference_and_refuses_bad_rows():
+    """verify_greedy (the serving loop's all-greedy step: only scores, drafts and counts reach the host build)
+    against the reference on batches whose drafts mostly match, or not, argmax ties included; and its refusals name
+    the rows."""
+    for seed in range(6):
+        scores, draft, num = verify_case(12, 5, 64, seed, ties=seed == 3)[:3]
+        want = verify_block(scores, draft, num, torch.zeros(12, dtype=torch.bool), use_kernel=False)
+        assert verify_greedy(scores, draft, num) == (want[:, 0].tolist(), want[:, 1].tolist()), seed
+    scores, draft, num = verify_case(3, 4, 100, 1)[:3]
+    draft[2, 0], num[2] = 100, 4
+    with pytest.raises(IndexError, match=r"rows \[2\]"):
+        verify_greedy(scores, draft, num)
+    draft[2, 0], num[0] = 5, 9
+    with pytest.raises(IndexError, match=r"rows \[0\] hold a draft count outside 0..4"):
+        verify_greedy(scores, draft, num)
+    num[0] = 4
+    with pytest.raises(ValueError, match="inconsistent shapes"):
+        verify_greedy(scores[:, :3], draft, num)
 
 
 def test_verify_kernel_refuses_a_token_outside_the_vocabulary():

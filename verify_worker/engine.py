@@ -19,7 +19,7 @@ import time
 
 import torch
 
-from cuda_ext.verify.op import verify_block
+from cuda_ext.verify.op import verify_block, verify_greedy
 from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import ConfigError, RequestError, WorkerFault
@@ -479,8 +479,7 @@ class SpeculativeEngine:
         if not sampled_rows and n == 0:  # greedy plain decoding: the argmax (the kernel's rule, first of ties)
             return [0] * b, logits[:, 0].argmax(-1).tolist()
         if not sampled_rows:
-            out = verify_block(logits, drafts.to(device), num, torch.zeros(b, dtype=torch.bool, device=device))
-            return out[:, 0].tolist(), out[:, 1].tolist()
+            return verify_greedy(logits, drafts.to(device), num)
         index = torch.tensor(sampled_rows, device=device)
         probs = batch_sampling_probs(logits[sampled_rows], [states[r].request.sampling for r in sampled_rows])
         scores = logits.float().index_copy(0, index, probs)  # [b, n+1, V]: logits, or p for sampled rows

@@ -36,6 +36,22 @@ def _launch(scores: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor,
     return out
 
 
+def _greedy_launch(scores: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor) -> torch.Tensor:
+    """An all-greedy batch on the host build: a greedy row reads only its scores, drafts and count, so the proposal,
+    uniform and workspace pointers go null (building them was most of a demo step's verify in the serving loop)."""
+    batch, width = draft.shape
+    vocab = scores.shape[-1]
+    scores, draft, num_drafts = scores.float().contiguous(), draft.long().contiguous(), num_drafts.long().contiguous()
+    if scores.shape != (batch, width + 1, vocab) or num_drafts.shape != (batch,):
+        raise ValueError(f"dflash::verify_block: inconsistent shapes ({tuple(scores.shape)}, {tuple(draft.shape)}, "
+                         f"{tuple(num_drafts.shape)})")
+    sampled = torch.zeros(batch, dtype=torch.uint8)
+    out = torch.empty(batch, 2, dtype=torch.int64)
+    call_kernel("verify", scores.device, scores.data_ptr(), draft.data_ptr(), num_drafts.data_ptr(),
+                sampled.data_ptr(), None, None, None, None, None, None, None, batch, width, vocab, 0, out.data_ptr())
+    return out
+
+
 @torch.library.custom_op("dflash::verify_block", mutates_args=())
 def verify_block_kernel(scores: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor, sampled: torch.Tensor,
                         q_form: torch.Tensor, q_dense: torch.Tensor, q_ids: torch.Tensor, q_probs: torch.Tensor,
@@ -92,9 +108,28 @@ def verify_block(scores: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Te
     if not use_kernel:
         return reference.verify_block(*args).cpu()
     launch = _launch if device.type == "cpu" else verify_block_kernel  # a CUDA launch stays capturable
-    out = launch(*args).cpu()
+    return _checked(launch(*args).cpu(), width, scores.shape[-1])
+
+
+def _checked(out: torch.Tensor, width: int, vocab: int) -> torch.Tensor:
+    """The kernel's [b, 2] answer, or an IndexError naming the rows it refused."""
     bad = (out[:, 0] < 0).nonzero()[:, 0].tolist()
     if bad:
         raise IndexError(f"dflash::verify_block: rows {bad} hold a draft count outside 0..{width}, a token id outside "
-                         f"the vocabulary ({scores.shape[-1]}), or a q form without its tensors")
+                         f"the vocabulary ({vocab}), or a q form without its tensors")
     return out
+
+
+def verify_greedy(scores: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor) -> tuple[list[int], list[int]]:
+    """verify_block for an all-greedy batch (logits [b, n+1, V], drafts [b, n], counts [b]): the accepted counts and
+    next tokens as lists. On CPU the host build reads only these three (no proposal or uniform tensors built, no
+    sampled flag read back), the serving loop's usual step."""
+    if scores.device.type == "cpu" and kernel_entry("verify", scores.device, cpu_default=True) is not None:
+        rows = _greedy_launch(scores, draft, num_drafts).tolist()
+        bad = [row for row, (accepted, _) in enumerate(rows) if accepted < 0]
+        if bad:
+            raise IndexError(f"dflash::verify_block: rows {bad} hold a draft count outside 0..{draft.shape[1]} or a "
+                             f"token id outside the vocabulary ({scores.shape[-1]})")
+        return [accepted for accepted, _ in rows], [token for _, token in rows]
+    out = verify_block(scores, draft, num_drafts, torch.zeros(draft.shape[0], dtype=torch.bool, device=scores.device))
+    return out[:, 0].tolist(), out[:, 1].tolist()
