@@ -71,18 +71,26 @@ class VerifyMetrics:
         self.bad = Counter(names.BAD_MESSAGES, "Rejected wire messages", ["role"], registry=r)
         self.bad.labels("verify")  # exported at 0 from the start: a dashboard shows 0, not "no data"
         self.kind = drafter_kind
+        self.children: dict[tuple, object] = {}  # (metric, label) -> its labelled child, looked up once
+
+    def _child(self, metric, label: str):
+        child = self.children.get((metric, label))
+        if child is None:
+            child = self.children[(metric, label)] = metric.labels(label)
+        return child
 
     def record(self, report: StepReport) -> None:
+        """One step's figures (once a step: the labelled children are kept, not looked up again each time)."""
         for phase, seconds in report.seconds.items():
-            self.step.labels(phase).observe(seconds)
+            self._child(self.step, phase).observe(seconds)
         rows_with_drafts = report.drafted_at[0] if report.drafted_at else 0
         self.drafts.inc(rows_with_drafts)
         self.draft_tokens.inc(report.draft_tokens)
         self.accepted.inc(report.accepted_tokens)
         for position, (drafted, accepted) in enumerate(zip(report.drafted_at, report.accepted_at), start=1):
             if drafted:
-                self.drafted_at.labels(str(position)).inc(drafted)
-                self.accepted_at.labels(str(position)).inc(accepted)
+                self._child(self.drafted_at, str(position)).inc(drafted)
+                self._child(self.accepted_at, str(position)).inc(accepted)
         if report.fallback:
             self.fallback.inc()
         if report.policy_plain:
