@@ -16,7 +16,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, star
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared import metric_names as names
-from shared.channel_draft import TO_DRAFTER, DraftRequest, Ping, Pong, Release
+from shared.channel_draft import TO_DRAFTER, DraftReply, DraftRequest, Ping, Pong, Release
 from shared.checkpoint_io import load_tensors
 from shared.config_json import read_config
 from shared.draft_codec import items_from_message, reply_message
@@ -79,6 +79,7 @@ class DraftServer:
             reply = self.handle(message)
             if reply is not None:
                 self.socket.send_multipart([identity, *encode(reply)], copy=False)
+                self._record(reply)  # after the send: the verify worker waits for the reply, not for the metrics
 
     def handle(self, message):
         if isinstance(message, Ping):
@@ -107,12 +108,16 @@ class DraftServer:
                              type(exc).__name__, exc, len(items))
             results = [self._draft_alone(item) for item in items]
             ingest_seconds = None  # split over calls, some failed: not a measure of this call's rows
-        elapsed = time.perf_counter() - started
+        return reply_message(message.call_id, results, time.perf_counter() - started, ingest_seconds)
+
+    def _record(self, reply) -> None:
+        """A served call's metrics (Pongs count nothing)."""
+        if not isinstance(reply, DraftReply):
+            return
         self.metrics.calls.inc()
-        self.metrics.forward.observe(elapsed)
-        self.metrics.resyncs.inc(sum(r.tokens is None for r in results))
+        self.metrics.forward.observe(reply.draft_seconds)
+        self.metrics.resyncs.inc(sum(reply.resync))
         self.metrics.cached.set(len(self.proposer.slots))
-        return reply_message(message.call_id, results, elapsed, ingest_seconds)
 
     def _draft_alone(self, item) -> DraftResult:
         """One request's drafts; a request that fails on its own gets none this step and its context is

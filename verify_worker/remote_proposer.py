@@ -15,6 +15,7 @@ successor.
 import itertools
 import logging
 import time
+from collections.abc import Callable
 
 import zmq
 from zmq.utils.monitor import recv_monitor_message
@@ -81,9 +82,10 @@ class RemoteProposer:
             self.log.warning("rejected drafter message: %s", exc)
             return None
 
-    def _exchange(self, message, timeout_s: float, after_send=None):
-        """Send one message (then run after_send) and wait for the reply carrying its call id. Returns the
-        reply, or a string saying why there is none (timeout, connection lost)."""
+    def _exchange(self, message, timeout: Callable[[], float], after_send=None):
+        """Send one message (then run after_send) and wait for the reply carrying its call id, at most timeout()
+        seconds (asked once the message is on its way: the drafter works meanwhile). Returns the reply, or a
+        string saying why there is none (timeout, connection lost)."""
         self._disconnected()  # events of earlier connections say nothing about this call
         try:
             self.socket.send_multipart(encode(message), flags=zmq.NOBLOCK, copy=False)
@@ -91,6 +93,7 @@ class RemoteProposer:
             return "not connected"
         if after_send is not None:
             after_send()
+        timeout_s = timeout()
         poller = zmq.Poller()
         poller.register(self.socket, zmq.POLLIN)
         poller.register(self.monitor, zmq.POLLIN)
@@ -141,12 +144,12 @@ class RemoteProposer:
         started = time.perf_counter()
         catch_up = any(len(item.context_features) > STEADY_BLOCKS * self.block_size for item in items)
         rows = sum(len(item.context_features) for item in items)
-        timeout_s = self.deadline.timeout(rows)
         features = stacked_features(items, self.feature_width)
         outgoing = self.transport.outgoing(features)
         message = request_message(next(self.call_ids), items, outgoing)
         try:
-            reply = self._exchange(message, timeout_s, lambda: self.transport.push(features, outgoing))
+            reply = self._exchange(message, lambda: self.deadline.timeout(rows),
+                                   lambda: self.transport.push(features, outgoing))
         except TransportError as exc:
             self._mark_down(str(exc))
             raise ProposerUnavailable("feature transport failed") from None
