@@ -21,6 +21,7 @@ from shared.channel_gateway import (
     Heartbeat,
     RequestFailed,
     SubmitRequest,
+    TokenBatch,
     TokenEvent,
     WorkerStopping,
 )
@@ -162,6 +163,12 @@ class VerifyClient:
             self.log.error("the verify worker is stopping: %s", message.reason)
             self.last_seen = 0.0  # down now, not after the heartbeat timeout
         elif isinstance(message, (TokenEvent, RequestFailed)):
-            queue = self.queues.get(message.request_id)
-            if queue is not None:
-                queue.put_nowait(message)
+            self._route(message)
+        elif isinstance(message, TokenBatch):
+            for event in message.events():
+                self._route(event)
+
+    def _route(self, message: TokenEvent | RequestFailed) -> None:
+        queue = self.queues.get(message.request_id)
+        if queue is not None:
+            queue.put_nowait(message)

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-SCHEMA_VERSION = 2  # 2: log-probabilities in submit and tokens
+SCHEMA_VERSION = 3  # 2: log-probabilities in submit and tokens; 3: token_batch
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 

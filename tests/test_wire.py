@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shared.channel_draft import TO_DRAFTER, TO_VERIFIER, DraftReply, DraftRequest
-from shared.channel_gateway import TO_GATEWAY, TO_VERIFY, SubmitRequest, TokenEvent
+from shared.channel_gateway import TO_GATEWAY, TO_VERIFY, SubmitRequest, TokenBatch, TokenEvent
 from shared.draft_codec import (
     items_from_message,
     reply_message,
@@ -127,3 +127,16 @@ def test_token_logprobs_travel_and_must_line_up_with_the_tokens():
     with pytest.raises(WireError, match="prompt log-probability"):
         decode(encode(TokenEvent("r", [], "length", 1, 0, 0, prompt_logprobs=[-1.0], prompt_top_ids=[[3], [4]],
                                  prompt_top_logprobs=[[-0.5], [-0.2]])), TO_GATEWAY)
+
+
+def test_a_token_batch_carries_a_steps_events_and_refuses_ragged_lists():
+    events = [TokenEvent("a", [1, 2, 3], None, 4, 14, 9), TokenEvent("b", [7], "stop", 12, 0, 0),
+              TokenEvent("c", [], "length", 1, 7, 0)]
+    batch = decode(encode(TokenBatch.of(events)), TO_GATEWAY)
+    assert isinstance(batch, TokenBatch) and batch.events() == events
+    frames = encode(TokenBatch(["a", "b"], [[1], [2]], [None], [1, 1], [0, 0], [0, 0]))
+    with pytest.raises(WireError, match="token_batch: per-request lists differ in length"):
+        decode(frames, TO_GATEWAY)
+    frames = encode(TokenBatch(["a"], [["x"]], [None], [1], [0], [0]))
+    with pytest.raises(WireError, match="token_batch.token_ids"):
+        decode(frames, TO_GATEWAY)

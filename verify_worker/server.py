@@ -25,6 +25,7 @@ from shared.channel_gateway import (
     Heartbeat,
     RequestFailed,
     SubmitRequest,
+    TokenBatch,
     TokenEvent,
     WorkerStopping,
 )
@@ -204,6 +205,7 @@ class VerifyServer:
             self.log.error("engine step failed:\n%s", traceback.format_exc())
             self._fail_all("internal", "the verify worker failed on this step", waiting_too=False)
             return
+        plain: list[TokenEvent] = []  # events without log-probabilities: one TokenBatch for the step
         for event in events:
             if event.error is not None:  # this request failed a step on its own; the others went on
                 self._send(RequestFailed(event.request_id, "internal",
@@ -213,13 +215,21 @@ class VerifyServer:
             stats = event.stats
             values, top_ids, top_values = _logprob_lists(event.logprobs)
             prompt_values, prompt_top_ids, prompt_top_values = _logprob_lists(event.prompt_logprobs)
-            self._send(TokenEvent(
+            token_event = TokenEvent(
                 request_id=event.request_id, token_ids=event.new_token_ids, finish_reason=event.finish_reason,
                 verify_steps=stats.verify_steps if stats else 0, draft_tokens=stats.draft_tokens if stats else 0,
                 accepted_tokens=stats.accepted_tokens if stats else 0, logprobs=values, top_ids=top_ids,
                 top_logprobs=top_values, prompt_logprobs=prompt_values, prompt_top_ids=prompt_top_ids,
                 prompt_top_logprobs=prompt_top_values,
-            ))
+            )
+            if values is None and prompt_values is None:
+                plain.append(token_event)
+            else:
+                self._send(token_event)
+        if len(plain) == 1:
+            self._send(plain[0])
+        elif plain:
+            self._send(TokenBatch.of(plain))
         for report in self.engine.last_reports:
             self.metrics.record(report)
 
