@@ -211,14 +211,18 @@ class DFlashDraftModel(nn.Module):
         )
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """rotary_cos_sin(self.inv_freq, positions, dtype), read from a table of the first positions (grown by
-        doubling): the same elementwise values, in one index per table where the computation is six small ops."""
+        """rotary_cos_sin(self.inv_freq, positions, dtype). On CPU read from a table of the first positions (grown
+        by doubling, up to max_position_embeddings unless a position lies beyond): the same elementwise values, in
+        one index where the computation is six small ops, whose dispatch costs more than the arithmetic there.
+        Elsewhere computed (a table would hold 8 * head_dim bytes a position of device memory)."""
+        if positions.device.type != "cpu":
+            return rotary_cos_sin(self.inv_freq, positions, dtype)
         table = self.rope_table
         needed = int(positions.max()) + 1 if positions.numel() else 1
-        device = positions.device
-        if table is None or table[0].shape[1] < needed or table[0].dtype != dtype or table[0].device != device:
-            size = max(needed, 2 * table[0].shape[1] if table is not None else 1024)
-            table = self.rope_table = rotary_cos_sin(self.inv_freq, torch.arange(size, device=device)[None], dtype)
+        if table is None or table[0].shape[1] < needed or table[0].dtype != dtype:
+            grown = 2 * table[0].shape[1] if table is not None else 1024
+            size = max(needed, min(grown, self.config.max_position_embeddings))
+            table = self.rope_table = rotary_cos_sin(self.inv_freq, torch.arange(size)[None], dtype)
         return table[0][0][positions], table[1][0][positions]  # [*positions.shape, dim] each
 
     def ingest_context(self, cache: PositionalKVCache, slots: torch.Tensor, positions: torch.Tensor,
