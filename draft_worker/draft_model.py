@@ -210,15 +210,17 @@ class DFlashDraftModel(nn.Module):
             cfg.num_layers, num_slots, cfg.num_kv_heads, capacity, cfg.head_dim, weight.dtype, weight.device
         )
 
-    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype,
+                 end: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
         """rotary_cos_sin(self.inv_freq, positions, dtype). On CPU read from a table of the first positions (grown
         by doubling, up to max_position_embeddings unless a position lies beyond): the same elementwise values, in
         one index where the computation is six small ops, whose dispatch costs more than the arithmetic there.
-        Elsewhere computed (a table would hold 8 * head_dim bytes a position of device memory)."""
+        Elsewhere computed (a table would hold 8 * head_dim bytes a position of device memory). end: one past the
+        largest position, where the caller knows it."""
         if positions.device.type != "cpu":
             return rotary_cos_sin(self.inv_freq, positions, dtype)
         table = self.rope_table
-        needed = int(positions.max()) + 1 if positions.numel() else 1
+        needed = end if end is not None else int(positions.max()) + 1 if positions.numel() else 1
         if table is None or table[0].shape[1] < needed or table[0].dtype != dtype:
             grown = 2 * table[0].shape[1] if table is not None else 1024
             size = max(needed, min(grown, self.config.max_position_embeddings))
@@ -241,10 +243,10 @@ class DFlashDraftModel(nn.Module):
         norm. The block's keys/values land past the context length, so the cache keeps context rows only."""
         batch, block, hidden = block_embeds.shape
         positions = block_start[:, None] + torch.arange(block, device=block_start.device)  # [b, B]
-        cos, sin = self._cos_sin(positions, block_embeds.dtype)  # [b, B, dim]
         block_end = block_start + block
+        kv_len = int(block_end.max())  # one past the batch's last block position
+        cos, sin = self._cos_sin(positions, block_embeds.dtype, end=kv_len)  # [b, B, dim]
         if self._runs_native(block_embeds):
-            kv_len = int(block_end.max())
             kinds = [(layer.self_attn.causal, layer.self_attn.window) for layer in self.layers]
             by_kind = {kind: visibility_mask(positions, kv_len, visible_end=None if kind[0] else block_end,
                                              sliding_window=kind[1]) for kind in dict.fromkeys(kinds)}

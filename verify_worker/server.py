@@ -226,9 +226,7 @@ class VerifyServer:
                 plain.append(token_event)
             else:
                 self._send(token_event)
-        if len(plain) == 1:
-            self._send(plain[0])
-        elif plain:
+        if plain:
             self._send(TokenBatch.of(plain))
         for report in self.engine.last_reports:
             self.metrics.record(report)

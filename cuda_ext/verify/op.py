@@ -115,9 +115,13 @@ def _checked(out: torch.Tensor, width: int, vocab: int) -> torch.Tensor:
     """The kernel's [b, 2] answer, or an IndexError naming the rows it refused."""
     bad = (out[:, 0] < 0).nonzero()[:, 0].tolist()
     if bad:
-        raise IndexError(f"dflash::verify_block: rows {bad} hold a draft count outside 0..{width}, a token id outside "
-                         f"the vocabulary ({vocab}), or a q form without its tensors")
+        raise _refused(bad, width, vocab)
     return out
+
+
+def _refused(rows: list[int], width: int, vocab: int) -> IndexError:
+    return IndexError(f"dflash::verify_block: rows {rows} hold a draft count outside 0..{width}, a token id outside "
+                      f"the vocabulary ({vocab}), or a q form without its tensors")
 
 
 def verify_greedy(scores: torch.Tensor, draft: torch.Tensor, num_drafts: torch.Tensor) -> tuple[list[int], list[int]]:
@@ -128,8 +132,7 @@ def verify_greedy(scores: torch.Tensor, draft: torch.Tensor, num_drafts: torch.T
         rows = _greedy_launch(scores, draft, num_drafts).tolist()
         bad = [row for row, (accepted, _) in enumerate(rows) if accepted < 0]
         if bad:
-            raise IndexError(f"dflash::verify_block: rows {bad} hold a draft count outside 0..{draft.shape[1]} or a "
-                             f"token id outside the vocabulary ({scores.shape[-1]})")
+            raise _refused(bad, draft.shape[1], scores.shape[-1])
         return [accepted for accepted, _ in rows], [token for _, token in rows]
     out = verify_block(scores, draft, num_drafts, torch.zeros(draft.shape[0], dtype=torch.bool, device=scores.device))
     return out[:, 0].tolist(), out[:, 1].tolist()
