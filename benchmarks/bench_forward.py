@@ -4,8 +4,9 @@ rotated together), measured in interleaved rounds in one process; prints medians
 CPU it times both packed layouts: "transposed" (PyTorch's GEMM on [in, out] weights) and "bf16" (the C++
 kernel on the checkpoint's bfloat16 weights, the default where it builds), "bf16 per-op", the same
 kernels called op by op instead of one call for the whole layer stack (shared/cpu_kernels/decoder_layer.cpp),
-"bf16 + bf16 cache", the served default (--dtype auto keeps the KV cache in bfloat16 there), and "... N thr",
-that with the layer stack and lm_head shared between --kernel-threads threads (worker_pool.h; the same bits).
+"bf16 + bf16 cache" (--dtype auto keeps the KV cache in bfloat16 there), "... N thr", that with the layer stack
+and lm_head shared between --kernel-threads threads (worker_pool.h; the same bits), and on a CPU with AMX "amx 1
+thr" and "amx N thr", the served default there (bfloat16 products, shared/cpu_kernels/bf16_gemm_amx.cpp).
 
     python benchmarks/bench_forward.py                         # demo target, float32, 1 thread
     python benchmarks/bench_forward.py --dtype bfloat16 --threads 2
@@ -23,6 +24,7 @@ import time
 import torch
 
 from shared.demo_models import default_pair
+from shared.cpu_kernels.library import cpu_kernels
 from shared.packed_linear import packing_layout
 from verify_worker.target_loader import load_target
 
@@ -71,6 +73,11 @@ def main(argv=None) -> int:
             pooled = load_target(folder, dtype=args.dtype, pack=False).pack(layouts[-1], args.kernel_threads)
             pooled.kv_dtype = torch.bfloat16
             models[f"... {args.kernel_threads} thr"] = pooled
+        if cpu_kernels().amx:  # bfloat16 products on AMX: what --dtype auto serves a bfloat16 checkpoint with here
+            for threads in sorted({1, args.kernel_threads}):
+                amx = load_target(folder, dtype=args.dtype, pack=False).pack("amx", threads)
+                amx.kv_dtype = torch.bfloat16
+                models[f"amx {threads} thr"] = amx
     vocab = models["as loaded"].config.vocab_size
     names = list(models)
     print(f"target {folder}, {args.dtype}, {args.threads} thread(s), context {args.context}; ms per forward, "

@@ -16,7 +16,7 @@ from shared.cpu_kernels.library import cpu_kernels
 from shared.draft_config import DraftConfig
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows
-from shared.packed_linear import PackedLinear, packing_layout
+from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
@@ -35,7 +35,7 @@ class DraftAttention(nn.Module):
         self.q_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.k_norm = RMSNorm(cfg.head_dim, cfg.rms_norm_eps)
         self.kv_proj = None  # set by pack()
-        self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
+        self.kernels = None  # the C++ CPU kernels, with their layouts ("bf16", "amx"; set by pack())
 
     def pack(self, layout: str) -> None:
         """Inference: k and v as one GEMM (context rows need only those), q and o in the same layout; with the
@@ -44,7 +44,7 @@ class DraftAttention(nn.Module):
         self.q_proj = PackedLinear.of(self.q_proj, layout=layout)
         self.o_proj = PackedLinear.of(self.o_proj, layout=layout)
         del self.k_proj, self.v_proj
-        self.kernels = cpu_kernels() if layout == "bf16" else None
+        self.kernels = cpu_kernels() if layout in KERNEL_LAYOUTS else None
         if self.kernels is not None:  # the C++ kernels: their attention, and norm + rotary + cache write fused
             self.register_buffer("q_norm_rows", self.q_norm.weight.detach().expand(self.num_heads, self.head_dim).contiguous())
             self.register_buffer("k_norm_rows",
@@ -166,7 +166,7 @@ class DFlashDraftModel(nn.Module):
         self.layers = nn.ModuleList(self.layer_class(cfg, i) for i in range(cfg.num_layers))
         self.norm = RMSNorm(h, cfg.rms_norm_eps)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
-        self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
+        self.kernels = None  # the C++ CPU kernels, with their layouts ("bf16", "amx"; set by pack())
         self.native_block: DraftBlockWeights | None = None  # every layer in one kernel call (set by pack())
         self.pool = None  # the threads that share the one call's work (the proposer sets it)
         self.rope_table: tuple[torch.Tensor, torch.Tensor] | None = None  # cos, sin [1, positions, dim] (_cos_sin)
@@ -181,7 +181,7 @@ class DFlashDraftModel(nn.Module):
         if layout is None or isinstance(self.fc, PackedLinear):
             return self
         self.fc = PackedLinear.of(self.fc, layout=layout)
-        self.kernels = cpu_kernels() if layout == "bf16" else None
+        self.kernels = cpu_kernels() if layout in KERNEL_LAYOUTS else None
         for layer in self.layers:
             layer.pack(layout)
         if self.kernels is not None:
@@ -200,9 +200,12 @@ class DFlashDraftModel(nn.Module):
             return None
         d2 = cfg.dflash2
         first = self.layers[0].input_layernorm
+        kinds = {module.layout for module in self.layers.modules() if isinstance(module, PackedLinear)}
+        if len(kinds) != 1:  # one call multiplies one way
+            return None
         return DraftBlockWeights.of(layers, norm_weight(first), first.eps, cfg.num_heads, cfg.num_kv_heads,
                                     cfg.head_dim, cfg.intermediate_size, d2.conv_kernel_size if d2 else 0,
-                                    d2.conv_group_size if d2 else 0)
+                                    d2.conv_group_size if d2 else 0, amx=kinds == {"amx"})
 
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
         cfg, weight = self.config, self.hidden_norm.weight  # never packed: the activations' dtype

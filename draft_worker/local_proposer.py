@@ -41,7 +41,10 @@ class LocalProposer:
         max_model_len: int = 4096,
         draft_sampling: DraftSampling = DraftSampling.DENSE,
         sparse_top_k: int = 16,
+        layout: str | None = "auto",
     ):
+        """layout: how the drafter and the head pack their projections (shared.packed_linear.kernel_layout:
+        "amx" for bfloat16 products; "auto" for the device's default)."""
         cfg = drafter.config
         if embed_weight.shape[1] != cfg.hidden_size:
             raise ConfigError(
@@ -54,13 +57,13 @@ class LocalProposer:
         self.block_size = block_size or cfg.block_size
         if self.block_size < 2:
             raise ConfigError(f"block size must be >= 2, got {self.block_size}")
-        self.drafter = drafter.pack()  # the proposer owns it from here: packed for inference
+        self.drafter = drafter.pack(layout)  # the proposer owns it from here: packed for inference
         self.target_layer_ids = cfg.target_layer_ids
         self.num_target_layers = cfg.num_target_layers
         dtype = next(drafter.parameters()).dtype  # the target's head may be shared in another dtype
         self.embed_weight = embed_weight.to(dtype)
         self.lm_head_weight = self.embed_weight if lm_head_weight is embed_weight else lm_head_weight.to(dtype)
-        self.lm_head = packed_head(self.lm_head_weight)  # the drafter's logits go through the target's head
+        self.lm_head = packed_head(self.lm_head_weight, layout)  # the drafter's logits: the target's head
         self.draft_sampling = draft_sampling
         self.sparse_top_k = sparse_top_k
         self.cache = drafter.new_cache(max_requests, max_model_len + self.block_size)

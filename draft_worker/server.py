@@ -23,7 +23,7 @@ from shared.draft_codec import items_from_message, reply_message
 from shared.dtype_choice import resolve_dtype
 from shared.errors import DFlashError
 from shared.feature_transport import FrameTransport, add_transport_flags, make_transport
-from shared.packed_linear import float32_kernels_run
+from shared.packed_linear import float32_kernels_run, kernel_layout
 from shared.proposals import DraftResult
 from shared.role import configure_process, run_worker, usable_cores
 from shared.target_facts import TargetFacts
@@ -168,6 +168,7 @@ def build_server(args, log: logging.Logger) -> DraftServer:
         drafter, embed, head, block_size=args.block_size, max_requests=args.max_requests,
         max_model_len=args.max_model_len or target_cfg.max_position_embeddings,
         draft_sampling=DraftSampling(args.draft_sampling),
+        layout=kernel_layout(args.dtype, target_cfg.checkpoint_dtype, args.device),
     )
     proposer.share_kernel_threads(args.kernel_threads or usable_cores())
     metrics = DraftMetrics()

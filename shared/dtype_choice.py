@@ -10,10 +10,11 @@ def resolve_dtype(name: str, checkpoint_dtype: str, device: str, float32_kernels
     """'auto' = the checkpoint's dtype on an accelerator. On CPU: float32 where the model runs float32 through
     the C++ CPU kernels (float32_kernels: shared.packed_linear.float32_kernels_run; they multiply the bfloat16
     weights as they are, float32 sums, and beat oneDNN's native bfloat16 at serving batch sizes: on an AVX-512
-    BF16 CPU the demo target's one-token forward took 1.0 against 4.8 ms, a 9-token block 3.1 against 5.5 ms);
-    else bfloat16 for a bfloat16 checkpoint when the CPU multiplies bfloat16 natively (AVX512-BF16 or AMX: an
-    8-token verify block then costs about as much as one token), else float32 (float16 and emulated bfloat16
-    are slow there)."""
+    BF16 CPU the demo target's one-token forward took 1.0 against 4.8 ms, a 9-token block 3.1 against 5.5 ms;
+    with AMX a bfloat16 checkpoint's products are bfloat16 ones there, the "amx" layout of
+    shared.packed_linear.kernel_layout); else bfloat16 for a bfloat16 checkpoint when the CPU multiplies
+    bfloat16 natively (AVX512-BF16 or AMX: an 8-token verify block then costs about as much as one token), else
+    float32 (float16 and emulated bfloat16 are slow there)."""
     if name == "auto":
         on_cpu = str(device).startswith("cpu")
         native = checkpoint_dtype == "bfloat16" and native_cpu_bfloat16() and not float32_kernels

@@ -7,6 +7,10 @@ itself. Layouts, measured on 2 CPU cores (AMD EPYC, float32, one thread):
   shared.cpu_kernels (float32 sums): the 33 projections of the demo target took 1.8-2.0 ms against 3.1-3.5 ms
   for MKL on float32 weights (one row; 8 rows: 3.9 against 7.1 ms; 128 rows: 27.9 against 30.2 ms), and its
   rows are computed independently (row invariance);
+- "amx": the same bfloat16 weights multiplied on AMX tiles, with the activations rounded to bfloat16 first (a
+  bfloat16 model's matmul, float32 sums: bf16_gemm_amx.cpp); where the C++ kernels run on an AMX CPU and the
+  caller asks for bfloat16 products (`kernel_layout`). The demo target's 9-token verify block took 1.60 against
+  2.05 ms in "bf16" (2 kernel threads), 16 one-token rows 2.43 against 3.09 ms, one token the same;
 - "transposed": [in, out] float32, x @ W (MKL's F.linear took 217 us for a one-token row of the demo's
   [1536, 256] gate/up weight, stored transposed 51 us);
 - "fused": the [out, in] layout and F.linear, on CUDA (cuBLAS reads either layout alike; not run yet).
@@ -20,6 +24,8 @@ from torch import nn
 from torch.nn import functional as F
 
 from shared.cpu_kernels.library import bf16_exact, cpu_kernels
+
+KERNEL_LAYOUTS = ("bf16", "amx")  # the layouts the C++ kernels multiply (bfloat16 weight tiles)
 
 
 def packing_layout(weight: torch.Tensor) -> str | None:
@@ -39,6 +45,16 @@ def packing_layout(weight: torch.Tensor) -> str | None:
     return "bf16" if float32_kernels_run(weight.device) else "transposed"
 
 
+def kernel_layout(dtype: str, checkpoint_dtype: str, device) -> str:
+    """The layout a loader packs a model in: "amx" (bfloat16 products) for --dtype auto and a bfloat16 checkpoint
+    where the C++ kernels run on a CPU with AMX, else "auto" (packing_layout's choice: float32 products where
+    the kernels run). A bfloat16 checkpoint asks for bfloat16 maths; the float32 kernels compute more precisely
+    than it asks, AMX as it asks and faster. --dtype float32 keeps float32 products."""
+    if dtype != "auto" or checkpoint_dtype != "bfloat16" or not float32_kernels_run(device):
+        return "auto"
+    return "amx" if cpu_kernels().amx else "auto"
+
+
 def float32_kernels_run(device) -> bool:
     """Whether a float32 model on this device packs its bfloat16-exact weights for the C++ kernels ("bf16"
     above): a CPU where they build, with torch on one thread (each kernel runs on its caller's thread; the target's
@@ -56,12 +72,14 @@ class PackedLinear(nn.Module):
                  reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
         """weight [out, in] as nn.Linear holds it; layout as packing_layout names it."""
         super().__init__()
-        self.kernels = cpu_kernels() if layout == "bf16" and bf16_exact(weight) else None
-        self.layout = "bf16" if self.kernels is not None else "transposed" if layout == "bf16" else layout
+        on_kernels = layout in KERNEL_LAYOUTS
+        self.kernels = cpu_kernels() if on_kernels and bf16_exact(weight) else None
+        self.layout = layout if self.kernels is not None or not on_kernels else "transposed"
         self.transposed = self.layout == "transposed"
+        self.isa = "amx" if self.layout == "amx" else None  # bf16_matmul's kernel: None for the float32 ones
         self.out_features = weight.shape[0]
         if self.kernels is not None:
-            stored = self.kernels.bf16_tiles(weight)  # [tiles, in, 16] bfloat16
+            stored = self.kernels.bf16_tiles(weight, self.layout)  # [tiles, in, 16] bfloat16
         else:
             stored = weight.t().contiguous() if self.transposed else weight.contiguous()
         self.register_buffer("weight", stored)
@@ -84,7 +102,7 @@ class PackedLinear(nn.Module):
         if self.reduce is None and self.layout == "fused":
             return F.linear(x, self.weight, self.bias)
         if self.kernels is not None:
-            out = self.kernels.bf16_matmul(x, self.weight, self.out_features, pool=self.pool)
+            out = self.kernels.bf16_matmul(x, self.weight, self.out_features, self.isa, self.pool)
         elif self.transposed:
             out = torch.matmul(x, self.weight)
         else:
@@ -94,8 +112,8 @@ class PackedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
-def packed_head(weight: torch.Tensor) -> "torch.Tensor | PackedLinear":
+def packed_head(weight: torch.Tensor, layout: str | None = "auto") -> "torch.Tensor | PackedLinear":
     """An lm_head weight [vocab, hidden] packed for inference like the layers (shared.layers.project_rows takes
-    either), or the weight itself where packing_layout leaves weights as loaded."""
-    layout = packing_layout(weight)
+    either) in `layout` ("auto": packing_layout's), or the weight itself where the layout is None."""
+    layout = packing_layout(weight) if layout == "auto" else layout
     return weight if layout is None else PackedLinear(weight.detach(), None, layout)

@@ -24,8 +24,10 @@ from verify_worker.target_loader import load_target
 PROMPTS = DEMO_DIR.parent.parent / "benchmarks" / "prompts_heldout.json"
 needs_native_bf16 = pytest.mark.skipif(not native_cpu_bfloat16(), reason="this CPU has no native bfloat16 matmul")
 needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().amx, reason="no AMX here")
 SETUPS = [pytest.param("bfloat16", marks=needs_native_bf16), pytest.param("float32 kernels", marks=needs_kernels),
-          pytest.param("float32 kernels, bfloat16 cache", marks=needs_kernels)]
+          pytest.param("float32 kernels, bfloat16 cache", marks=needs_kernels),
+          pytest.param("amx kernels, bfloat16 cache", marks=needs_amx)]
 
 
 def _invariant_target(folder, setup: str):
@@ -36,6 +38,11 @@ def _invariant_target(folder, setup: str):
         target = load_target(folder, dtype="float32", pack=False).pack("bf16")
         target.kv_dtype = kv_cache_dtype("auto", "bfloat16", torch.float32, float32_kernels=True)
         assert target.whole_layers is not None and target.kv_dtype == torch.bfloat16
+        return target
+    if setup == "amx kernels, bfloat16 cache":  # what --dtype auto runs where the kernels run on AMX
+        target = load_target(folder, dtype="float32", pack=False).pack("amx")
+        target.kv_dtype = kv_cache_dtype("auto", "bfloat16", torch.float32, float32_kernels=True)
+        assert target.whole_layers is not None and target.whole_layers.c_shape.amx == 1
         return target
     target = load_target(folder, dtype="float32", pack=False).pack("bf16")
     assert target.kernels is not None and target.model.layers[0].mlp.gate_up_proj.layout == "bf16"
@@ -97,7 +104,7 @@ def test_the_demo_pair_speculates_exactly_the_plain_tokens(setup):
     requests = [GenerationRequest(tuple(tokenizer.encode(p).ids), 64) for p in prompts]
     plain = SpeculativeEngine(target, None, max_requests=4, max_model_len=1024).generate(requests)
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=8, max_requests=4,
-                             max_model_len=1024)
+                             max_model_len=1024, layout="amx" if setup.startswith("amx") else "auto")
     spec = SpeculativeEngine(target, proposer, max_requests=4, max_model_len=1024).generate(requests)
     assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
     assert sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec) > 1.5
@@ -150,3 +157,7 @@ def test_the_demo_target_loads_float32_on_the_kernels_where_they_run():
     assert target.embed_weight.dtype == want
     assert (getattr(target, "whole_layers", None) is not None) == kernels
     assert target.new_cache(1, 8).keys[0].dtype == (torch.bfloat16 if kernels else want)  # (kernel maths: bf16)
+    if kernels:  # bfloat16 products on AMX where it runs, float32 ones otherwise; --dtype float32: float32 always
+        assert target.head.layout == ("amx" if cpu_kernels().amx else "bf16")
+        assert target.whole_layers.c_shape.amx == (target.head.layout == "amx")
+        assert load_target(default_pair().target, dtype="float32").head.layout == "bf16"

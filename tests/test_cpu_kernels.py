@@ -57,6 +57,74 @@ def test_avx512_kernel_equals_the_avx2_kernel_bit_for_bit(rows):
         assert torch.equal(wide, kernels.bf16_matmul(x, tiles, out_features))  # what every caller gets
 
 
+needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().amx, reason="no AMX here")
+
+
+@needs_amx
+@pytest.mark.parametrize("rows", [1, 2, 9, 16, 17, 41])
+def test_amx_product_is_the_bfloat16_product(rows):
+    """The "amx" layout multiplies x rounded to bfloat16 (as PyTorch rounds) by the bfloat16 weights with float32
+    sums: it equals the float64 product of those rounded values within float32 summation error, and differs
+    from the float32 product by about bfloat16's rounding of x. Shapes cover partial 32-deep blocks, odd K,
+    partial tiles and tile groups, and rows past one 16-row tile."""
+    kernels = cpu_kernels()
+    for case, (out_features, in_features) in enumerate([(16, 8), (40, 37), (7, 300), (513, 256), (130, 768),
+                                                        (4100, 65)]):
+        weight = _bf16_weight(out_features, in_features, seed=rows * 10 + case)
+        x = torch.randn(rows, in_features, generator=torch.Generator().manual_seed(case)) * 3
+        got = kernels.bf16_matmul(x, kernels.bf16_tiles(weight, "amx"), out_features, isa="amx")
+        rounded = x.to(torch.bfloat16).double()
+        want = rounded @ weight.double().t()
+        assert got.shape == (rows, out_features) and got.dtype == torch.float32
+        assert torch.allclose(got.double(), want, rtol=1e-5, atol=1e-4 * in_features ** 0.5), (out_features,
+                                                                                               in_features)
+        exact = x.double() @ weight.double().t()
+        assert not torch.allclose(got.double(), exact, rtol=1e-5, atol=1e-4 * in_features ** 0.5)
+
+
+@needs_amx
+def test_amx_rows_are_computed_alone_and_pooled_alike():
+    """Row invariance on AMX: rows of every count (within one 16-row tile, across tiles) equal the same row
+    multiplied alone, bit for bit, and a product shared between a pool's threads gives the same bits."""
+    weight = _bf16_weight(72, 200, seed=0)
+    kernels = cpu_kernels()
+    tiles = kernels.bf16_tiles(weight, "amx")
+    x = torch.randn(40, 200, generator=torch.Generator().manual_seed(2))
+    alone = torch.cat([kernels.bf16_matmul(x[i:i + 1], tiles, 72, isa="amx") for i in range(40)])  # [40, 72]
+    pool = kernels.worker_pool(2)
+    try:
+        for rows in (2, 3, 9, 16, 17, 33, 40):
+            for start in (0, 40 - rows):
+                part = x[start:start + rows]
+                assert torch.equal(kernels.bf16_matmul(part, tiles, 72, isa="amx"), alone[start:start + rows])
+                assert torch.equal(kernels.bf16_matmul(part, tiles, 72, isa="amx", pool=pool),
+                                   alone[start:start + rows])
+    finally:
+        pool.close()
+
+
+@needs_amx
+def test_amx_keeps_non_finite_values():
+    weight = _bf16_weight(16, 32, seed=4)
+    kernels = cpu_kernels()
+    x = torch.zeros(3, 32)
+    x[0, 5], x[1, 7], x[2, 0] = float("nan"), float("inf"), 3.4e38  # the last rounds up to bfloat16's infinity
+    got = kernels.bf16_matmul(x, kernels.bf16_tiles(weight, "amx"), 16, isa="amx")
+    assert torch.isnan(got[0]).all()
+    assert torch.isinf(got[1:]).all()
+    assert torch.equal(torch.sign(got[1]), torch.sign(weight[:, 7])) and torch.equal(torch.sign(got[2]),
+                                                                                    torch.sign(weight[:, 0]))
+
+
+def test_the_amx_kernel_is_refused_where_it_cannot_run():
+    kernels = cpu_kernels()
+    if kernels.amx:
+        pytest.skip("AMX runs here")
+    weight = _bf16_weight(16, 32, seed=4)
+    with pytest.raises(RuntimeError, match="AMX"):
+        kernels.bf16_matmul(torch.zeros(1, 32), kernels.bf16_tiles(weight, "amx"), 16, isa="amx")
+
+
 def test_leading_dimensions_and_no_rows():
     weight = _bf16_weight(24, 16, seed=3)
     kernels = cpu_kernels()

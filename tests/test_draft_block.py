@@ -17,7 +17,7 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kerne
 CONV = DFlash2Settings(conv_kernel_size=3, conv_group_size=16, selector_rank=8, selector_top_k=4)
 
 
-def bf16_drafter(dflash2: bool, layers: int, seed: int = 4):
+def bf16_drafter(dflash2: bool, layers: int, seed: int = 4, layout: str = "bf16"):
     """A random drafter whose weights a bfloat16 checkpoint could hold (so the C++ layout applies), its DFlash 2
     convolutions live (not the identity they start as), packed for the C++ kernels."""
     overrides = {}
@@ -34,7 +34,7 @@ def bf16_drafter(dflash2: bool, layers: int, seed: int = 4):
                     conv.base_kernel.normal_(0, 1, generator=gen)
         for param in drafter.parameters():
             param.copy_(param.to(torch.bfloat16).float())
-    return drafter.pack("bf16")
+    return drafter.pack(layout)
 
 
 def run_block(drafter, one_call: bool, kv_dtype, pool=None):
@@ -58,12 +58,14 @@ def run_block(drafter, one_call: bool, kv_dtype, pool=None):
     return hidden, cache.keys, cache.values
 
 
+@pytest.mark.parametrize("layout", ["bf16", pytest.param("amx", marks=pytest.mark.skipif(
+    cpu_kernels() is None or not cpu_kernels().amx, reason="no AMX here"))])
 @pytest.mark.parametrize("dflash2", [False, True], ids=["dflash", "dflash2"])
 @pytest.mark.parametrize("layers", [1, 2])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16], ids=["f32-cache", "bf16-cache"])
-def test_one_call_block_equals_the_per_op_block_bit_for_bit(dflash2, layers, kv_dtype):
-    drafter = bf16_drafter(dflash2, layers)
-    assert drafter.native_block is not None
+def test_one_call_block_equals_the_per_op_block_bit_for_bit(dflash2, layers, kv_dtype, layout):
+    drafter = bf16_drafter(dflash2, layers, layout=layout)
+    assert drafter.native_block is not None and drafter.native_block.c_shape.amx == (layout == "amx")
     per_op = run_block(drafter, one_call=False, kv_dtype=kv_dtype)
     one_call = run_block(drafter, one_call=True, kv_dtype=kv_dtype)
     assert torch.equal(per_op[0], one_call[0])

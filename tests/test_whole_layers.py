@@ -13,9 +13,12 @@ from verify_worker.target_loader import load_target
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
 
 
-def _packed(folder, family: str, **overrides):
+needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().amx, reason="no AMX here")
+
+
+def _packed(folder, family: str, layout: str = "bf16", **overrides):
     write_hf_checkpoint(folder, family, seed=5, dtype=torch.bfloat16, max_position_embeddings=512, **overrides)
-    return load_target(folder, dtype="float32", pack=False).pack("bf16")
+    return load_target(folder, dtype="float32", pack=False).pack(layout)
 
 
 def _run(target, whole: bool, prompt, ids, positions, slots):
@@ -32,14 +35,16 @@ def _run(target, whole: bool, prompt, ids, positions, slots):
         target.whole_layers = saved
 
 
+@pytest.mark.parametrize("layout", ["bf16", pytest.param("amx", marks=needs_amx)])
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("family", ["qwen3", "llama"])
 @pytest.mark.parametrize("batch,seq,slots", [(1, 1, [0]), (1, 8, [3]), (3, 5, [4, 0, 2]), (4, 2, [1, 2, 3, 4])],
                          ids=["plain", "verify8", "scattered", "consecutive"])
-def test_whole_layers_equal_the_per_op_path_bit_for_bit(tmp_path, family, batch, seq, slots, kv_dtype):
-    target = _packed(tmp_path, family)
+def test_whole_layers_equal_the_per_op_path_bit_for_bit(tmp_path, family, batch, seq, slots, kv_dtype, layout):
+    target = _packed(tmp_path, family, layout)
     target.kv_dtype = kv_dtype  # a bfloat16 cache: what --dtype auto keeps under float32 maths
     assert target.whole_layers is not None and len(target.whole_layers.layers) == target.config.num_layers
+    assert target.whole_layers.c_shape.amx == (layout == "amx")
     generator = torch.Generator().manual_seed(batch * 10 + seq)
     context = 11
     prompt = torch.randint(0, 128, (batch, context), generator=generator)

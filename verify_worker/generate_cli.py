@@ -10,9 +10,12 @@ import torch
 
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
+from shared.config_json import read_config
 from shared.demo_models import default_pair
 from shared.errors import ConfigError, DFlashError, RequestError
+from shared.packed_linear import kernel_layout
 from shared.sampling import SamplingParams
+from shared.target_facts import TargetFacts
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
@@ -92,6 +95,8 @@ def run(args) -> dict:
         proposer = LocalProposer(
             drafter, target.embed_weight, target.lm_head_weight, block_size=args.block_size, max_requests=1,
             max_model_len=target.config.max_position_embeddings, draft_sampling=DraftSampling(args.draft_sampling),
+            layout=kernel_layout(args.dtype, TargetFacts.from_config(read_config(target_path)).checkpoint_dtype,
+                                 args.device),
         )
     engine = SpeculativeEngine(target, proposer, max_requests=1)
     stops = () if args.ignore_eos else target.config.eos_token_ids

@@ -33,8 +33,10 @@ from shared.config_json import read_config
 from shared.draft_config import DraftConfig
 from shared.errors import DFlashError, RequestError
 from shared.feature_transport import add_transport_flags, make_transport
+from shared.packed_linear import kernel_layout
 from shared.role import configure_process, run_worker, usable_cores
 from shared.sampling import SamplingParams
+from shared.target_facts import TargetFacts
 from shared.wire import WireError, decode, encode
 from verify_worker.draft_deadline import DraftDeadline
 from verify_worker.engine import SpeculativeEngine
@@ -356,9 +358,11 @@ def served_max_len(args, cfg) -> int:
 def local_proposer(args, target, max_running: int) -> LocalProposer:
     """The drafter in the verify worker's own process, sharing the target's embedding and lm_head."""
     drafter = load_drafter(args.draft, dtype=target.embed_weight.dtype, device=args.device)
+    checkpoint_dtype = TargetFacts.from_config(read_config(args.target)).checkpoint_dtype
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=args.block_size,
                              max_requests=max_running, max_model_len=served_max_len(args, target.config),
-                             draft_sampling=DraftSampling(args.draft_sampling))
+                             draft_sampling=DraftSampling(args.draft_sampling),
+                             layout=kernel_layout(args.dtype, checkpoint_dtype, args.device))
     proposer.share_kernel_threads(args.kernel_threads or usable_cores())  # its calls and the target's alternate
     return proposer
 

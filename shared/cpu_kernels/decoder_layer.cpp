@@ -32,9 +32,10 @@ struct StackLayer {
   float next_eps;
 };
 
-// What every layer shares: the model's shape, attention's score scale and the first layer's input norm.
+// What every layer shares: the model's shape, its GEMM (amx: 1 for weights in the "amx" layout, see
+// bf16_gemm_amx.cpp), attention's score scale and the first layer's input norm.
 struct StackShape {
-  int64_t layers, hidden, heads, kv_heads, dim, intermediate;
+  int64_t layers, hidden, heads, kv_heads, dim, intermediate, amx;
   float scale;
   const float* first_norm;
   float first_eps;
@@ -92,7 +93,7 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
     const StackLayer& layer = layers[index];
     char* k_cache = static_cast<char*>(step->k_caches[index]);
     char* v_cache = static_cast<char*>(step->v_caches[index]);
-    pooled_gemm(pool, h, rows, hidden, layer.qkv, width, scratch->qkv);
+    pooled_gemm(pool, shape->amx, h, rows, hidden, layer.qkv, width, scratch->qkv);
     dflash_qk_rotary_cache(scratch->qkv, step->batch, step->seq, heads, kv_heads, dim, layer.qk_norm, layer.qk_eps,
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
                            step->num_slots, step->capacity, scratch->q);
@@ -100,11 +101,11 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
                                            step->slots, step->visible, heads, kv_heads, dim, step->seq, step->keys,
                                            shape->scale, scratch->attended};
     dflash::jobs::pooled_cache_attention(pool, step->batch, &attention);
-    pooled_gemm(pool, scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
+    pooled_gemm(pool, shape->amx, scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
     dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.post_norm, layer.post_eps, x, h);
-    pooled_gemm(pool, h, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);
+    pooled_gemm(pool, shape->amx, h, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);
     dflash_silu_mul(scratch->gate_up, rows, shape->intermediate, scratch->act);
-    pooled_gemm(pool, scratch->act, rows, shape->intermediate, layer.down, hidden, scratch->projected);
+    pooled_gemm(pool, shape->amx, scratch->act, rows, shape->intermediate, layer.down, hidden, scratch->projected);
     dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.next_norm, layer.next_eps, x, h);
     if (step->taps[index] != nullptr) {
       for (int64_t r = 0; r < rows; ++r) {
@@ -115,10 +116,11 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
   return 0;
 }
 
-// y [M, N] = x [M, K] @ the tiled weight, as dflash_bf16_gemm, shared between a pool's threads (the lm_head).
-void dflash_bf16_gemm_pooled(void* pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
-                             float* y) {
-  pooled_gemm(static_cast<dflash::WorkerPool*>(pool), x, M, K, w, N, y);
+// y [M, N] = x [M, K] @ the tiled weight, as dflash_bf16_gemm (dflash_amx_gemm where amx), shared between a
+// pool's threads (the lm_head).
+void dflash_bf16_gemm_pooled(void* pool, int64_t amx, const float* x, int64_t M, int64_t K, const uint16_t* w,
+                             int64_t N, float* y) {
+  pooled_gemm(static_cast<dflash::WorkerPool*>(pool), amx, x, M, K, w, N, y);
 }
 
 }  // extern "C"

@@ -43,10 +43,11 @@ struct DraftLayer {
   DraftConv mlp_conv;
 };
 
-// What every layer shares: the drafter's shape, the convs' kernel size and channel group (0 without convs),
-// attention's score scale and the first layer's input norm.
+// What every layer shares: the drafter's shape, the convs' kernel size and channel group (0 without convs), its
+// GEMM (amx: 1 for weights in the "amx" layout, see bf16_gemm_amx.cpp), attention's score scale and the first
+// layer's input norm.
 struct DraftShape {
-  int64_t layers, hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group;
+  int64_t layers, hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group, amx;
   float scale;
   const float* first_norm;
   float first_eps;
@@ -125,7 +126,7 @@ const float* conv_prepare(WorkerPool* pool, const DraftConv& conv, const DraftSh
                           int64_t block, const float* x, float* dynamic, float* filtered) {
   if (conv.projection == nullptr) return x;
   const int64_t width = 2 * shape.conv_kernel * (shape.hidden / shape.conv_group);
-  pooled_gemm(pool, x, rows, shape.hidden, conv.projection, width, dynamic);
+  pooled_gemm(pool, shape.amx, x, rows, shape.hidden, conv.projection, width, dynamic);
   conv_filter(x, dynamic, conv.base, 0, rows, block, shape.hidden, shape.conv_kernel, shape.conv_group, filtered);
   return filtered;
 }
@@ -168,11 +169,11 @@ int dflash_draft_block(const DraftLayer* layers, const DraftShape* shape, const 
     char* v_cache = static_cast<char*>(step->v_caches[index]);
     const float* input =
         conv_prepare(pool, layer.attention_conv, *shape, rows, block, h, scratch->dynamic, scratch->filtered);
-    pooled_gemm(pool, input, rows, hidden, layer.q, heads * dim, scratch->q_rows);
+    pooled_gemm(pool, shape->amx, input, rows, hidden, layer.q, heads * dim, scratch->q_rows);
     dflash_qk_rotary_cache(scratch->q_rows, step->batch, step->seq, heads, 0, dim, layer.q_norm, layer.q_eps,
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
                            step->num_slots, step->capacity, scratch->q);
-    pooled_gemm(pool, input, rows, hidden, layer.kv, 2 * kv_heads * dim, scratch->kv);
+    pooled_gemm(pool, shape->amx, input, rows, hidden, layer.kv, 2 * kv_heads * dim, scratch->kv);
     dflash_qk_rotary_cache(scratch->kv, step->batch, step->seq, 0, kv_heads, dim, layer.k_norm, layer.k_eps,
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
                            step->num_slots, step->capacity, nullptr);
@@ -180,14 +181,14 @@ int dflash_draft_block(const DraftLayer* layers, const DraftShape* shape, const 
                                            step->visible[index], heads, kv_heads, dim, step->seq, step->keys,
                                            shape->scale, scratch->attended};
     dflash::jobs::pooled_cache_attention(pool, step->batch, &attention);
-    pooled_gemm(pool, scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
+    pooled_gemm(pool, shape->amx, scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
     const float* delta =
         conv_finish(layer.attention_conv, *shape, rows, block, scratch->projected, scratch->dynamic, scratch->filtered);
     dflash_add_rms_norm(x, delta, rows, hidden, layer.post_norm, layer.post_eps, x, h);
     input = conv_prepare(pool, layer.mlp_conv, *shape, rows, block, h, scratch->dynamic, scratch->filtered);
-    pooled_gemm(pool, input, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);
+    pooled_gemm(pool, shape->amx, input, rows, hidden, layer.gate_up, 2 * shape->intermediate, scratch->gate_up);
     dflash_silu_mul(scratch->gate_up, rows, shape->intermediate, scratch->act);
-    pooled_gemm(pool, scratch->act, rows, shape->intermediate, layer.down, hidden, scratch->projected);
+    pooled_gemm(pool, shape->amx, scratch->act, rows, shape->intermediate, layer.down, hidden, scratch->projected);
     delta = conv_finish(layer.mlp_conv, *shape, rows, block, scratch->projected, scratch->dynamic, scratch->filtered);
     dflash_add_rms_norm(x, delta, rows, hidden, layer.next_norm, layer.next_eps, x, h);
   }

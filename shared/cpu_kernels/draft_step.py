@@ -25,8 +25,8 @@ class DraftLayer(ctypes.Structure):
 
 class DraftShape(ctypes.Structure):
     _fields_ = [("layers", _count), ("hidden", _count), ("heads", _count), ("kv_heads", _count), ("dim", _count),
-                ("intermediate", _count), ("conv_kernel", _count), ("conv_group", _count), ("scale", _real),
-                ("first_norm", _pointer), ("first_eps", _real)]
+                ("intermediate", _count), ("conv_kernel", _count), ("conv_group", _count), ("amx", _count),
+                ("scale", _real), ("first_norm", _pointer), ("first_eps", _real)]
 
 
 class DraftStep(ctypes.Structure):
@@ -86,7 +86,8 @@ class DraftBlockWeights:
     @classmethod
     def of(cls, layers: list[DraftLayerWeights], first_norm: torch.Tensor, first_eps: float, heads: int,
            kv_heads: int, dim: int, intermediate: int, conv_kernel: int = 0,
-           conv_group: int = 0) -> "DraftBlockWeights":
+           conv_group: int = 0, amx: bool = False) -> "DraftBlockWeights":
+        """amx: the weight tiles are in the "amx" layout (CpuKernels.bf16_tiles), multiplied in bfloat16."""
         hidden = first_norm.shape[0]
         ok = (dim % 8 == 0 and dim <= 256 and kv_heads > 0 and heads % kv_heads == 0
               and first_norm.dtype == torch.float32 and first_norm.is_contiguous()
@@ -97,7 +98,7 @@ class DraftBlockWeights:
             w.q.data_ptr(), w.q_norm.data_ptr(), w.q_eps, w.kv.data_ptr(), w.k_norm.data_ptr(), w.k_eps, w.o.data_ptr(),
             w.post_norm.data_ptr(), w.post_eps, w.gate_up.data_ptr(), w.down.data_ptr(), w.next_norm.data_ptr(),
             w.next_eps, _c_conv(w.attention_conv), _c_conv(w.mlp_conv)) for w in layers))
-        c_shape = DraftShape(len(layers), hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group,
+        c_shape = DraftShape(len(layers), hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group, amx,
                              dim ** -0.5, first_norm.data_ptr(), first_eps)
         return cls(layers, first_norm, c_layers, c_shape)
 

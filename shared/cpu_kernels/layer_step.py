@@ -20,7 +20,8 @@ class StackLayer(ctypes.Structure):
 
 class StackShape(ctypes.Structure):
     _fields_ = [("layers", _count), ("hidden", _count), ("heads", _count), ("kv_heads", _count), ("dim", _count),
-                ("intermediate", _count), ("scale", _real), ("first_norm", _pointer), ("first_eps", _real)]
+                ("intermediate", _count), ("amx", _count), ("scale", _real), ("first_norm", _pointer),
+                ("first_eps", _real)]
 
 
 class StackStep(ctypes.Structure):
@@ -90,8 +91,10 @@ class StackWeights:
     c_shape: StackShape
 
     @classmethod
-    def of(cls, layers: list[DenseLayerWeights], first_norm: torch.Tensor, first_eps: float) -> "StackWeights | None":
-        """None where the layers differ in shape (one call runs one shape)."""
+    def of(cls, layers: list[DenseLayerWeights], first_norm: torch.Tensor, first_eps: float,
+           amx: bool = False) -> "StackWeights | None":
+        """None where the layers differ in shape (one call runs one shape). amx: the weight tiles are in the "amx"
+        layout (CpuKernels.bf16_tiles), multiplied in bfloat16."""
         shape = {(w.hidden, w.heads, w.kv_heads, w.dim, w.gate_up_width, w.qk_norm is None) for w in layers}
         if len(shape) != 1:
             return None
@@ -102,7 +105,7 @@ class StackWeights:
             w.qkv.data_ptr(), w.qk_norm_ptr, w.qk_eps, w.o.data_ptr(), w.post_norm.data_ptr(), w.post_eps,
             w.gate_up.data_ptr(), w.down.data_ptr(), w.next_norm.data_ptr(), w.next_eps) for w in layers))
         c_shape = StackShape(len(layers), first.hidden, first.heads, first.kv_heads, first.dim,
-                             first.gate_up_width // 2, first.dim ** -0.5, first_norm.data_ptr(), first_eps)
+                             first.gate_up_width // 2, amx, first.dim ** -0.5, first_norm.data_ptr(), first_eps)
         return cls(layers, first_norm, first_eps, c_layers, c_shape)
 
 

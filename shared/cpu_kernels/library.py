@@ -1,4 +1,4 @@
-"""Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, attention.cpp,
+"""Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, bf16_gemm_amx.cpp, attention.cpp,
 layer_ops.cpp, decoder_layer.cpp, draft_block.cpp, worker_pool.cpp, top_k.cpp; simd_exp.h, worker_pool.h,
 pooled_jobs.h):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
@@ -27,9 +27,9 @@ if TYPE_CHECKING:  # layer_step imports this module
     from shared.cpu_kernels.draft_step import DraftBlockWeights, DraftStepInputs
     from shared.cpu_kernels.layer_step import StackStepInputs, StackWeights
 
-SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "attention.cpp",
-                                                        "layer_ops.cpp", "decoder_layer.cpp", "draft_block.cpp",
-                                                        "worker_pool.cpp", "top_k.cpp")]
+SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "bf16_gemm_amx.cpp",
+                                                        "attention.cpp", "layer_ops.cpp", "decoder_layer.cpp",
+                                                        "draft_block.cpp", "worker_pool.cpp", "top_k.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread"]
 TILE = 16  # output columns per weight tile (kTile in the source)
@@ -44,12 +44,15 @@ class CpuKernels:
         self._gemm.restype = None
         self._gemm.argtypes = [ctypes.c_void_p, ctypes.c_int64, ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64,
                                ctypes.c_void_p]
-        self._gemm_by_isa = {"avx2": library.dflash_bf16_gemm_avx2, "avx512": library.dflash_bf16_gemm_avx512}
+        self._gemm_by_isa = {"avx2": library.dflash_bf16_gemm_avx2, "avx512": library.dflash_bf16_gemm_avx512,
+                             "amx": library.dflash_amx_gemm}
         for function in self._gemm_by_isa.values():
             function.restype, function.argtypes = None, self._gemm.argtypes
-        uses_avx512 = library.dflash_bf16_gemm_uses_avx512
-        uses_avx512.restype, uses_avx512.argtypes = ctypes.c_int, []
-        self.gemm_isa = "avx512" if uses_avx512() else "avx2"  # what bf16_matmul (and every layer kernel) runs
+        uses_avx512, amx_available = library.dflash_bf16_gemm_uses_avx512, library.dflash_amx_available
+        for probe in (uses_avx512, amx_available):
+            probe.restype, probe.argtypes = ctypes.c_int, []
+        self.gemm_isa = "avx512" if uses_avx512() else "avx2"  # what bf16_matmul (and the float32 layers) run
+        self.amx = bool(amx_available())  # whether the "amx" layout's bfloat16 product runs here (bf16_gemm_amx.cpp)
         self._attention = library.dflash_attention
         self._attention.restype = ctypes.c_int
         self._attention.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] * 5 + [ctypes.c_void_p] + \
@@ -74,7 +77,7 @@ class CpuKernels:
         self._draft_block.argtypes = [pointer] * 7  # the same, for draft_block.cpp's structs
         self._gemm_pooled = library.dflash_bf16_gemm_pooled
         self._gemm_pooled.restype = None
-        self._gemm_pooled.argtypes = [pointer] + self._gemm.argtypes
+        self._gemm_pooled.argtypes = [pointer, count] + self._gemm.argtypes  # (pool, amx, x, ...)
         self._pool_create = library.dflash_pool_create
         self._pool_create.restype, self._pool_create.argtypes = pointer, [count]
         self._pool_destroy = library.dflash_pool_destroy
@@ -91,14 +94,21 @@ class CpuKernels:
         return self  # the loaded library is shared (ctypes functions cannot be copied)
 
     @staticmethod
-    def bf16_tiles(weight: torch.Tensor) -> torch.Tensor:
-        """weight [out, in] (float32 values exactly representable in bfloat16) -> the kernel's layout:
-        [ceil(out / 16), in, 16] bfloat16, the last tile zero-padded."""
+    def bf16_tiles(weight: torch.Tensor, layout: str = "bf16") -> torch.Tensor:
+        """weight [out, in] (float32 values exactly representable in bfloat16) -> a kernel's layout: "bf16" (the
+        float32 kernels, bf16_gemm.cpp) [ceil(out / 16), in, 16] bfloat16, the last tile zero-padded; "amx"
+        (bf16_gemm_amx.cpp) the same with each two rows k, k + 1 (k even) of a tile interleaved column by
+        column, as the tile multiply reads them (an odd last row stays as it is)."""
         out_features, in_features = weight.shape
         tiles = -(-out_features // TILE)
         padded = weight.new_zeros(tiles * TILE, in_features, dtype=torch.bfloat16)
         padded[:out_features] = weight.to(torch.bfloat16)
-        return padded.view(tiles, TILE, in_features).transpose(1, 2).contiguous()  # [tiles, in, 16]
+        packed = padded.view(tiles, TILE, in_features).transpose(1, 2).contiguous()  # [tiles, in, 16]
+        if layout == "amx":
+            paired = in_features // 2 * 2
+            pairs = packed[:, :paired].reshape(tiles, paired // 2, 2, TILE).transpose(2, 3)  # [tiles, in / 2, 16, 2]
+            packed[:, :paired] = pairs.reshape(tiles, paired, TILE)
+        return packed
 
     def worker_pool(self, threads: int) -> "WorkerPool":
         """Threads (the caller's included) that share the layer stack's projections and attention, and a pooled
@@ -108,13 +118,17 @@ class CpuKernels:
     def bf16_matmul(self, x: torch.Tensor, tiles: torch.Tensor, out_features: int, isa: str | None = None,
                     pool: "WorkerPool | None" = None) -> torch.Tensor:
         """x [..., in] float32 @ the tiled weight -> [..., out] float32 (rows computed independently). isa: None
-        for this CPU's kernel (gemm_isa), "avx2" or "avx512" to force one (the same sums bit for bit; "avx512"
-        only where gemm_isa is). pool: output tiles shared between its threads (this CPU's kernel)."""
+        for this CPU's float32 kernel (gemm_isa), "avx2" or "avx512" to force one (the same sums bit for bit;
+        "avx512" only where gemm_isa is), "amx" for the bfloat16 product on tiles packed in the "amx" layout (x
+        rounded to bfloat16; only where self.amx). pool: output tiles shared between its threads (this CPU's
+        float32 kernel, or "amx")."""
         gemm = self._gemm if isa is None else self._gemm_by_isa[isa]
-        if pool is not None and isa is None:
-            gemm = functools.partial(self._gemm_pooled, pool.handle)
+        if pool is not None and isa in (None, "amx"):
+            gemm = functools.partial(self._gemm_pooled, pool.handle, isa == "amx")
         if isa == "avx512" and self.gemm_isa != "avx512":
             raise RuntimeError("bf16_matmul: this CPU has no AVX-512F")
+        if isa == "amx" and not self.amx:
+            raise RuntimeError("bf16_matmul: this CPU (or this process) has no AMX")
         rows = x.reshape(-1, x.shape[-1]).contiguous()  # [m, in]
         check_arguments(rows.dtype == torch.float32 and tiles.dtype == torch.bfloat16
                         and tiles.shape[1] == rows.shape[1] and tiles.shape[0] * TILE >= out_features,

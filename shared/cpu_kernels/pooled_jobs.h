@@ -13,6 +13,8 @@ extern "C" {
 
 void dflash_bf16_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
                             int64_t t1);
+void dflash_amx_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
+                           int64_t t1);
 void dflash_attention_units(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
                             int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride,
                             const uint8_t* visible, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,
@@ -43,6 +45,7 @@ inline void run_parts(WorkerPool* pool, int64_t parts, WorkerPool::Part part, vo
 }
 
 struct GemmJob {
+  int64_t amx;  // 1: weights in the "amx" layout, bf16_gemm_amx.cpp's bfloat16 product; 0: bf16_gemm.cpp's
   const float* x;
   int64_t M, K;
   const uint16_t* w;
@@ -53,18 +56,18 @@ struct GemmJob {
 
 inline void gemm_part(void* context, int64_t part) {
   const GemmJob& job = *static_cast<const GemmJob*>(context);
-  dflash_bf16_gemm_tiles(job.x, job.M, job.K, job.w, job.N, job.y, part * job.tiles / job.parts,
-                         (part + 1) * job.tiles / job.parts);
+  const auto gemm = job.amx ? dflash_amx_gemm_tiles : dflash_bf16_gemm_tiles;
+  gemm(job.x, job.M, job.K, job.w, job.N, job.y, part * job.tiles / job.parts, (part + 1) * job.tiles / job.parts);
 }
 
-// y [M, N] = x [M, K] @ w (bf16_gemm.cpp's tiles), the output tiles shared between the pool's threads (pool
-// null: this thread alone).
-inline void pooled_gemm(WorkerPool* pool, const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N,
-                        float* y) {
+// y [M, N] = x [M, K] @ w (bf16_gemm.cpp's tiles, or bf16_gemm_amx.cpp's where amx), the output tiles shared
+// between the pool's threads (pool null: this thread alone).
+inline void pooled_gemm(WorkerPool* pool, int64_t amx, const float* x, int64_t M, int64_t K, const uint16_t* w,
+                        int64_t N, float* y) {
   const int64_t tiles = (N + kTile - 1) / kTile;
   const int64_t threads = pool == nullptr ? 1 : pool->threads();
   const int64_t parts = threads == 1 ? 1 : std::min(tiles, kPartsPerThread * threads);
-  GemmJob job{x, M, K, w, N, y, tiles, parts};
+  GemmJob job{amx, x, M, K, w, N, y, tiles, parts};
   run_parts(pool, parts, gemm_part, &job);
 }
 

@@ -6,7 +6,7 @@ import torch
 
 from shared.checkpoint_io import check_tensor_names, load_tensor_slices
 from shared.dtype_choice import kv_cache_dtype, resolve_dtype
-from shared.packed_linear import float32_kernels_run
+from shared.packed_linear import float32_kernels_run, kernel_layout
 from shared.rope import inverse_frequencies
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.families.llama.model import TargetModel
@@ -33,4 +33,4 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
     model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)  # buffers are not in the checkpoint
     model.kv_dtype = kv_cache_dtype(dtype, cfg.checkpoint_dtype, compute, kernels)
     model = model.eval().requires_grad_(False)
-    return model.pack() if pack else model
+    return model.pack(kernel_layout(dtype, cfg.checkpoint_dtype, device)) if pack else model

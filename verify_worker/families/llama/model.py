@@ -11,7 +11,7 @@ from shared.cpu_kernels.layer_step import DenseLayerWeights, StackStepInputs, St
 from shared.cpu_kernels.library import cpu_kernels
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
-from shared.packed_linear import PackedLinear, packing_layout
+from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.interface import StepBatch, TargetOutput
@@ -144,7 +144,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         self.lm_head = None if cfg.tie_word_embeddings else nn.Linear(cfg.hidden_size, self.local.vocab_shard, bias=False)
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.head = None  # the lm_head packed for inference (set by pack())
-        self.kernels = None  # the C++ CPU kernels, with the "bf16" layout (set by pack())
+        self.kernels = None  # the C++ CPU kernels, with their layouts ("bf16", "amx"; set by pack())
         self.whole_layers: StackWeights | None = None  # every layer in one kernel call (set by pack())
         self.pool = None  # the threads the layer stack and the lm_head share (set by pack(), with whole_layers)
         self.kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: the weights' (set by the loader)
@@ -269,7 +269,11 @@ class TargetModel(EmbeddingHead, nn.Module):
                 next_norm=following.weight.detach().float().contiguous(), next_eps=following.eps,
             ))
         first = layers[0].input_layernorm
-        return StackWeights.of(result, first.weight.detach().float().contiguous(), first.eps)
+        kinds = {linear.layout for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
+                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)}
+        if len(kinds) != 1:  # one call multiplies one way
+            return None
+        return StackWeights.of(result, first.weight.detach().float().contiguous(), first.eps, amx=kinds == {"amx"})
 
     def pack(self, layout: str | None = "auto", kernel_threads: int = 1) -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
@@ -281,7 +285,7 @@ class TargetModel(EmbeddingHead, nn.Module):
             layout = packing_layout(self.embed_weight)
         if layout is not None:
             self.head = PackedLinear(self.lm_head_weight.detach(), None, layout)
-            self.kernels = cpu_kernels() if layout == "bf16" else None  # their fused layer ops and attention too
+            self.kernels = cpu_kernels() if layout in KERNEL_LAYOUTS else None  # their layer ops and attention too
             for layer in self.model.layers:
                 layer.self_attn.pack(layout)
                 layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj))
