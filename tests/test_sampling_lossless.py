@@ -21,6 +21,7 @@ from conftest import tiny_draft_config, write_hf_checkpoint
 from cuda_ext.verify import reference as verify_reference
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
+from shared.cpu_kernels.library import cpu_kernels
 from shared.sampling import SamplingParams, sample_from, sampling_probs
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
@@ -140,6 +141,40 @@ def test_dflash2_selector_sparse_q_is_lossless(tiny_vocab_pair, setting, kernels
         seed=5, std=0.3)
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16)
     params = SETTINGS[setting]
+    counts = sample_counts(target, proposer, params)
+    p_value = chi_square_p_value(counts, exact_joint(target, params))
+    assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"
+
+
+@pytest.fixture(scope="module")
+def tiny_vocab_kernel_pair(tmp_path_factory):
+    """The tiny pair as a bfloat16 checkpoint on the C++ CPU kernels, as --dtype auto serves one: bfloat16 products
+    on AMX where it runs ("amx"), else the float32 ones ("bf16"); a bfloat16 KV cache."""
+    if cpu_kernels() is None:
+        pytest.skip("the C++ CPU kernels do not build here")
+    folder = tmp_path_factory.mktemp("tiny_vocab_bf16")
+    write_hf_checkpoint(folder, "qwen3", seed=11, std=0.3, vocab_size=VOCAB, hidden_size=32, head_dim=8,
+                        intermediate_size=64, num_hidden_layers=2, dtype=torch.bfloat16)
+    layout = "amx" if cpu_kernels().amx else "bf16"
+    target = load_target(folder, dtype="float32", pack=False).pack(layout)
+    target.kv_dtype = torch.bfloat16
+    drafter = random_drafter(
+        tiny_draft_config(target_layers=2, vocab=VOCAB, hidden=32, head_dim=8, intermediate_size=64,
+                          target_layer_ids=(0, 1), block_size=4), seed=5, std=0.3)
+    with torch.no_grad():
+        for param in drafter.parameters():  # weights a bfloat16 checkpoint could hold: the drafter on the kernels too
+            param.copy_(param.to(torch.bfloat16).float())
+    return target, drafter, layout
+
+
+@pytest.mark.parametrize("mode", [DraftSampling.DENSE, DraftSampling.SPARSE])
+def test_first_tokens_follow_the_target_distribution_on_the_cpu_kernels(tiny_vocab_kernel_pair, mode):
+    target, drafter, layout = tiny_vocab_kernel_pair
+    assert target.whole_layers is not None and target.head.layout == layout
+    proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16,
+                             draft_sampling=mode, sparse_top_k=2, layout=layout)
+    assert proposer.drafter.native_block is not None and proposer.lm_head.layout == layout
+    params = SETTINGS["t1_top_p0.9"]
     counts = sample_counts(target, proposer, params)
     p_value = chi_square_p_value(counts, exact_joint(target, params))
     assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"
