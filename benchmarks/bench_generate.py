@@ -73,7 +73,9 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--num-prompts", type=int, default=8, help="held-out prompts per round (demo target)")
-    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--threads", type=int, default=2, help="PyTorch threads of transformers' generate()")
+    parser.add_argument("--dflash-threads", type=int, default=0,
+                        help="dflash-generate's --threads (0: its default, 1 where the C++ CPU kernels run)")
     parser.add_argument("--out", help="write the figures as JSON here")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
@@ -89,7 +91,7 @@ def main() -> None:
     hf = transformers.AutoModelForCausalLM.from_pretrained(target, dtype=torch.float32).eval()
     prompts = prompt_ids(Path(target), args.num_prompts)
     common = ["--target", target, "--max-tokens", str(args.max_tokens), "--ignore-eos", "--threads",
-              str(args.threads), "--json"]
+              str(args.dflash_threads), "--json"]
 
     def generate(prompt: list[int], *flags: str) -> dict:
         return run(parse_args(common + ["--prompt-ids", ",".join(map(str, prompt)), *flags]))
@@ -99,6 +101,7 @@ def main() -> None:
     hf_tokens_per_second(hf, [3, 1, 4], 8)  # warm-up
     generate(prompts[0], "--no-spec")
     for _ in range(args.rounds):
+        torch.set_num_threads(args.threads)  # (dflash-generate sets its own)
         hf_seconds = sum(args.max_tokens / hf_tokens_per_second(hf, p, args.max_tokens) for p in prompts)
         figures["transformers"].append(args.max_tokens * len(prompts) / hf_seconds)
         plain = [generate(p, "--no-spec") for p in prompts]
@@ -113,7 +116,7 @@ def main() -> None:
     medians = {name: statistics.median(v) for name, v in figures.items() if v}
     report = {
         "target": target, "draft": draft, "prompts": len(prompts), "max_tokens": args.max_tokens, "rounds": args.rounds,
-        "threads": args.threads, "tokens_per_second_median": medians,
+        "threads": args.threads, "dflash_threads": args.dflash_threads, "tokens_per_second_median": medians,
         "plain_over_transformers": medians["plain"] / medians["transformers"],
     }
     if draft:

@@ -30,9 +30,9 @@ KERNEL_LAYOUTS = ("bf16", "amx")  # the layouts the C++ kernels multiply (bfloat
 
 def packing_layout(weight: torch.Tensor) -> str | None:
     """How to pack weights like this one:
-    - "bf16" for float32 on CPU where the C++ kernels run (shared.cpu_kernels) and torch uses one thread: each
-      weight kept as the bfloat16 it came from (when it round-trips exactly; otherwise "transposed") and
-      multiplied by a row-invariant float32 kernel reading half the bytes (single-threaded, hence one thread);
+    - "bf16" for float32 on CPU where the C++ kernels run (shared.cpu_kernels): each weight kept as the bfloat16
+      it came from (when it round-trips exactly; otherwise "transposed") and multiplied by a row-invariant
+      float32 kernel reading half the bytes;
     - "transposed" ([in, out], x @ W) for float32 on CPU otherwise;
     - "fused" (the [out, in] layout, F.linear) on accelerators;
     - None (leave the layers as loaded) for reduced precision on CPU, whose oneDNN GEMMs give the row
@@ -57,9 +57,13 @@ def kernel_layout(dtype: str, checkpoint_dtype: str, device) -> str:
 
 def float32_kernels_run(device) -> bool:
     """Whether a float32 model on this device packs its bfloat16-exact weights for the C++ kernels ("bf16"
-    above): a CPU where they build, with torch on one thread (each kernel runs on its caller's thread; the target's
-    layer stack and the drafter's projections share a worker pool of their own, --kernel-threads)."""
-    return str(device).startswith("cpu") and torch.get_num_threads() == 1 and cpu_kernels() is not None
+    above): a CPU where they build, whatever PyTorch's thread count. A kernel runs on its caller's thread; the
+    target's layer stack, the lm_heads and the drafter's projections share a worker pool of their own
+    (--kernel-threads, every usable core by default). Until 2026-12-03 they also asked for PyTorch on one thread
+    (from before the pool, when a kernel was one thread against MKL's several): a worker on 4 cores or more, whose
+    default is half the cores, and dflash-generate, PyTorch's default, silently took the per-op PyTorch path
+    (dflash-generate on the demo pair: 81 tok/s plain where the server decodes about 480)."""
+    return str(device).startswith("cpu") and cpu_kernels() is not None
 
 
 class PackedLinear(nn.Module):

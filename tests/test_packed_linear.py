@@ -6,7 +6,7 @@ from conftest import write_hf_checkpoint
 from torch import nn
 
 from shared.cpu_kernels.library import cpu_kernels
-from shared.packed_linear import PackedLinear, packing_layout
+from shared.packed_linear import PackedLinear, float32_kernels_run, packing_layout
 from verify_worker.target_loader import load_target
 
 
@@ -45,9 +45,24 @@ def test_layers_with_and_without_bias_do_not_pack_together():
 
 
 def test_layout_per_device_and_dtype():
-    kernels = torch.get_num_threads() == 1 and cpu_kernels() is not None
+    kernels = cpu_kernels() is not None  # whatever PyTorch's thread count
     assert packing_layout(torch.zeros(1)) == ("bf16" if kernels else "transposed")
     assert packing_layout(torch.zeros(1, dtype=torch.bfloat16)) is None  # oneDNN's checked layout stays
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
+def test_the_kernels_run_whatever_pytorchs_thread_count(tmp_path):
+    """The C++ kernels bring their own thread pool: a worker on 4 cores or more (PyTorch on half of them) and
+    dflash-generate with PyTorch's default threads take them too."""
+    write_hf_checkpoint(tmp_path, "qwen3", seed=3, dtype=torch.bfloat16)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            torch.set_num_threads(threads)
+            assert float32_kernels_run("cpu") and packing_layout(torch.zeros(1)) == "bf16"
+            assert load_target(tmp_path).whole_layers is not None  # --dtype auto
+    finally:
+        torch.set_num_threads(before)
 
 
 def test_packed_target_equals_the_unpacked_one(tmp_path):

@@ -13,7 +13,8 @@ from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared.config_json import read_config
 from shared.demo_models import default_pair
 from shared.errors import ConfigError, DFlashError, RequestError
-from shared.packed_linear import kernel_layout
+from shared.packed_linear import float32_kernels_run, kernel_layout
+from shared.role import usable_cores
 from shared.sampling import SamplingParams
 from shared.target_facts import TargetFacts
 from verify_worker.engine import SpeculativeEngine
@@ -43,7 +44,9 @@ def parse_args(argv):
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    parser.add_argument("--threads", type=int, default=0, help="PyTorch CPU threads (0 = PyTorch's default)")
+    parser.add_argument("--threads", type=int, default=0,
+                        help="PyTorch CPU threads (0: 1 where the C++ CPU kernels run, which use every usable core "
+                             "through their own pool, else PyTorch's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     parser.add_argument("--logprobs", type=int, default=None, metavar="K",
                         help="with --json: each token's log-probability under the target (before temperature, "
@@ -78,6 +81,8 @@ def _load_tokenizer(folder: Path):
 def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
+    elif float32_kernels_run(args.device):  # idle PyTorch threads spinning beside the kernels' pool slow it
+        torch.set_num_threads(1)
     if args.max_tokens < 1:
         raise RequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.block_size is not None and args.block_size < 2:
@@ -86,7 +91,7 @@ def run(args) -> dict:
     if target_path is None:
         target_path, draft_path, label, _ = default_pair(args.draft)
         print(f"note: no --target given: using {label}", file=sys.stderr)
-    target = load_target(target_path, device=args.device, dtype=args.dtype)
+    target = load_target(target_path, device=args.device, dtype=args.dtype, kernel_threads=usable_cores())
     tokenizer = _load_tokenizer(target_path)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     proposer = None
@@ -98,6 +103,7 @@ def run(args) -> dict:
             layout=kernel_layout(args.dtype, TargetFacts.from_config(read_config(target_path)).checkpoint_dtype,
                                  args.device),
         )
+        proposer.share_kernel_threads(usable_cores())  # its calls and the target's alternate, as in the server
     engine = SpeculativeEngine(target, proposer, max_requests=1)
     stops = () if args.ignore_eos else target.config.eos_token_ids
     request = GenerationRequest(tuple(_prompt_ids(args, tokenizer)), args.max_tokens, sampling, stops,
