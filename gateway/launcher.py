@@ -86,8 +86,9 @@ def parse_args(argv):
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations of both workers: float32, bfloat16, float16, or auto (the "
-                             "checkpoint's dtype; on CPU float32 where the C++ kernels run, else "
-                             "bfloat16 only where it is native, else float32)")
+                             "checkpoint's dtype; on CPU float32 where the C++ kernels run, a bfloat16 "
+                             "checkpoint's projections in bfloat16 on AMX, else bfloat16 only where it is native, "
+                             "else float32)")
     parser.add_argument("--max-running", type=int, default=16)
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)

@@ -9,8 +9,8 @@ itself. Layouts, measured on 2 CPU cores (AMD EPYC, float32, one thread):
   rows are computed independently (row invariance);
 - "amx": the same bfloat16 weights multiplied on AMX tiles, with the activations rounded to bfloat16 first (a
   bfloat16 model's matmul, float32 sums: bf16_gemm_amx.cpp); where the C++ kernels run on an AMX CPU and the
-  caller asks for bfloat16 products (`kernel_layout`). The demo target's 9-token verify block took 1.60 against
-  2.05 ms in "bf16" (2 kernel threads), 16 one-token rows 2.43 against 3.09 ms, one token the same;
+  caller asks for bfloat16 products (`kernel_layout`). The demo target's 9-token verify block took 1.52 against
+  1.90 ms in "bf16" (2 kernel threads), 16 one-token rows 2.18 against 2.72 ms, one token the same;
 - "transposed": [in, out] float32, x @ W (MKL's F.linear took 217 us for a one-token row of the demo's
   [1536, 256] gate/up weight, stored transposed 51 us);
 - "fused": the [out, in] layout and F.linear, on CUDA (cuBLAS reads either layout alike; not run yet).
@@ -77,6 +77,8 @@ class PackedLinear(nn.Module):
         """weight [out, in] as nn.Linear holds it; layout as packing_layout names it."""
         super().__init__()
         on_kernels = layout in KERNEL_LAYOUTS
+        if layout == "amx" and (cpu_kernels() is None or not cpu_kernels().amx):
+            raise ValueError("the amx layout needs the C++ CPU kernels on a CPU with AMX (kernel_layout checks)")
         self.kernels = cpu_kernels() if on_kernels and bf16_exact(weight) else None
         self.layout = layout if self.kernels is not None or not on_kernels else "transposed"
         self.transposed = self.layout == "transposed"

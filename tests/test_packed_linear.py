@@ -65,6 +65,14 @@ def test_the_kernels_run_whatever_pytorchs_thread_count(tmp_path):
         torch.set_num_threads(before)
 
 
+def test_the_amx_layout_is_refused_where_amx_does_not_run():
+    kernels = cpu_kernels()
+    if kernels is not None and kernels.amx:
+        pytest.skip("AMX runs here")
+    with pytest.raises(ValueError, match="AMX"):
+        PackedLinear(torch.zeros(16, 32), None, "amx")
+
+
 def test_packed_target_equals_the_unpacked_one(tmp_path):
     write_hf_checkpoint(tmp_path, "qwen3", seed=3, attention_bias=True)
     packed, unpacked = load_target(tmp_path, dtype="float32"), load_target(tmp_path, dtype="float32", pack=False)

@@ -13,7 +13,7 @@ from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared.config_json import read_config
 from shared.demo_models import default_pair
 from shared.errors import ConfigError, DFlashError, RequestError
-from shared.packed_linear import float32_kernels_run, kernel_layout
+from shared.packed_linear import kernel_layout
 from shared.role import usable_cores
 from shared.sampling import SamplingParams
 from shared.target_facts import TargetFacts
@@ -81,8 +81,6 @@ def _load_tokenizer(folder: Path):
 def run(args) -> dict:
     if args.threads:
         torch.set_num_threads(args.threads)
-    elif float32_kernels_run(args.device):  # idle PyTorch threads spinning beside the kernels' pool slow it
-        torch.set_num_threads(1)
     if args.max_tokens < 1:
         raise RequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
     if args.block_size is not None and args.block_size < 2:
@@ -92,6 +90,8 @@ def run(args) -> dict:
         target_path, draft_path, label, _ = default_pair(args.draft)
         print(f"note: no --target given: using {label}", file=sys.stderr)
     target = load_target(target_path, device=args.device, dtype=args.dtype, kernel_threads=usable_cores())
+    if not args.threads and getattr(target, "kernels", None) is not None:  # the target's step on the C++ kernels:
+        torch.set_num_threads(1)  # idle PyTorch threads spinning beside their pool slow it
     tokenizer = _load_tokenizer(target_path)
     sampling = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, seed=args.seed)
     proposer = None

@@ -18,6 +18,14 @@
 // the CPU reports AMX-BF16, AMX-TILE and AVX-512BW, and the kernel granted this process the tile state. With a
 // compiler that lacks the AMX intrinsics it builds as "not available".
 #include <cstdint>
+#include <cstring>
+#include <vector>
+
+#if defined(__GNUC__) || defined(__clang__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #if (defined(__clang__) && __clang_major__ >= 12) || (!defined(__clang__) && defined(__GNUC__) && __GNUC__ >= 11)
 #define DFLASH_HAVE_AMX 1
@@ -26,13 +34,9 @@
 #ifdef DFLASH_HAVE_AMX
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,amx-tile,amx-bf16")
-#include <cpuid.h>
+// (only the intrinsics under the pragma: a standard header included here would compile its inline functions for
+// AVX-512, and the linker keeps one copy of each for the whole library, AVX2-only callers included)
 #include <immintrin.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-
-#include <cstring>
-#include <vector>
 
 namespace {
 
@@ -109,24 +113,30 @@ int dflash_amx_available() {
   return available;
 }
 
-// The output tiles [t0, t1) only (16 columns each; the rest of y untouched), on weights in the pairs layout.
-void dflash_amx_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
-                           int64_t t1) {
-  const int64_t Kp = (K + kBlock - 1) / kBlock * kBlock;
+// The padded row length of x's bfloat16 copy (dflash_amx_round_rows): K rounded up to 32.
+int64_t dflash_amx_padded_k(int64_t K) { return (K + kBlock - 1) / kBlock * kBlock; }
+
+// x [M, K] float32 -> out [M, dflash_amx_padded_k(K)] bfloat16 bit patterns, rounded to nearest even, zero-padded.
+void dflash_amx_round_rows(const float* x, int64_t M, int64_t K, uint16_t* out) {
+  round_rows(x, M, K, dflash_amx_padded_k(K), out);
+}
+
+// The output tiles [t0, t1) only (16 columns each; the rest of y untouched) of xb @ w: xb from
+// dflash_amx_round_rows, w in the pairs layout.
+void dflash_amx_gemm_rounded_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y,
+                                   int64_t t0, int64_t t1) {
+  const uint16_t* rounded = xb;
+  const int64_t Kp = dflash_amx_padded_k(K);
   const int64_t full = K / kBlock * kBlock;  // blocks read straight from w; a partial one is padded
-  thread_local std::vector<uint16_t> rounded, padded;
-  thread_local std::vector<float> edge;
-  rounded.resize(static_cast<size_t>(M * Kp));
-  padded.resize(static_cast<size_t>(kGroup * kBlock * kTile));
-  edge.resize(static_cast<size_t>(kRows * kTile));
-  round_rows(x, M, K, Kp, rounded.data());
+  alignas(64) uint16_t padded[kGroup * kBlock * kTile];  // a partial last block of each tile in the group
+  alignas(64) float edge[kRows * kTile];                   // a partial last tile's rows
   const int64_t tiles = (N + kTile - 1) / kTile;
   int configured = -1;
   for (int64_t t = t0; t < t1; t += kGroup) {
     const int group = static_cast<int>(t1 - t < kGroup ? t1 - t : kGroup);
     if (full < K) {
       for (int g = 0; g < group; ++g) {
-        padded_block(w + (t + g) * K * kTile, K, full, padded.data() + g * kBlock * kTile);
+        padded_block(w + (t + g) * K * kTile, K, full, padded + g * kBlock * kTile);
       }
     }
     for (int64_t m = 0; m < M; m += kRows) {
@@ -140,7 +150,7 @@ void dflash_amx_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t*
       _tile_zero(2);
       _tile_zero(3);
       for (int64_t kb = 0; kb < Kp; kb += kBlock) {
-        _tile_loadd(4, rounded.data() + m * Kp + kb, Kp * 2);
+        _tile_loadd(4, rounded + m * Kp + kb, Kp * 2);
         // output tile C: its weight block into tmm5, then x's rows times it into accumulator C (the tile
         // intrinsics take register numbers as literals, hence a macro)
 #define DFLASH_AMX_DOT(C)                                                                                  \
@@ -148,7 +158,7 @@ void dflash_amx_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t*
     if (kb < full) {                                                                                       \
       _tile_loadd(5, w + (t + C) * K * kTile + kb * kTile, 64);                                            \
     } else {                                                                                               \
-      _tile_loadd(5, padded.data() + C * kBlock * kTile, 64);                                              \
+      _tile_loadd(5, padded + C * kBlock * kTile, 64);                                              \
     }                                                                                                      \
     _tile_dpbf16ps(C, 4, 5);                                                                               \
   }
@@ -166,9 +176,9 @@ void dflash_amx_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t*
     if (cols == kTile) {                                                                                   \
       _tile_stored(C, y + m * N + tile * kTile, N * 4);                                                    \
     } else {                                                                                               \
-      _tile_stored(C, edge.data(), kTile * 4);                                                             \
+      _tile_stored(C, edge, kTile * 4);                                                             \
       for (int r = 0; r < rows; ++r) {                                                                     \
-        std::memcpy(y + (m + r) * N + tile * kTile, edge.data() + r * kTile, sizeof(float) * cols);       \
+        std::memcpy(y + (m + r) * N + tile * kTile, edge + r * kTile, sizeof(float) * cols);       \
       }                                                                                                    \
     }                                                                                                      \
   }
@@ -182,18 +192,37 @@ void dflash_amx_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t*
   _tile_release();  // no tile state kept between calls (none to save at a context switch)
 }
 
+}  // extern "C"
+#pragma GCC pop_options
+
+// Outside the pragma (they use std::vector, see the includes): the float32 entries.
+extern "C" {
+
+// As dflash_amx_gemm_rounded_tiles, from float32 x (rounded here, on this thread's buffer).
+void dflash_amx_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
+                           int64_t t1) {
+  thread_local std::vector<uint16_t> rounded;
+  rounded.resize(static_cast<size_t>(M * dflash_amx_padded_k(K)));
+  dflash_amx_round_rows(x, M, K, rounded.data());
+  dflash_amx_gemm_rounded_tiles(rounded.data(), M, K, w, N, y, t0, t1);
+}
+
 // x [M, K] and y [M, N] row-major float32; w: ceil(N / 16) tiles in the pairs layout.
 void dflash_amx_gemm(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y) {
-  dflash_amx_gemm_tiles(x, M, K, w, N, y, 0, (N + kTile - 1) / kTile);
+  constexpr int64_t kColumns = 16;  // output columns per weight tile
+  dflash_amx_gemm_tiles(x, M, K, w, N, y, 0, (N + kColumns - 1) / kColumns);
 }
 
 }  // extern "C"
-#pragma GCC pop_options
 
 #else  // a compiler without the AMX intrinsics: never used
 
 extern "C" {
 int dflash_amx_available() { return 0; }
+int64_t dflash_amx_padded_k(int64_t K) { return K; }
+void dflash_amx_round_rows(const float*, int64_t, int64_t, uint16_t*) {}
+void dflash_amx_gemm_rounded_tiles(const uint16_t*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t,
+                                   int64_t) {}
 void dflash_amx_gemm_tiles(const float*, int64_t, int64_t, const uint16_t*, int64_t, float*, int64_t, int64_t) {}
 void dflash_amx_gemm(const float*, int64_t, int64_t, const uint16_t*, int64_t, float*) {}
 }

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <vector>
 
 #include "worker_pool.h"
 
@@ -13,8 +14,10 @@ extern "C" {
 
 void dflash_bf16_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
                             int64_t t1);
-void dflash_amx_gemm_tiles(const float* x, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y, int64_t t0,
-                           int64_t t1);
+int64_t dflash_amx_padded_k(int64_t K);
+void dflash_amx_round_rows(const float* x, int64_t M, int64_t K, uint16_t* out);
+void dflash_amx_gemm_rounded_tiles(const uint16_t* xb, int64_t M, int64_t K, const uint16_t* w, int64_t N, float* y,
+                                   int64_t t0, int64_t t1);
 void dflash_attention_units(const float* q, const void* k, const void* v, int64_t bf16, int64_t k_batch_stride,
                             int64_t k_head_stride, int64_t v_batch_stride, int64_t v_head_stride,
                             const uint8_t* visible, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,
@@ -45,7 +48,8 @@ inline void run_parts(WorkerPool* pool, int64_t parts, WorkerPool::Part part, vo
 }
 
 struct GemmJob {
-  int64_t amx;  // 1: weights in the "amx" layout, bf16_gemm_amx.cpp's bfloat16 product; 0: bf16_gemm.cpp's
+  const uint16_t* xb;  // x rounded to bfloat16 once for every part: weights in the "amx" layout (bf16_gemm_amx.cpp);
+                       // null: bf16_gemm.cpp's float32 product
   const float* x;
   int64_t M, K;
   const uint16_t* w;
@@ -56,18 +60,30 @@ struct GemmJob {
 
 inline void gemm_part(void* context, int64_t part) {
   const GemmJob& job = *static_cast<const GemmJob*>(context);
-  const auto gemm = job.amx ? dflash_amx_gemm_tiles : dflash_bf16_gemm_tiles;
-  gemm(job.x, job.M, job.K, job.w, job.N, job.y, part * job.tiles / job.parts, (part + 1) * job.tiles / job.parts);
+  const int64_t t0 = part * job.tiles / job.parts, t1 = (part + 1) * job.tiles / job.parts;
+  if (job.xb != nullptr) {
+    dflash_amx_gemm_rounded_tiles(job.xb, job.M, job.K, job.w, job.N, job.y, t0, t1);
+  } else {
+    dflash_bf16_gemm_tiles(job.x, job.M, job.K, job.w, job.N, job.y, t0, t1);
+  }
 }
 
 // y [M, N] = x [M, K] @ w (bf16_gemm.cpp's tiles, or bf16_gemm_amx.cpp's where amx), the output tiles shared
 // between the pool's threads (pool null: this thread alone).
 inline void pooled_gemm(WorkerPool* pool, int64_t amx, const float* x, int64_t M, int64_t K, const uint16_t* w,
                         int64_t N, float* y) {
+  if (M == 0) return;
   const int64_t tiles = (N + kTile - 1) / kTile;
   const int64_t threads = pool == nullptr ? 1 : pool->threads();
   const int64_t parts = threads == 1 ? 1 : std::min(tiles, kPartsPerThread * threads);
-  GemmJob job{amx, x, M, K, w, N, y, tiles, parts};
+  const uint16_t* xb = nullptr;
+  if (amx) {  // (on the caller's buffer: the parts only read it, and the call returns when every part is done)
+    thread_local std::vector<uint16_t> rounded;
+    rounded.resize(static_cast<size_t>(M * dflash_amx_padded_k(K)));
+    dflash_amx_round_rows(x, M, K, rounded.data());
+    xb = rounded.data();
+  }
+  GemmJob job{xb, x, M, K, w, N, y, tiles, parts};
   run_parts(pool, parts, gemm_part, &job);
 }
 
