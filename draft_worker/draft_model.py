@@ -16,7 +16,7 @@ from shared.cpu_kernels.library import cpu_kernels
 from shared.draft_config import DraftConfig
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows
-from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, packing_layout
+from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, common_layout, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 
 
@@ -200,12 +200,12 @@ class DFlashDraftModel(nn.Module):
             return None
         d2 = cfg.dflash2
         first = self.layers[0].input_layernorm
-        kinds = {module.layout for module in self.layers.modules() if isinstance(module, PackedLinear)}
-        if len(kinds) != 1:  # one call multiplies one way
+        layout = common_layout(self.layers.modules())
+        if layout is None:
             return None
         return DraftBlockWeights.of(layers, norm_weight(first), first.eps, cfg.num_heads, cfg.num_kv_heads,
                                     cfg.head_dim, cfg.intermediate_size, d2.conv_kernel_size if d2 else 0,
-                                    d2.conv_group_size if d2 else 0, amx=kinds == {"amx"})
+                                    d2.conv_group_size if d2 else 0, amx=layout == "amx")
 
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
         cfg, weight = self.config, self.hidden_norm.weight  # never packed: the activations' dtype

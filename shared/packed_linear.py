@@ -118,6 +118,13 @@ class PackedLinear(nn.Module):
         return out if self.bias is None else out + self.bias
 
 
+def common_layout(modules) -> str | None:
+    """The layout every PackedLinear among `modules` is stored in, or None where they differ (a one-call forward
+    of the C++ kernels multiplies one way: "bf16" or "amx")."""
+    layouts = {module.layout for module in modules if isinstance(module, PackedLinear)}
+    return layouts.pop() if len(layouts) == 1 else None
+
+
 def packed_head(weight: torch.Tensor, layout: str | None = "auto") -> "torch.Tensor | PackedLinear":
     """An lm_head weight [vocab, hidden] packed for inference like the layers (shared.layers.project_rows takes
     either) in `layout` ("auto": packing_layout's), or the weight itself where the layout is None."""

@@ -22,6 +22,7 @@ from cuda_ext.verify import reference as verify_reference
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared.cpu_kernels.library import cpu_kernels
+from shared.packed_linear import kernel_layout
 from shared.sampling import SamplingParams, sample_from, sampling_probs
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
@@ -156,8 +157,8 @@ def tiny_vocab_kernel_pair(tmp_path_factory):
     write_hf_checkpoint(folder, "qwen3", seed=11, std=0.3, vocab_size=VOCAB, hidden_size=32, head_dim=8,
                         intermediate_size=64, num_hidden_layers=2, dtype=torch.bfloat16)
     layout = "amx" if cpu_kernels().amx else "bf16"
-    target = load_target(folder, dtype="float32", pack=False).pack(layout)
-    target.kv_dtype = torch.bfloat16
+    target = load_target(folder)  # --dtype auto, as served
+    assert target.kv_dtype == torch.bfloat16
     drafter = random_drafter(
         tiny_draft_config(target_layers=2, vocab=VOCAB, hidden=32, head_dim=8, intermediate_size=64,
                           target_layer_ids=(0, 1), block_size=4), seed=5, std=0.3)
@@ -172,7 +173,8 @@ def test_first_tokens_follow_the_target_distribution_on_the_cpu_kernels(tiny_voc
     target, drafter, layout = tiny_vocab_kernel_pair
     assert target.whole_layers is not None and target.head.layout == layout
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=N, max_model_len=16,
-                             draft_sampling=mode, sparse_top_k=2, layout=layout)
+                             draft_sampling=mode, sparse_top_k=2,
+                             layout=kernel_layout("auto", "bfloat16", "cpu"))  # as the draft worker packs it
     assert proposer.drafter.native_block is not None and proposer.lm_head.layout == layout
     params = SETTINGS["t1_top_p0.9"]
     counts = sample_counts(target, proposer, params)

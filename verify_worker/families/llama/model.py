@@ -11,7 +11,7 @@ from shared.cpu_kernels.layer_step import DenseLayerWeights, StackStepInputs, St
 from shared.cpu_kernels.library import cpu_kernels
 from shared.kv_cache import PositionalKVCache, slot_selector
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
-from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, packing_layout
+from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, common_layout, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.interface import StepBatch, TargetOutput
@@ -269,11 +269,10 @@ class TargetModel(EmbeddingHead, nn.Module):
                 next_norm=following.weight.detach().float().contiguous(), next_eps=following.eps,
             ))
         first = layers[0].input_layernorm
-        kinds = {linear.layout for layer in layers for linear in (layer.self_attn.qkv_proj, layer.self_attn.o_proj,
-                                                                   layer.mlp.gate_up_proj, layer.mlp.down_proj)}
-        if len(kinds) != 1:  # one call multiplies one way
+        layout = common_layout(layers.modules())
+        if layout is None:
             return None
-        return StackWeights.of(result, first.weight.detach().float().contiguous(), first.eps, amx=kinds == {"amx"})
+        return StackWeights.of(result, first.weight.detach().float().contiguous(), first.eps, amx=layout == "amx")
 
     def pack(self, layout: str | None = "auto", kernel_threads: int = 1) -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
