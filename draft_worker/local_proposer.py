@@ -9,6 +9,7 @@ import torch
 
 from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
+from shared.cpu_kernels.library import WorkerPool, pool_awake
 from shared.errors import ConfigError
 from shared.packed_linear import PackedLinear, packed_head
 from shared.proposals import DraftItem, DraftResult
@@ -76,14 +77,19 @@ class LocalProposer:
         self.last_used: dict[str, int] = {}  # request id -> call counter of its last draft
         self.clock = 0
         self.pool = None  # the threads the drafter's C++ projections and the head share (share_kernel_threads)
+        self.owns_pool = False
 
-    def share_kernel_threads(self, threads: int) -> None:
+    def share_kernel_threads(self, threads: int, pool: WorkerPool | None = None) -> None:
         """Run the drafter's C++ projections and the lm_head on `threads` threads (the caller's included; 1: its
-        alone), the same bits whatever the count. Nothing where the drafter is not on the C++ kernels."""
-        if self.pool is not None:
+        alone), the same bits whatever the count. pool: run them on this pool instead (the target's, whose calls
+        alternate with the drafter's: one set of helper threads, kept awake across a step). Nothing where the
+        drafter is not on the C++ kernels."""
+        if self.pool is not None and self.owns_pool:
             self.pool.close()
         kernels = self.drafter.kernels
-        self.pool = kernels.worker_pool(threads) if kernels is not None and threads > 1 else None
+        self.owns_pool = pool is None and kernels is not None and threads > 1
+        self.pool = None if kernels is None else pool if pool is not None else (
+            kernels.worker_pool(threads) if threads > 1 else None)
         self.drafter.pool = self.pool  # its one-call block (draft_block.cpp)
         for module in [*self.drafter.modules(), self.lm_head]:
             if isinstance(module, PackedLinear) and module.kernels is not None:
@@ -128,6 +134,10 @@ class LocalProposer:
 
     @torch.inference_mode()
     def propose(self, items: list[DraftItem]) -> list[DraftResult]:
+        with pool_awake(self.pool):
+            return self._propose(items)
+
+    def _propose(self, items: list[DraftItem]) -> list[DraftResult]:
         started = time.perf_counter()
         protect = {item.request_id for item in items}
         synced = [item for item in items if self._in_sync(item, protect)]

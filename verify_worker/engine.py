@@ -13,6 +13,7 @@ halves, recursively, so that only a request that fails a step on its own is fail
 advances by exactly one step, each half being an ordinary step for its requests.
 """
 
+import contextlib
 import heapq
 import logging
 import time
@@ -22,6 +23,7 @@ import torch
 from cuda_ext.verify.op import verify_block, verify_greedy
 from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.channel_gateway import MAX_TOP_LOGPROBS
+from shared.cpu_kernels.library import pool_awake
 from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.request_limits import is_int64
@@ -143,6 +145,15 @@ class SpeculativeEngine:
             self.prefilling.append(state)
         groups = [[s.request_id for s in self.prefilling] + list(self.running)]
         events, self.last_reports = [], []
+        with pool_awake(self._target_pool()):  # its helpers spin between the step's calls
+            self._step_groups(groups, events)
+        return events
+
+    def _target_pool(self):
+        """The C++ kernels' worker pool the target computes on (an optional `pool` of the family), or None."""
+        return getattr(self.target, "pool", None)
+
+    def _step_groups(self, groups: list[list[str]], events: list[StepEvent]) -> None:
         while groups:
             group = groups.pop()
             saved = self._save(group)
@@ -162,7 +173,6 @@ class SpeculativeEngine:
                                  "cause", len(group), type(exc).__name__, exc)
                 half = len(group) // 2
                 groups += [group[half:], group[:half]]
-        return events
 
     def observe_loop(self, seconds: float) -> None:
         """The caller's loop took `seconds` around the last step() without waiting for work: what that step cost
@@ -436,7 +446,11 @@ class SpeculativeEngine:
         report.catch_up = any(len(item.context_features) > self.block_size for item in items)
         started = time.perf_counter()
         try:
-            results = self.proposer.propose(items)
+            # the target's helpers rest unless the drafter computes on them (a pool the proposer shares): a drafter
+            # in another process, or on its own pool, needs these cores
+            shares = getattr(self.proposer, "pool", None) is self._target_pool()
+            with contextlib.nullcontext() if shares else pool_awake(self._target_pool(), on=False):
+                results = self.proposer.propose(items)
         except ProposerUnavailable:
             for r in rows:  # whatever reached the proposer is unknown: send every request's context again
                 states[r].resend_features()

@@ -103,7 +103,8 @@ def run(args) -> dict:
             layout=kernel_layout(args.dtype, TargetFacts.from_config(read_config(target_path)).checkpoint_dtype,
                                  args.device),
         )
-        proposer.share_kernel_threads(usable_cores())  # its calls and the target's alternate, as in the server
+        # its calls and the target's alternate, as in the server: the target's pool where it has one
+        proposer.share_kernel_threads(usable_cores(), getattr(target, "pool", None))
     engine = SpeculativeEngine(target, proposer, max_requests=1)
     stops = () if args.ignore_eos else target.config.eos_token_ids
     request = GenerationRequest(tuple(_prompt_ids(args, tokenizer)), args.max_tokens, sampling, stops,

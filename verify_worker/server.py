@@ -363,7 +363,8 @@ def local_proposer(args, target, max_running: int) -> LocalProposer:
                              max_requests=max_running, max_model_len=served_max_len(args, target.config),
                              draft_sampling=DraftSampling(args.draft_sampling),
                              layout=kernel_layout(args.dtype, checkpoint_dtype, args.device))
-    proposer.share_kernel_threads(args.kernel_threads or usable_cores())  # its calls and the target's alternate
+    # its calls and the target's alternate: on the target's pool where it has one
+    proposer.share_kernel_threads(args.kernel_threads or usable_cores(), getattr(target, "pool", None))
     return proposer
 
 

@@ -10,6 +10,7 @@ namespace dflash {
 namespace {
 
 constexpr auto kSpin = std::chrono::microseconds(50);  // how long an idle helper waits awake for the next job
+constexpr auto kHeldSpin = std::chrono::milliseconds(10);  // the same while the pool is held
 constexpr uint64_t kPartMask = 0xffffffffu;  // the low 32 bits of job_: the next unclaimed part
 constexpr uint64_t kClosed = kPartMask;  // a job's part counter once it is over: no part of it can be claimed
 
@@ -74,24 +75,51 @@ void WorkerPool::work_on(uint64_t generation) {
   }
 }
 
+void WorkerPool::hold(bool on) {
+  if (!on) {
+    if (holds_.fetch_sub(1) == 1) rests_.fetch_add(1);  // the last hold: the helpers sleep now, not after kSpin
+    return;
+  }
+  holds_.fetch_add(1);
+  wakes_.fetch_add(1);  // before sleeping_ is read: a helper about to sleep either sees this or is seen asleep
+  if (sleeping_.load() > 0) {
+    { std::lock_guard<std::mutex> lock(mutex_); }
+    wake_.notify_all();
+  }
+}
+
 void WorkerPool::help() {
+  using Clock = std::chrono::steady_clock;
   uint64_t seen = job_.load() >> 32;
-  while (true) {
-    const auto idle_since = std::chrono::steady_clock::now();
-    uint64_t generation = job_.load() >> 32;
-    for (int spins = 0; generation == seen && !stop_.load(); ++spins) {
-      _mm_pause();
-      if (spins % 64 == 63 && std::chrono::steady_clock::now() - idle_since > kSpin) {
-        std::unique_lock<std::mutex> lock(mutex_);
-        sleeping_.fetch_add(1);
-        wake_.wait(lock, [&] { return (job_.load() >> 32) != seen || stop_.load(); });
-        sleeping_.fetch_sub(1);
-      }
-      generation = job_.load() >> 32;
+  uint64_t wakes = wakes_.load(), rests = rests_.load();
+  auto idle_since = Clock::now();
+  for (int spins = 1; !stop_.load(); ++spins) {
+    const uint64_t generation = job_.load() >> 32;
+    if (generation != seen) {
+      seen = generation;
+      work_on(generation);
+      idle_since = Clock::now();
+      continue;
     }
-    if (stop_.load()) return;
-    seen = generation;
-    work_on(generation);
+    _mm_pause();
+    if (spins % 64 != 0) continue;
+    if (wakes_.load() != wakes) {  // a new hold: idle from now on
+      wakes = wakes_.load();
+      idle_since = Clock::now();
+    }
+    const bool released = rests_.load() != rests;  // the last hold ended since the last look
+    rests = rests_.load();
+    const bool held = holds_.load() > 0;
+    if (held || !released) {
+      if (Clock::now() - idle_since <= (held ? kHeldSpin : kSpin)) continue;
+    }
+    std::unique_lock<std::mutex> lock(mutex_);
+    sleeping_.fetch_add(1);
+    wake_.wait(lock, [&] { return (job_.load() >> 32) != seen || stop_.load() || wakes_.load() != wakes; });
+    sleeping_.fetch_sub(1);
+    wakes = wakes_.load();
+    rests = rests_.load();
+    idle_since = Clock::now();
   }
 }
 
@@ -102,5 +130,7 @@ extern "C" {
 void* dflash_pool_create(int64_t threads) { return new dflash::WorkerPool(threads < 1 ? 1 : static_cast<int>(threads)); }
 
 void dflash_pool_destroy(void* pool) { delete static_cast<dflash::WorkerPool*>(pool); }
+
+void dflash_pool_hold(void* pool, int64_t on) { static_cast<dflash::WorkerPool*>(pool)->hold(on != 0); }
 
 }  // extern "C"

@@ -5,6 +5,10 @@
 // its result (each part writes its own outputs), so the bits are those of one thread.
 //
 // Helpers spin a little after each job (the layers' jobs come microseconds apart), then sleep until the next.
+// Waking a sleeping helper costs tens of microseconds on a VM, which Python's gaps between a step's calls pay
+// again and again: while an owner holds the pool (hold), its helpers keep spinning between jobs instead, up to
+// kHeldSpin of no job at all; when the last hold ends they sleep at once (the owner is about to wait, and
+// whatever it waits on may need these cores).
 #pragma once
 
 #include <atomic>
@@ -29,6 +33,9 @@ class WorkerPool {
   // Runs part(context, p) for p in [0, parts), on this thread and the helpers; returns when every part is done.
   // Jobs from several threads at once run one after another (ctypes calls release the GIL).
   void run(int64_t parts, Part part, void* context);
+  // on: one more hold (helpers asleep are woken now, so that they are spinning when the first job comes); off: one
+  // hold fewer. Holds nest; helpers sleep as soon as none is left. Changes no result.
+  void hold(bool on);
 
  private:
   void help();
@@ -43,6 +50,9 @@ class WorkerPool {
   std::atomic<int64_t> parts_{0};
   std::atomic<int64_t> done_{0};
   std::atomic<int> sleeping_{0};
+  std::atomic<int> holds_{0};
+  std::atomic<uint64_t> wakes_{0};  // counts hold(true) calls: a helper that sees it change does not fall asleep
+  std::atomic<uint64_t> rests_{0};  // counts the ends of the last hold: a helper that sees it change sleeps
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
   std::mutex run_mutex_;  // one job at a time
