@@ -66,6 +66,7 @@ def run_block(drafter, one_call: bool, kv_dtype, pool=None):
 def test_one_call_block_equals_the_per_op_block_bit_for_bit(dflash2, layers, kv_dtype, layout):
     drafter = bf16_drafter(dflash2, layers, layout=layout)
     assert drafter.native_block is not None and drafter.native_block.c_shape.amx == (layout == "amx")
+    assert drafter.native_block.context is not None  # the context rows go in through the one-call ingest too
     per_op = run_block(drafter, one_call=False, kv_dtype=kv_dtype)
     one_call = run_block(drafter, one_call=True, kv_dtype=kv_dtype)
     assert torch.equal(per_op[0], one_call[0])
@@ -99,6 +100,18 @@ def test_a_block_outside_the_cache_is_refused_before_anything_is_written():
     assert all(torch.equal(a, b) for a, b in zip(before, cache.keys))
 
 
+def test_context_rows_outside_the_cache_are_refused_before_anything_is_written():
+    drafter = bf16_drafter(True, 2)
+    cfg = drafter.config
+    cache = drafter.new_cache(2, 16)
+    before = [k.clone() for k in cache.keys + cache.values]
+    features = torch.ones(3, cfg.num_taps * cfg.hidden_size)
+    for slots, positions in (([0, 0, 1], [14, 15, 16]), ([0, 2, 1], [0, 1, 2])):  # a position, then a slot, outside
+        with torch.inference_mode(), pytest.raises(IndexError, match="outside the cache"):
+            drafter.ingest_context(cache, torch.tensor(slots), torch.tensor(positions), features)
+        assert all(torch.equal(a, b) for a, b in zip(before, cache.keys + cache.values))
+
+
 def test_the_served_demo_drafter_takes_the_one_call_path():
     """Packed as the proposers pack it, the embedded DFlash 2 drafter denoises in one C++ call (a weight that
     fell off the C++ layout would silently send it back to the per-op path)."""
@@ -110,3 +123,4 @@ def test_the_served_demo_drafter_takes_the_one_call_path():
         torch.set_num_threads(before)
     assert drafter.kernels is not None
     assert drafter.native_block is not None and drafter.native_block.c_shape.conv_kernel > 0
+    assert drafter.native_block.context is not None

@@ -44,13 +44,18 @@ struct DraftLayer {
 };
 
 // What every layer shares: the drafter's shape, the convs' kernel size and channel group (0 without convs), its
-// GEMM (amx: 1 for weights in the "amx" layout, see bf16_gemm_amx.cpp), attention's score scale and the first
-// layer's input norm.
+// GEMM (amx: 1 for weights in the "amx" layout, see bf16_gemm_amx.cpp), attention's score scale, the first
+// layer's input norm, and the context projection: fc (bf16_gemm tiles, in features_width = taps * hidden, out
+// hidden) and the hidden norm after it (null fc: dflash_draft_ingest refuses).
 struct DraftShape {
   int64_t layers, hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group, amx;
   float scale;
   const float* first_norm;
   float first_eps;
+  int64_t features_width;
+  const uint16_t* fc;
+  const float* context_norm;
+  float context_eps;
 };
 
 // One block per batch entry: seq rows at positions [batch, seq] of slots [batch], attending over the first `keys`
@@ -66,6 +71,21 @@ struct DraftStep {
   const uint8_t* const* visible;
   void* const* k_caches;
   void* const* v_caches;
+};
+
+// Context rows for the caches: features [rows, features_width] of the target at slots [rows] and positions [rows],
+// cos, sin [rows, dim]; the caches as in DraftStep; scratch: context and normed [rows, hidden], kv [rows, 2 *
+// kv_heads * dim].
+struct DraftContext {
+  int64_t rows, num_slots, capacity, kv_bf16;
+  const float* features;
+  const float* cos;
+  const float* sin;
+  const int64_t* slots;
+  const int64_t* positions;
+  void* const* k_caches;
+  void* const* v_caches;
+  float *context, *normed, *kv;
 };
 
 // Buffers every layer reuses: filtered and projected [rows, hidden]; dynamic [rows, 2 * kernel * hidden / group];
@@ -142,6 +162,32 @@ const float* conv_finish(const DraftConv& conv, const DraftShape& shape, int64_t
 }  // namespace
 
 extern "C" {
+
+// DFlashDraftModel.ingest_context in one call: fc, the hidden norm, then every layer's k/v projection, k norm and
+// rotary, written into its cache. Returns 0; -1 for a slot or position outside the cache (nothing written); -2 for
+// a shape the kernels refuse.
+int dflash_draft_ingest(const DraftLayer* layers, const DraftShape* shape, const DraftContext* context,
+                        void* pool_handle) {
+  WorkerPool* pool = static_cast<WorkerPool*>(pool_handle);
+  const int64_t kv_heads = shape->kv_heads, dim = shape->dim, hidden = shape->hidden, rows = context->rows;
+  if (shape->fc == nullptr || dim % 8 != 0 || dim > 256 || kv_heads <= 0) return -2;
+  for (int64_t r = 0; r < rows; ++r) {
+    if (context->slots[r] < 0 || context->slots[r] >= context->num_slots) return -1;
+    if (context->positions[r] < 0 || context->positions[r] >= context->capacity) return -1;
+  }
+  pooled_gemm(pool, shape->amx, context->features, rows, shape->features_width, shape->fc, hidden, context->context);
+  dflash_rms_norm(context->context, rows, hidden, shape->context_norm, shape->context_eps, context->normed);
+  for (int64_t index = 0; index < shape->layers; ++index) {
+    const DraftLayer& layer = layers[index];
+    pooled_gemm(pool, shape->amx, context->normed, rows, hidden, layer.kv, 2 * kv_heads * dim, context->kv);
+    // each row a batch entry of one position: rows of several requests, each at its own slot
+    dflash_qk_rotary_cache(context->kv, rows, 1, 0, kv_heads, dim, layer.k_norm, layer.k_eps, context->cos,
+                           context->sin, context->slots, context->positions, context->k_caches[index],
+                           context->v_caches[index], context->kv_bf16, context->num_slots, context->capacity,
+                           nullptr);
+  }
+  return 0;
+}
 
 // x [batch * seq, hidden]: the block embeddings in, the last residual out (updated in place); h [batch * seq,
 // hidden]: the final norm's output. Returns 0; -1 for a slot or position outside the cache (nothing written); -2

@@ -26,7 +26,14 @@ class DraftLayer(ctypes.Structure):
 class DraftShape(ctypes.Structure):
     _fields_ = [("layers", _count), ("hidden", _count), ("heads", _count), ("kv_heads", _count), ("dim", _count),
                 ("intermediate", _count), ("conv_kernel", _count), ("conv_group", _count), ("amx", _count),
-                ("scale", _real), ("first_norm", _pointer), ("first_eps", _real)]
+                ("scale", _real), ("first_norm", _pointer), ("first_eps", _real), ("features_width", _count),
+                ("fc", _pointer), ("context_norm", _pointer), ("context_eps", _real)]
+
+
+class DraftContext(ctypes.Structure):
+    _fields_ = [("rows", _count), ("num_slots", _count), ("capacity", _count), ("kv_bf16", _count),
+                *((name, _pointer) for name in ("features", "cos", "sin", "slots", "positions", "k_caches",
+                                                "v_caches", "context", "normed", "kv"))]
 
 
 class DraftStep(ctypes.Structure):
@@ -74,33 +81,49 @@ class DraftLayerWeights:
 
 
 @dataclass(frozen=True)
+class ContextWeights:
+    """The drafter's context projection: fc as bfloat16 tiles (in taps * hidden, out hidden) and the hidden norm
+    [hidden] float32 after it."""
+
+    fc: torch.Tensor
+    norm: torch.Tensor
+    eps: float
+
+
+@dataclass(frozen=True)
 class DraftBlockWeights:
-    """Every layer of a packed drafter as draft_block.cpp takes them, and the first layer's input norm [hidden].
-    Holds the tensors the C structures point into."""
+    """Every layer of a packed drafter as draft_block.cpp takes them, the first layer's input norm [hidden] and the
+    context projection (None: no one-call ingest). Holds the tensors the C structures point into."""
 
     layers: list[DraftLayerWeights]
     first_norm: torch.Tensor
+    context: ContextWeights | None
     c_layers: ctypes.Array
     c_shape: DraftShape
 
     @classmethod
     def of(cls, layers: list[DraftLayerWeights], first_norm: torch.Tensor, first_eps: float, heads: int,
            kv_heads: int, dim: int, intermediate: int, conv_kernel: int = 0,
-           conv_group: int = 0, amx: bool = False) -> "DraftBlockWeights":
+           conv_group: int = 0, amx: bool = False, context: ContextWeights | None = None) -> "DraftBlockWeights":
         """amx: the weight tiles are in the "amx" layout (CpuKernels.bf16_tiles), multiplied in bfloat16."""
         hidden = first_norm.shape[0]
+        width = context.fc.shape[1] if context is not None else 0
         ok = (dim % 8 == 0 and dim <= 256 and kv_heads > 0 and heads % kv_heads == 0
               and first_norm.dtype == torch.float32 and first_norm.is_contiguous()
               and all(_layer_fits(w, hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group)
-                      for w in layers))
+                      for w in layers)
+              and (context is None or (context.fc.dtype == torch.bfloat16 and context.fc.is_contiguous()
+                                       and tiles_of(context.fc, width, hidden) and context.norm.shape == (hidden,)
+                                       and context.norm.dtype == torch.float32 and context.norm.is_contiguous())))
         check_arguments(ok, "draft block weights", first_norm, *(t for w in layers for t in (w.q, w.kv, w.o)))
         c_layers = (DraftLayer * len(layers))(*(DraftLayer(
             w.q.data_ptr(), w.q_norm.data_ptr(), w.q_eps, w.kv.data_ptr(), w.k_norm.data_ptr(), w.k_eps, w.o.data_ptr(),
             w.post_norm.data_ptr(), w.post_eps, w.gate_up.data_ptr(), w.down.data_ptr(), w.next_norm.data_ptr(),
             w.next_eps, _c_conv(w.attention_conv), _c_conv(w.mlp_conv)) for w in layers))
         c_shape = DraftShape(len(layers), hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group, amx,
-                             dim ** -0.5, first_norm.data_ptr(), first_eps)
-        return cls(layers, first_norm, c_layers, c_shape)
+                             dim ** -0.5, first_norm.data_ptr(), first_eps, width,
+                             *((context.fc.data_ptr(), context.norm.data_ptr(), context.eps) if context else (0, 0, 0.0)))
+        return cls(layers, first_norm, context, c_layers, c_shape)
 
 
 def _c_conv(conv: ConvWeights | None) -> DraftConv:
@@ -170,6 +193,47 @@ class DraftStepInputs:
         c_scratch, buffer = _scratch(batch * seq, shape)
         return cls(c_step, c_scratch, slots, positions, keys[0],
                    (cos, sin, visible, keys, values, c_visible, k_caches, v_caches, buffer))
+
+
+@dataclass(frozen=True)
+class DraftContextInputs:
+    """One ingest's arguments (the C structure and the tensors it points into): context rows at their own slots
+    and positions."""
+
+    c_context: DraftContext
+    slots: torch.Tensor
+    positions: torch.Tensor
+    first_keys: torch.Tensor
+    held: tuple
+
+    @classmethod
+    def build(cls, features: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor,
+              positions: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor],
+              weights: DraftBlockWeights) -> "DraftContextInputs":
+        """features [rows, taps * hidden] float32; cos, sin [rows, dim] float32; slots, positions [rows]; keys,
+        values: each layer's cache [slots, kv_heads, capacity, dim], float32 or bfloat16 (all alike)."""
+        shape = weights.c_shape
+        rows = features.shape[0]
+        features, cos, sin = features.contiguous(), cos.contiguous(), sin.contiguous()
+        slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
+        ok = (weights.context is not None and features.dtype == cos.dtype == sin.dtype == torch.float32
+              and features.shape == (rows, shape.features_width) and cos.shape == sin.shape == (rows, shape.dim)
+              and slots.shape == positions.shape == (rows,) and len(keys) == len(values) == shape.layers
+              and keys[0].dtype in KV_DTYPES
+              and all(k.dtype == v.dtype == keys[0].dtype and k.is_contiguous() and v.is_contiguous()
+                      and k.shape == v.shape == keys[0].shape and k.dim() == 4 and k.shape[1] == shape.kv_heads
+                      and k.shape[3] == shape.dim for k, v in zip(keys, values)))
+        check_arguments(ok, "draft ingest", features, cos, sin, slots, positions)
+        k_caches = (ctypes.c_void_p * len(keys))(*(k.data_ptr() for k in keys))
+        v_caches = (ctypes.c_void_p * len(values))(*(v.data_ptr() for v in values))
+        buffer = torch.empty(rows * (2 * shape.hidden + 2 * shape.kv_heads * shape.dim), dtype=torch.float32)
+        context, normed, kv = (buffer.data_ptr() + offset * rows * 4
+                               for offset in (0, shape.hidden, 2 * shape.hidden))
+        c_context = DraftContext(rows, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
+                                 features.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
+                                 positions.data_ptr(), ctypes.addressof(k_caches), ctypes.addressof(v_caches),
+                                 context, normed, kv)
+        return cls(c_context, slots, positions, keys[0], (features, cos, sin, keys, values, k_caches, v_caches, buffer))
 
 
 def _scratch(rows: int, shape: DraftShape) -> tuple[DraftScratch, torch.Tensor]:

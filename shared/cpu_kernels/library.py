@@ -25,7 +25,7 @@ from shared.attention import cached_attention
 from shared.native_build import cached_library
 
 if TYPE_CHECKING:  # layer_step imports this module
-    from shared.cpu_kernels.draft_step import DraftBlockWeights, DraftStepInputs
+    from shared.cpu_kernels.draft_step import DraftBlockWeights, DraftContextInputs, DraftStepInputs
     from shared.cpu_kernels.layer_step import StackStepInputs, StackWeights
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "bf16_gemm_amx.cpp",
@@ -76,6 +76,9 @@ class CpuKernels:
         self._draft_block = library.dflash_draft_block
         self._draft_block.restype = ctypes.c_int
         self._draft_block.argtypes = [pointer] * 7  # the same, for draft_block.cpp's structs
+        self._draft_ingest = library.dflash_draft_ingest
+        self._draft_ingest.restype = ctypes.c_int
+        self._draft_ingest.argtypes = [pointer] * 4  # layers, shape, context (structs), pool
         self._gemm_pooled = library.dflash_bf16_gemm_pooled
         self._gemm_pooled.restype = None
         self._gemm_pooled.argtypes = [pointer, count] + self._gemm.argtypes  # (pool, amx, x, ...)
@@ -283,6 +286,18 @@ class CpuKernels:
             raise ValueError(f"draft_block: a shape the kernels do not take (head size {shape.dim}, {shape.heads} "
                              f"heads on {shape.kv_heads}, {step.c_step.keys} keys, conv group {shape.conv_group})")
         return h
+
+
+    def draft_ingest(self, weights: "DraftBlockWeights", context: "DraftContextInputs",
+                     pool: "WorkerPool | None" = None) -> None:
+        """A drafter's context rows into every layer's cache in one call (draft_block.cpp: fc, the hidden norm,
+        each layer's k/v projection, k norm and rotary), the same bits as DFlashDraftModel's per-op ingest."""
+        status = self._draft_ingest(ctypes.addressof(weights.c_layers), ctypes.addressof(weights.c_shape),
+                                    ctypes.addressof(context.c_context), None if pool is None else pool.handle)
+        if status == -1:
+            raise _outside_cache(context.first_keys, context.slots, context.positions)
+        if status != 0:
+            raise ValueError(f"draft_ingest: a shape the kernels do not take (head size {weights.c_shape.dim})")
 
 
 class WorkerPool:
