@@ -19,6 +19,7 @@ from shared import metric_names as names
 from shared.channel_draft import TO_DRAFTER, DraftReply, DraftRequest, Ping, Pong, Release
 from shared.checkpoint_io import load_tensors
 from shared.config_json import read_config
+from shared.cpu_kernels.library import pool_awake
 from shared.draft_codec import items_from_message, reply_message
 from shared.dtype_choice import resolve_dtype
 from shared.errors import DFlashError
@@ -76,7 +77,8 @@ class DraftServer:
                 self.metrics.bad.labels("draft").inc()
                 self.log.warning("rejected message: %s", exc)
                 continue
-            reply = self.handle(message)
+            with pool_awake(self.proposer.pool):  # its helpers wake while the call is decoded, not at the draft
+                reply = self.handle(message)
             if reply is not None:
                 self.socket.send_multipart([identity, *encode(reply)], copy=False)
                 self._record(reply)  # after the send: the verify worker waits for the reply, not for the metrics

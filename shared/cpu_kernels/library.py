@@ -313,7 +313,7 @@ class WorkerPool:
 
     @contextlib.contextmanager
     def awake(self, on: bool = True):
-        """Keep the helpers spinning between jobs for the block's duration (up to 10 ms without a job), where
+        """Keep the helpers spinning between jobs for the block's duration (up to 2 ms without a job), where
         they would sleep 50 us after each: waking one costs tens of microseconds on a VM, which a step of many
         calls with Python between them pays every call (the demo pair in process, greedy: speculative 1177 ->
         1394 tok/s, plain 850 -> 980). The helpers hold their cores meanwhile, so hold a pool only while its owner

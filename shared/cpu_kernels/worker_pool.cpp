@@ -10,7 +10,7 @@ namespace dflash {
 namespace {
 
 constexpr auto kSpin = std::chrono::microseconds(50);  // how long an idle helper waits awake for the next job
-constexpr auto kHeldSpin = std::chrono::milliseconds(10);  // the same while the pool is held
+constexpr auto kHeldSpin = std::chrono::milliseconds(2);  // the same while the pool is held
 constexpr uint64_t kPartMask = 0xffffffffu;  // the low 32 bits of job_: the next unclaimed part
 constexpr uint64_t kClosed = kPartMask;  // a job's part counter once it is over: no part of it can be claimed
 

@@ -41,6 +41,9 @@ class TargetState(Protocol):
 
 
 class TargetFamily(Protocol):
+    """Optional besides: `share_kernel_threads(n)` (run the family's C++ CPU kernels on n threads) and `pool` (the
+    shared.cpu_kernels WorkerPool they run on, or None), which the engine holds awake through a step."""
+
     config: object  # the family's config; the engine reads vocab_size, hidden_size, num_layers,
     #                 max_position_embeddings and eos_token_ids
     commits_state: bool  # whether commit/reset do anything (TP leaders announce them only then)
