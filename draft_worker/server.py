@@ -77,7 +77,8 @@ class DraftServer:
                 self.metrics.bad.labels("draft").inc()
                 self.log.warning("rejected message: %s", exc)
                 continue
-            with pool_awake(self.proposer.pool):  # its helpers wake while the call is decoded, not at the draft
+            # a draft call's helpers wake while it is decoded, not at the draft (pings and releases need none)
+            with pool_awake(self.proposer.pool if isinstance(message, DraftRequest) else None):
                 reply = self.handle(message)
             if reply is not None:
                 self.socket.send_multipart([identity, *encode(reply)], copy=False)

@@ -102,6 +102,7 @@ def test_a_block_outside_the_cache_is_refused_before_anything_is_written():
 
 def test_context_rows_outside_the_cache_are_refused_before_anything_is_written():
     drafter = bf16_drafter(True, 2)
+    assert drafter.native_block.context is not None  # the one-call ingest refuses them (the per-op path does too)
     cfg = drafter.config
     cache = drafter.new_cache(2, 16)
     before = [k.clone() for k in cache.keys + cache.values]

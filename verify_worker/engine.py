@@ -23,7 +23,7 @@ import torch
 from cuda_ext.verify.op import verify_block, verify_greedy
 from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.channel_gateway import MAX_TOP_LOGPROBS
-from shared.cpu_kernels.library import pool_awake
+from shared.cpu_kernels.library import WorkerPool, pool_awake
 from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.request_limits import is_int64
@@ -153,7 +153,8 @@ class SpeculativeEngine:
 
     def _target_pool(self):
         """The C++ kernels' worker pool the target computes on (an optional `pool` of the family), or None."""
-        return getattr(self.target, "pool", None)
+        pool = getattr(self.target, "pool", None)
+        return pool if isinstance(pool, WorkerPool) else None
 
     def _step_groups(self, groups: list[list[str]], events: list[StepEvent]) -> None:
         while groups:

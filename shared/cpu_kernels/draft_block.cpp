@@ -181,10 +181,12 @@ int dflash_draft_ingest(const DraftLayer* layers, const DraftShape* shape, const
     const DraftLayer& layer = layers[index];
     pooled_gemm(pool, shape->amx, context->normed, rows, hidden, layer.kv, 2 * kv_heads * dim, context->kv);
     // each row a batch entry of one position: rows of several requests, each at its own slot
-    dflash_qk_rotary_cache(context->kv, rows, 1, 0, kv_heads, dim, layer.k_norm, layer.k_eps, context->cos,
-                           context->sin, context->slots, context->positions, context->k_caches[index],
-                           context->v_caches[index], context->kv_bf16, context->num_slots, context->capacity,
-                           nullptr);
+    if (dflash_qk_rotary_cache(context->kv, rows, 1, 0, kv_heads, dim, layer.k_norm, layer.k_eps, context->cos,
+                               context->sin, context->slots, context->positions, context->k_caches[index],
+                               context->v_caches[index], context->kv_bf16, context->num_slots, context->capacity,
+                               nullptr) != 0) {
+      return -1;  // refused before this layer wrote (the checks above make it unreachable)
+    }
   }
   return 0;
 }

@@ -317,7 +317,7 @@ class WorkerPool:
         they would sleep 50 us after each: waking one costs tens of microseconds on a VM, which a step of many
         calls with Python between them pays every call (the demo pair in process, greedy: speculative 1177 ->
         1394 tok/s, plain 850 -> 980). The helpers hold their cores meanwhile, so hold a pool only while its owner
-        computes, never while it waits on another process: when the last hold ends they sleep at once.
+        computes, never while it waits on another process (they sleep 50 us after the last hold ends).
         on=False: one hold fewer for the block (inside an awake block: a wait). Nests; changes no result."""
         handle = self.handle
         if handle:

@@ -77,7 +77,9 @@ void WorkerPool::work_on(uint64_t generation) {
 
 void WorkerPool::hold(bool on) {
   if (!on) {
-    if (holds_.fetch_sub(1) == 1) rests_.fetch_add(1);  // the last hold: the helpers sleep now, not after kSpin
+    int holds = holds_.load();  // one hold fewer, never below none (an unmatched release changes nothing)
+    while (holds > 0 && !holds_.compare_exchange_weak(holds, holds - 1)) {
+    }
     return;
   }
   holds_.fetch_add(1);
@@ -91,9 +93,9 @@ void WorkerPool::hold(bool on) {
 void WorkerPool::help() {
   using Clock = std::chrono::steady_clock;
   uint64_t seen = job_.load() >> 32;
-  uint64_t wakes = wakes_.load(), rests = rests_.load();
+  uint64_t wakes = wakes_.load();
   auto idle_since = Clock::now();
-  for (int spins = 1; !stop_.load(); ++spins) {
+  for (uint32_t spins = 1; !stop_.load(); ++spins) {
     const uint64_t generation = job_.load() >> 32;
     if (generation != seen) {
       seen = generation;
@@ -107,18 +109,12 @@ void WorkerPool::help() {
       wakes = wakes_.load();
       idle_since = Clock::now();
     }
-    const bool released = rests_.load() != rests;  // the last hold ended since the last look
-    rests = rests_.load();
-    const bool held = holds_.load() > 0;
-    if (held || !released) {
-      if (Clock::now() - idle_since <= (held ? kHeldSpin : kSpin)) continue;
-    }
+    if (Clock::now() - idle_since <= (holds_.load() > 0 ? kHeldSpin : kSpin)) continue;
     std::unique_lock<std::mutex> lock(mutex_);
     sleeping_.fetch_add(1);
     wake_.wait(lock, [&] { return (job_.load() >> 32) != seen || stop_.load() || wakes_.load() != wakes; });
     sleeping_.fetch_sub(1);
     wakes = wakes_.load();
-    rests = rests_.load();
     idle_since = Clock::now();
   }
 }

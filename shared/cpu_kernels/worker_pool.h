@@ -7,8 +7,7 @@
 // Helpers spin a little after each job (the layers' jobs come microseconds apart), then sleep until the next.
 // Waking a sleeping helper costs tens of microseconds on a VM, which Python's gaps between a step's calls pay
 // again and again: while an owner holds the pool (hold), its helpers keep spinning between jobs instead, up to
-// kHeldSpin of no job at all; when the last hold ends they sleep at once (the owner is about to wait, and
-// whatever it waits on may need these cores).
+// kHeldSpin of no job at all (then they sleep all the same); once no hold is left, the usual kSpin.
 #pragma once
 
 #include <atomic>
@@ -34,7 +33,7 @@ class WorkerPool {
   // Jobs from several threads at once run one after another (ctypes calls release the GIL).
   void run(int64_t parts, Part part, void* context);
   // on: one more hold (helpers asleep are woken now, so that they are spinning when the first job comes); off: one
-  // hold fewer. Holds nest; helpers sleep as soon as none is left. Changes no result.
+  // hold fewer (none below zero). Holds nest. Changes no result.
   void hold(bool on);
 
  private:
@@ -52,7 +51,6 @@ class WorkerPool {
   std::atomic<int> sleeping_{0};
   std::atomic<int> holds_{0};
   std::atomic<uint64_t> wakes_{0};  // counts hold(true) calls: a helper that sees it change does not fall asleep
-  std::atomic<uint64_t> rests_{0};  // counts the ends of the last hold: a helper that sees it change sleeps
   std::atomic<bool> stop_{false};
   std::mutex mutex_;
   std::mutex run_mutex_;  // one job at a time
