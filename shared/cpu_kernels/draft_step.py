@@ -122,7 +122,8 @@ class DraftBlockWeights:
             w.next_eps, _c_conv(w.attention_conv), _c_conv(w.mlp_conv)) for w in layers))
         c_shape = DraftShape(len(layers), hidden, heads, kv_heads, dim, intermediate, conv_kernel, conv_group, amx,
                              dim ** -0.5, first_norm.data_ptr(), first_eps, width,
-                             *((context.fc.data_ptr(), context.norm.data_ptr(), context.eps) if context else (0, 0, 0.0)))
+                             *((context.fc.data_ptr(), context.norm.data_ptr(), context.eps) if context
+                               else (0, 0, 0.0)))
         return cls(layers, first_norm, context, c_layers, c_shape)
 
 
