@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_kernels.library import KV_DTYPES, check_arguments, tiles_of
+from shared.cpu_kernels.library import caches_fit, carve, check_arguments, pointer_array, tiles_of
 
 _pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -180,10 +180,10 @@ class DraftStepInputs:
         visible = [converted[id(m)] for m in masks]  # [batch, seq, keys] per layer; a shared mask converted once
         ok = (cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (batch, seq, shape.dim)
               and slots.shape == (batch,) and len(masks) == len(keys) == len(values) == shape.layers
-              and all(m.shape[-1] == length for m in masks) and _caches_fit(keys, values, shape))
+              and all(m.shape[-1] == length for m in masks) and caches_fit(keys, values, shape.kv_heads, shape.dim))
         check_arguments(ok, "draft step", cos, sin, slots, positions, *masks)
-        c_visible = _pointers(visible)
-        k_caches, v_caches = _pointers(keys), _pointers(values)
+        c_visible = pointer_array(visible)
+        k_caches, v_caches = pointer_array(keys), pointer_array(values)
         c_step = DraftStep(batch, seq, length, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
                            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), positions.data_ptr(),
                            ctypes.addressof(c_visible), ctypes.addressof(k_caches), ctypes.addressof(v_caches))
@@ -216,10 +216,10 @@ class DraftContextInputs:
         ok = (weights.context is not None and features.dtype == cos.dtype == sin.dtype == torch.float32
               and features.shape == (rows, shape.features_width) and cos.shape == sin.shape == (rows, shape.dim)
               and slots.shape == positions.shape == (rows,) and len(keys) == len(values) == shape.layers
-              and _caches_fit(keys, values, shape))
+              and caches_fit(keys, values, shape.kv_heads, shape.dim))
         check_arguments(ok, "draft ingest", features, cos, sin, slots, positions)
-        k_caches, v_caches = _pointers(keys), _pointers(values)
-        (context, normed, kv), buffer = _carve(rows, [shape.hidden, shape.hidden, 2 * shape.kv_heads * shape.dim])
+        k_caches, v_caches = pointer_array(keys), pointer_array(values)
+        (context, normed, kv), buffer = carve(rows, [shape.hidden, shape.hidden, 2 * shape.kv_heads * shape.dim])
         c_context = DraftContext(rows, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
                                  features.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                                  positions.data_ptr(), ctypes.addressof(k_caches), ctypes.addressof(v_caches),
@@ -234,29 +234,5 @@ def _scratch(rows: int, shape: DraftShape) -> tuple[DraftScratch, torch.Tensor]:
     dynamic = 2 * shape.conv_kernel * (shape.hidden // shape.conv_group) if shape.conv_kernel else 0
     widths = [shape.hidden, shape.hidden, dynamic, attention, attention, attention, 2 * shape.kv_heads * shape.dim,
               2 * shape.intermediate, shape.intermediate]
-    pointers, buffer = _carve(rows, widths)
+    pointers, buffer = carve(rows, widths)
     return DraftScratch(*pointers), buffer
-
-
-def _carve(rows: int, widths: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Float32 buffers of [rows, width] for each width, carved from one allocation: (their addresses, it)."""
-    buffer = torch.empty(rows * sum(widths), dtype=torch.float32)
-    pointers, offset = [], buffer.data_ptr()
-    for width in widths:
-        pointers.append(offset)
-        offset += rows * width * 4  # bytes
-    return pointers, buffer
-
-
-def _caches_fit(keys: list[torch.Tensor], values: list[torch.Tensor], shape: DraftShape) -> bool:
-    """Each layer's caches [slots, kv_heads, capacity, dim] alike, contiguous, of a dtype the kernels read."""
-    first = keys[0]
-    return first.dtype in KV_DTYPES and all(
-        k.dtype == v.dtype == first.dtype and k.shape == v.shape == first.shape and k.is_contiguous()
-        and v.is_contiguous() and k.dim() == 4 and k.shape[1] == shape.kv_heads and k.shape[3] == shape.dim
-        for k, v in zip(keys, values))
-
-
-def _pointers(tensors: list[torch.Tensor]) -> ctypes.Array:
-    """A C array of the tensors' data pointers (the caller keeps both alive)."""
-    return (ctypes.c_void_p * len(tensors))(*(t.data_ptr() for t in tensors))

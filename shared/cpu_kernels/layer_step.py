@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_kernels.library import KV_DTYPES, check_arguments, tiles_of
+from shared.cpu_kernels.library import caches_fit, carve, check_arguments, pointer_array, tiles_of
 
 _pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -140,19 +140,14 @@ class StackStepInputs:
         ok = (cos.dtype == sin.dtype == torch.float32 and cos.shape == sin.shape == (batch, seq, dim)
               and slots.shape == (batch,) and len(keys) == len(values) == len(layers)
               and all(t in range(len(layers)) for t in tap_layers) and len(set(tap_layers)) == len(tap_layers)
-              and keys[0].dtype in KV_DTYPES
-              and all(k.dtype == v.dtype == keys[0].dtype and k.is_contiguous() and v.is_contiguous()
-                      and k.shape == v.shape == keys[0].shape and k.dim() == 4 and k.shape[1] == kv_heads
-                      and k.shape[3] == dim for k, v in zip(keys, values)))
+              and caches_fit(keys, values, kv_heads, dim))
         check_arguments(ok, "stack step", cos, sin, slots, positions, mask)
         hidden, rows = layers[0].hidden, batch * seq
         taps = torch.empty(rows, len(tap_layers) * hidden, dtype=torch.float32) if tap_layers else None
         tap_pointers = [0] * len(layers)
         for order, layer in enumerate(tap_layers):
             tap_pointers[layer] = taps.data_ptr() + order * hidden * 4  # bytes
-        k_caches = (ctypes.c_void_p * len(layers))(*(k.data_ptr() for k in keys))
-        v_caches = (ctypes.c_void_p * len(layers))(*(v.data_ptr() for v in values))
-        c_taps = (ctypes.c_void_p * len(layers))(*tap_pointers)
+        k_caches, v_caches, c_taps = pointer_array(keys), pointer_array(values), pointer_array(tap_pointers)
         c_step = StackStep(batch, seq, length, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
                            cos.data_ptr(), sin.data_ptr(),
                            slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), ctypes.addressof(k_caches),
@@ -168,9 +163,5 @@ def _scratch(rows: int, layer: DenseLayerWeights) -> tuple[StackScratch, torch.T
     gate_up [rows, 2 * intermediate], act [rows, intermediate]."""
     widths = [(layer.heads + 2 * layer.kv_heads) * layer.dim, layer.heads * layer.dim, layer.heads * layer.dim,
               layer.hidden, layer.gate_up_width, layer.gate_up_width // 2]
-    buffer = torch.empty(rows * sum(widths), dtype=torch.float32)
-    pointers, offset = [], buffer.data_ptr()
-    for width in widths:
-        pointers.append(offset)
-        offset += rows * width * 4  # bytes
+    pointers, buffer = carve(rows, widths)
     return StackScratch(*pointers), buffer

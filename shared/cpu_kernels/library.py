@@ -348,6 +348,31 @@ def _outside_cache(keys: torch.Tensor, slots: torch.Tensor, positions: torch.Ten
                       f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
 
 
+def caches_fit(keys: list[torch.Tensor], values: list[torch.Tensor], kv_heads: int, dim: int) -> bool:
+    """Each layer's caches [slots, kv_heads, capacity, dim] alike, contiguous, of a dtype the kernels read."""
+    first = keys[0]
+    return first.dtype in KV_DTYPES and all(
+        k.dtype == v.dtype == first.dtype and k.shape == v.shape == first.shape and k.is_contiguous()
+        and v.is_contiguous() and k.dim() == 4 and k.shape[1] == kv_heads and k.shape[3] == dim
+        for k, v in zip(keys, values))
+
+
+def pointer_array(pointers) -> ctypes.Array:
+    """A C array of these addresses (tensors: their data pointers; the caller keeps them alive)."""
+    pointers = [p if isinstance(p, int) else p.data_ptr() for p in pointers]
+    return (ctypes.c_void_p * len(pointers))(*pointers)
+
+
+def carve(rows: int, widths: list[int]) -> tuple[list[int], torch.Tensor]:
+    """Float32 buffers of [rows, width] for each width, carved from one allocation: (their addresses, it)."""
+    buffer = torch.empty(rows * sum(widths), dtype=torch.float32)
+    pointers, offset = [], buffer.data_ptr()
+    for width in widths:
+        pointers.append(offset)
+        offset += rows * width * 4  # bytes
+    return pointers, buffer
+
+
 def check_arguments(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:
     """The kernels trust their arguments' shapes: a mismatch is a bug, refused before any memory is touched."""
     if not ok:
