@@ -89,7 +89,8 @@ def parse_args(argv):
                              "checkpoint's dtype; on CPU float32 where the C++ kernels run, a bfloat16 "
                              "checkpoint's projections in bfloat16 on AMX, else bfloat16 only where it is native, "
                              "else float32)")
-    parser.add_argument("--max-running", type=int, default=16)
+    parser.add_argument("--max-running", type=int, default=64,
+                        help="requests holding a KV-cache slot at once (the batch's cap; lowered to fit --kv-cache-budget-mb)")
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")

@@ -284,7 +284,7 @@ def parse_args(argv):
                         help="Prometheus port (0 = none)")
     parser.add_argument("--metrics-host", default=env("DFLASH_METRICS_HOST", "127.0.0.1"))
     parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--max-running", type=int, default=16, help="requests holding a KV-cache slot at once")
+    parser.add_argument("--max-running", type=int, default=64, help="requests holding a KV-cache slot at once")
     parser.add_argument("--max-waiting", type=int, default=64, help="requests queued for a slot")
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per request")
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")
