@@ -198,7 +198,27 @@ def test_the_decision_follows_the_requests_own_acceptance():
     assert policy.preferred_mode(["new"]) == "speculative"  # a new request starts at the mean acceptance (4)
     policy.forget("b")
     assert "b" not in policy.acceptance
-    assert policy.preferred_mode(["a", "b"]) is None  # batches of 2 are measured on their own
+    # batches of 2 are measured on their own; before that they take plain decoding from batches of 1 where
+    # speculation loses there (a's 2 tokens a step, the mean now), see the next test
+    assert policy.preferred_mode(["a", "b"]) == "plain"
+
+
+def test_a_larger_batch_takes_plain_decoding_from_a_smaller_one_until_measured_itself():
+    """A speculative step's cost over a plain one's grows with the batch: where a smaller batch size already
+    prefers plain decoding for these requests, a larger one decodes plainly from its first step instead of
+    speculating to be measured (at 48 demo streams such steps cost 20-40 ms against 4.6 ms plain)."""
+    policy = AdaptiveSpeculation()
+    policy.observe(["a"], True, True, 0.010, [2], [True])
+    policy.observe(["a"], False, False, 0.004, [1], [False])  # batches of 1: 2 tokens per 10 ms lose to 4 ms
+    assert not policy.speculate(["a", "c", "d"])  # batches of 3-4: no step of their own yet, plain
+    assert policy.preferred_mode(["a", "c", "d"]) == "plain"
+    policy.observe(["e"], True, True, 0.010, [6], [True])  # a request for which speculation wins at 1
+    # where speculation wins at 1 (e2 is new: the mean of a and e, 4 tokens), a batch of 2 is measured first
+    assert policy.preferred_mode(["e", "e2"]) is None and policy.speculate(["e", "e2"])
+    # once a batch size is measured in both modes its own times decide, whatever a smaller one prefers
+    policy.observe(["a", "c", "d"], False, False, 0.004, [1, 1, 1], [False, False, False])
+    policy.observe(["a", "c", "d"], True, True, 0.005, [2, 2, 2], [True, True, True])
+    assert policy.preferred_mode(["a", "c", "d"]) == "speculative"
 
 
 def test_the_per_step_overhead_counts_for_the_mode_that_takes_more_steps():

@@ -140,20 +140,40 @@ class AdaptiveSpeculation:
         return statistics.median(samples) if samples else None
 
     def _preferred(self, request_ids: list[str]) -> bool | None:
-        spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
-        if spec is None or plain is None:
-            return None
-        # a request not measured yet: the mean of those that are, else of the last requests that finished (each
-        # counted once: mean_acceptance is over steps, and a request that speculates every step, one with a
-        # high acceptance, weighs in every step; after a concurrency-1 phase it started 16 new demo streams
-        # speculating, at 5 plain steps a step), else over the steps so far
+        times = self._decision_times(request_ids)
+        return None if times is None else self._pays(self._expected_acceptance(request_ids), *times)
+
+    def _expected_acceptance(self, request_ids: list[str]) -> float:
+        """The batch's mean acceptance length. A request not measured yet: the mean of those that are, else of
+        the last requests that finished (each counted once: mean_acceptance is over steps, and a request that
+        speculates every step, one with a high acceptance, weighs in every step; after a concurrency-1 phase it
+        started 16 new demo streams speculating, at 5 plain steps a step), else over the steps so far."""
         known = self.acceptance.values()
         if known:
             default = sum(known) / len(known)
         else:
             default = self.past_spread[0] if self.past_spread is not None else (self.mean_acceptance or 1.0)
-        expected = sum(self.acceptance.get(r, default) for r in request_ids) / len(request_ids)
-        return self._pays(expected, spec, plain)
+        return sum(self.acceptance.get(r, default) for r in request_ids) / len(request_ids)
+
+    def _decision_times(self, request_ids: list[str]) -> tuple[float, float] | None:
+        """(speculative, plain) step seconds to choose by for this batch: its batch size's own once both modes
+        are measured there. Before that, those of the largest smaller batch size measured in both modes, where
+        speculation loses there for this batch: a speculative step's cost over a plain one's does not shrink as
+        the batch grows (its verify multiplies the rows), so plain decoding is inferred and the larger batch is
+        not made to speculate just to be measured. Those speculative steps cost 20-40 ms against 4.6 ms plain
+        at 48 demo streams, and while requests kept arriving none measured the mode (each caught up on a new
+        request's prompt), so a wave of 48 streams speculated its first 25 steps: the default served 0.81x plain
+        decoding there. None: no times to choose by (speculation is measured first)."""
+        spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
+        if spec is not None and plain is not None:
+            return spec, plain
+        bucket = batch_bucket(len(request_ids))
+        smaller = [b for b, speculative in self.step_samples if speculative and b < bucket and (b, False) in
+                   self.step_samples]
+        if not smaller:
+            return None
+        spec, plain = (statistics.median(self.step_samples[(max(smaller), mode)]) for mode in (True, False))
+        return None if self._pays(self._expected_acceptance(request_ids), spec, plain) else (spec, plain)
 
     def _pays(self, acceptance: float, spec: float, plain: float) -> bool:
         """Whether a speculative step committing `acceptance` tokens a request beats as many plain steps, each
@@ -169,10 +189,9 @@ class AdaptiveSpeculation:
         unmeasured = [r for r in request_ids if r not in self.acceptance and not self._being_measured(r)]
         if not unmeasured:
             return False
-        spec, plain = self.step_seconds(len(request_ids), True), self.step_seconds(len(request_ids), False)
         hope = self._plausible_acceptance(len(unmeasured))
         optimistic = sum(self.acceptance.get(r, hope) for r in request_ids) / len(request_ids)
-        return self._pays(optimistic, spec, plain)
+        return self._pays(optimistic, *self._decision_times(request_ids))
 
     def _probe_subset(self, request_ids: list[str]) -> list[str]:
         """The requests a probe measures: at most probe_rows, those neither measured nor being measured first,
