@@ -198,9 +198,9 @@ def test_the_decision_follows_the_requests_own_acceptance():
     assert policy.preferred_mode(["new"]) == "speculative"  # a new request starts at the mean acceptance (4)
     policy.forget("b")
     assert "b" not in policy.acceptance
-    # batches of 2 are measured on their own; before that they take plain decoding from batches of 1 where
-    # speculation loses there (a's 2 tokens a step, the mean now), see the next test
-    assert policy.preferred_mode(["a", "b"]) == "plain"
+    # b, forgotten, counts at the mean over a and the finished b (4): with a's 2, speculation wins at 1, so
+    # batches of 2 are measured on their own (where it loses at 1 they decode plainly at first: the next test)
+    assert policy.preferred_mode(["a", "b"]) is None
 
 
 def test_a_larger_batch_takes_plain_decoding_from_a_smaller_one_until_measured_itself():
@@ -408,6 +408,20 @@ def test_new_requests_start_from_the_past_requests_mean_not_the_mean_over_steps(
     policy.step_samples[(16, True)] = deque([0.025])
     policy.step_samples[(16, False)] = deque([0.005])
     assert policy.preferred_mode([f"new{i}" for i in range(16)]) == "plain"
+
+
+def test_new_requests_count_at_the_mean_over_running_and_finished_requests():
+    """While requests come and go, the running ones measured are a few probed ones: one at 8 tokens a step must
+    not make 15 new requests count at 8 (their batch then speculated at 14 ms a step against 2 ms plain)."""
+    policy = AdaptiveSpeculation()
+    for i in range(16):
+        policy.record_acceptance(f"r{i}", 3.0)
+        policy.forget(f"r{i}")
+    policy.record_acceptance("hot", 8.0)
+    policy.step_samples[(16, True)] = deque([0.014])
+    policy.step_samples[(16, False)] = deque([0.002])
+    assert policy.preferred_mode(["hot"] + [f"new{i}" for i in range(15)]) == "plain"
+    assert policy.preferred_mode(["hot"] * 16) == "speculative"  # measured requests count at their own
 
 
 class _Recording(ScriptedProposer):
