@@ -11,14 +11,16 @@ batch's mean A times (Tp + O) is at least Ts + O: plain decoding pays O once per
 A tokens (served at concurrency 1 with the drafter in process, O of about 0.3 ms against Tp of 1.5 ms tipped
 the choice to speculation, which was the faster there by 10%). Step times are measured per batch-size bucket
 (they barely vary from step to step); A is measured per request (it varies a lot between requests: prompts,
-greedy or sampled) and starts at the mean of the requests measured so far. Step times are the median of the
+greedy or sampled) and starts at the mean of the requests measured so far (running and the last 64 finished,
+each once). Step times are the median of the
 last `window` steps of a mode, since a step that builds new kernels or catches up on context can take ten
 times the usual. After
 `probe_every` plain steps in a row one step drafts, to re-measure the requests' A (for a batch of greedy
 requests the engine makes such a probe a plain step whose drafts it scores later against the tokens the plain
 steps commit: the acceptance a verify would give, without the verify); after `refresh_every`
 speculative steps in a row one step is plain, to re-measure Tp. Until a mode is measured for a batch size the
-same schedule applies, speculation first.
+same schedule applies, speculation first, unless a smaller batch size measured in both modes already prefers
+plain decoding for the batch: then it decodes plainly from the start (`_decision_times`).
 
 Probes keep within a budget: at most `probe_budget` (5%) of the plain decoding time goes to what probes cost
 beyond the plain steps they replace (their measured median). At concurrency 1 on the demo pair with the draft
