@@ -7,7 +7,6 @@ and are simply written again. The drafter's copy of the context is not restored:
 from position 0 with its next draft call (the drafter's own random stream goes on: its draws stay fresh).
 """
 
-import dataclasses
 from dataclasses import dataclass
 
 import torch
@@ -33,8 +32,7 @@ class RequestSnapshot:
 
     @classmethod
     def take(cls, state: RequestState) -> "RequestSnapshot":
-        stats = dataclasses.replace(state.stats, drafted_at=list(state.stats.drafted_at),
-                                    accepted_at=list(state.stats.accepted_at))
+        stats = state.stats.copy()
         generator = None if state.request.sampling.greedy else state.generator.get_state()
         return cls(state, state.status, state.slot, state.cache_len, len(state.output_ids), state.finish_reason,
                    state.feature_chunks, len(state.feature_chunks), len(state.logprobs), len(state.prompt_logprobs),
