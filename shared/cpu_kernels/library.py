@@ -1,6 +1,6 @@
 """Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, bf16_gemm_amx.cpp, attention.cpp,
-layer_ops.cpp, decoder_layer.cpp, draft_block.cpp, worker_pool.cpp, top_k.cpp; simd_exp.h, worker_pool.h,
-pooled_jobs.h):
+layer_ops.cpp, decoder_layer.cpp, draft_block.cpp, draft_walk.cpp, worker_pool.cpp, top_k.cpp; simd_exp.h,
+worker_pool.h, pooled_jobs.h):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
 keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
 DFLASH_CPU_KERNELS=off, `cpu_kernels()` is None and every caller keeps its PyTorch path.
@@ -26,11 +26,13 @@ from shared.native_build import cached_library
 
 if TYPE_CHECKING:  # layer_step imports this module
     from shared.cpu_kernels.draft_step import DraftBlockWeights, DraftContextInputs, DraftStepInputs
+    from shared.cpu_kernels.draft_walk import DraftWalkWeights
     from shared.cpu_kernels.layer_step import StackStepInputs, StackWeights
 
 SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "bf16_gemm_amx.cpp",
                                                         "attention.cpp", "layer_ops.cpp", "decoder_layer.cpp",
-                                                        "draft_block.cpp", "worker_pool.cpp", "top_k.cpp")]
+                                                        "draft_block.cpp", "draft_walk.cpp", "worker_pool.cpp",
+                                                        "top_k.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread"]
 TILE = 16  # output columns per weight tile (kTile in the source)
@@ -79,6 +81,9 @@ class CpuKernels:
         self._draft_ingest = library.dflash_draft_ingest
         self._draft_ingest.restype = ctypes.c_int
         self._draft_ingest.argtypes = [pointer] * 4  # layers, shape, context (structs), pool
+        self._draft_greedy_walk = library.dflash_draft_greedy_walk
+        self._draft_greedy_walk.restype = ctypes.c_int
+        self._draft_greedy_walk.argtypes = [pointer, pointer, count, count, count, pointer, pointer, pointer]
         self._gemm_pooled = library.dflash_bf16_gemm_pooled
         self._gemm_pooled.restype = None
         self._gemm_pooled.argtypes = [pointer, count] + self._gemm.argtypes  # (pool, amx, x, ...)
@@ -298,6 +303,26 @@ class CpuKernels:
             raise _outside_cache(context.first_keys, context.slots, context.positions)
         if status != 0:
             raise ValueError(f"draft_ingest: a shape the kernels do not take (head size {weights.c_shape.dim})")
+
+    def draft_greedy_walk(self, weights: "DraftWalkWeights", hidden: torch.Tensor, rows: int, anchors: torch.Tensor,
+                          pool: "WorkerPool | None" = None) -> torch.Tensor | None:
+        """A DFlash 2 drafter's greedy drafts in one call (draft_walk.cpp): hidden [batch, block, hidden] float32
+        (a block's final norm, row 0 the anchor's), rows 1..rows of each block drafted; anchors [batch] -> tokens
+        [batch, rows], the same as logits, top-k candidates and the host walk in separate calls. None where a row's
+        logits hold fewer than top_k numbers (NaN): the caller takes those calls (torch.topk ranks NaN first)."""
+        batch, block, width = hidden.shape
+        hidden, anchors = hidden.contiguous(), anchors.to(torch.int64).contiguous()
+        check_arguments(hidden.dtype == torch.float32 and width == weights.c_weights.hidden and 1 <= rows < block
+                        and anchors.shape == (batch,), "draft_greedy_walk", hidden, anchors)
+        tokens = torch.empty(batch, rows, dtype=torch.int64)
+        status = self._draft_greedy_walk(ctypes.addressof(weights.c_weights), hidden.data_ptr(), batch, block, rows,
+                                         anchors.data_ptr(), tokens.data_ptr(), None if pool is None else pool.handle)
+        if status == -2:
+            raise IndexError(f"dflash2_walk: a token id outside the vocabulary of the selector "
+                             f"({weights.c_weights.selector_vocab})")
+        if status == -1:
+            raise ValueError(f"draft_greedy_walk: sizes the kernel does not take (rows {rows} of blocks of {block})")
+        return None if status == 1 else tokens
 
 
 class WorkerPool:
