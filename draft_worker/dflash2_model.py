@@ -14,8 +14,10 @@ from torch.nn import functional as F
 
 from cuda_ext.dflash2_walk.op import walk
 from cuda_ext.dflash2_walk.reference import pair_scores
+from cuda_ext.dispatch import kernel_mode
 from draft_worker.draft_model import DFlashDraftModel, DraftDecoderLayer, native_tiles
 from shared.cpu_kernels.draft_step import ConvWeights
+from shared.cpu_kernels.draft_walk import DraftWalkWeights
 from shared.draft_config import DraftConfig
 from shared.packed_linear import PackedLinear
 
@@ -188,6 +190,30 @@ class DFlash2DraftModel(DFlashDraftModel):
         tokens, _, q = walk(unary, candidates, anchors, projected, selector.predecessor_codebook,
                             selector.successor_codebook, temperatures, uniforms if sampling else None)
         return tokens, q, candidates
+
+    def native_walk(self, lm_head: "torch.Tensor | PackedLinear") -> DraftWalkWeights | None:
+        """The greedy walk from the block's hidden states in one C++ call (draft_walk.cpp), where it computes what
+        logits() and walk() compute: the head and the selector's projection packed alike on the C++ kernels, no
+        output multiplier or soft-capping, float32 codebooks. None elsewhere."""
+        selector, cfg = self.candidate_selector, self.config
+        projection = selector.hidden_projection
+        if not (native_tiles(lm_head) and native_tiles(projection) and lm_head.layout == projection.layout
+                and cfg.output_multiplier == 1.0 and not cfg.final_logit_softcapping
+                and selector.predecessor_codebook.dtype == torch.float32):
+            return None
+        return DraftWalkWeights.of(lm_head.weight, lm_head.out_features, projection.weight,
+                                   selector.predecessor_codebook.detach().contiguous(),
+                                   selector.successor_codebook.detach().contiguous(),
+                                   min(self.top_k, lm_head.out_features), amx=lm_head.layout == "amx")
+
+    def greedy_walk(self, weights: DraftWalkWeights, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor | None:
+        """walk()'s greedy tokens [b, B-1] of rows 1.. of each block, from hidden [b, B, H] (the block's final
+        norm) and anchors [b], in one call (native_walk's weights). None where it does not run: a float32 CPU
+        block with the default kernel choice (DFLASH_KERNELS=host or reference asks for walk()'s own path), and
+        logits without top_k numbers in a row."""
+        if kernel_mode() != "auto" or hidden.dtype != torch.float32 or hidden.device.type != "cpu":
+            return None
+        return self.kernels.draft_greedy_walk(weights, hidden, hidden.shape[1] - 1, anchors, self.pool)
 
     def selector_loss(self, hidden: torch.Tensor, logits: torch.Tensor, previous: torch.Tensor,
                       labels: torch.Tensor, target_logp: torch.Tensor | None = None) -> torch.Tensor:

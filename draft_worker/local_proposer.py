@@ -65,6 +65,9 @@ class LocalProposer:
         self.embed_weight = embed_weight.to(dtype)
         self.lm_head_weight = self.embed_weight if lm_head_weight is embed_weight else lm_head_weight.to(dtype)
         self.lm_head = packed_head(self.lm_head_weight, layout)  # the drafter's logits: the target's head
+        # DFlash 2's greedy drafts from the block's hidden states in one call, where the kernels take them
+        self.native_walk = (self.drafter.native_walk(self.lm_head) if isinstance(self.drafter, DFlash2DraftModel)
+                            else None)
         self.draft_sampling = draft_sampling
         self.sparse_top_k = sparse_top_k
         self.cache = drafter.new_cache(max_requests, max_model_len + self.block_size)
@@ -171,6 +174,10 @@ class LocalProposer:
         if self.drafter.config.input_embedding_scale != 1.0:
             embeds = embeds * self.drafter.config.input_embedding_scale
         hidden = self.drafter.block_hidden(self.cache, slots, starts, embeds)  # [b, B, hidden]
+        if self.native_walk is not None and not any(self._samples(item) for item in items):
+            tokens = self.drafter.greedy_walk(self.native_walk, hidden, anchors)  # [b, B-1], or None
+            if tokens is not None:
+                return [DraftResult(tokens=tokens[i, : item.num_draft].clone()) for i, item in enumerate(items)]
         logits = self.drafter.logits(hidden[:, 1:], self.lm_head)  # [b, B-1, vocab]
         if isinstance(self.drafter, DFlash2DraftModel):
             return self._walk(items, hidden[:, 1:], logits, anchors)
