@@ -11,6 +11,7 @@
 // Plain C ABI, loaded with ctypes: the structs mirror draft_block.py's ctypes structures field by field.
 #include <cstdint>
 
+#include "no_contraction.h"
 #include "pooled_jobs.h"
 
 extern "C" {
@@ -102,13 +103,7 @@ namespace {
 using dflash::WorkerPool;
 using dflash::jobs::pooled_gemm;
 
-#if defined(__clang__)
-#define DFLASH_NO_CONTRACTION _Pragma("clang fp contract(off)")
-#else
-#define DFLASH_NO_CONTRACTION
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-#endif
+DFLASH_NO_CONTRACTION_BEGIN
 
 // out [rows, hidden]: row r (row t = r % block of its block) = sum over offsets o of
 // (base[set, o] + dynamic[r, set, o, channel / group]) * x[r - o], x before the block's start counting as zero;
@@ -136,9 +131,7 @@ void conv_filter(const float* x, const float* dynamic, const float* base, int64_
   }
 }
 
-#if !defined(__clang__)
-#pragma GCC pop_options
-#endif
+DFLASH_NO_CONTRACTION_END
 
 // The conv's tap-set-0 filter of a sublayer's input x (its kernel projection into dynamic first), or x itself
 // without a conv.

@@ -10,6 +10,7 @@
 #include <cstring>
 #include <vector>
 
+#include "no_contraction.h"
 #include "pooled_jobs.h"
 
 extern "C" {
@@ -31,13 +32,7 @@ struct DraftWalkWeights {
 
 namespace {
 
-#if defined(__clang__)
-#define DFLASH_NO_CONTRACTION _Pragma("clang fp contract(off)")
-#else
-#define DFLASH_NO_CONTRACTION
-#pragma GCC push_options
-#pragma GCC optimize("fp-contract=off")
-#endif
+DFLASH_NO_CONTRACTION_BEGIN
 
 // The candidate's score: unary + sum_r (predecessor[previous, r] * projected[r]) * successor[candidate, r], the
 // pair sum in 8 interleaved partial sums added pairwise (cuda_ext/dflash2_walk/rows.h: walk_query, walk_score).
@@ -58,9 +53,7 @@ void walk_query(const float* predecessor, const float* projected, int64_t rank, 
   for (int64_t r = 0; r < rank; ++r) query[r] = predecessor[r] * projected[r];
 }
 
-#if !defined(__clang__)
-#pragma GCC pop_options
-#endif
+DFLASH_NO_CONTRACTION_END
 
 // Whether score a at index i beats the best so far (value best at index best_index; -1: none): the larger value,
 // NaN above everything, the smaller index on ties (cuda_ext/common/hd.h: better).

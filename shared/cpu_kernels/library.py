@@ -1,6 +1,6 @@
 """Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, bf16_gemm_amx.cpp, attention.cpp,
 layer_ops.cpp, decoder_layer.cpp, draft_block.cpp, draft_walk.cpp, worker_pool.cpp, top_k.cpp; simd_exp.h,
-worker_pool.h, pooled_jobs.h):
+worker_pool.h, pooled_jobs.h, no_contraction.h):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
 keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
 DFLASH_CPU_KERNELS=off, `cpu_kernels()` is None and every caller keeps its PyTorch path.
@@ -33,7 +33,8 @@ SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_ge
                                                         "attention.cpp", "layer_ops.cpp", "decoder_layer.cpp",
                                                         "draft_block.cpp", "draft_walk.cpp", "worker_pool.cpp",
                                                         "top_k.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h")]
+HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h",
+                                                        "no_contraction.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread"]
 TILE = 16  # output columns per weight tile (kTile in the source)
 KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV cache element types the attention kernels read
