@@ -16,6 +16,8 @@ from pathlib import Path
 
 import httpx
 
+HELD_OUT = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts_heldout.json"  # the repository's prompts
+
 
 def parse_metrics(text: str) -> dict[str, float]:
     from prometheus_client.parser import text_string_to_metric_families
@@ -245,7 +247,9 @@ def main(argv=None) -> int:
                         help="the verify worker's metrics (comma-separated, one per --url)")
     parser.add_argument("--labels", help="comma-separated names of the servers (default: the drafter kind each "
                                          "reports, else server1, server2, ...)")
-    parser.add_argument("--prompts", default="benchmarks/prompts_heldout.json")
+    parser.add_argument("--prompts", default=str(HELD_OUT),
+                        help="a JSON list of {\"prompt\": ...} (default: the repository's held-out prompts, "
+                             "wherever it runs from)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--block-sizes", default="4,8")
     parser.add_argument("--concurrency", default="1,4")
@@ -260,6 +264,8 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     servers = server_list(args)
+    if not Path(args.prompts).is_file():
+        parser.error(f"--prompts {args.prompts}: no such file")
     records = json.loads(Path(args.prompts).read_text())
     prompts = [r["prompt"] if isinstance(r, dict) else r for r in records][: args.num_prompts]
     out = Path(args.out)
