@@ -6,6 +6,7 @@ it, and print tokens/s, acceptance and the per-step phase times (draft, transfer
         --bench-args "--block-sizes 8 --concurrency 1 --num-prompts 8 --max-tokens 96 --rounds 2"
     python benchmarks/bench_serving_setups.py --together \\
         --setups "dflash=--draft models/demo/draft" "dflash2=--draft models/demo/draft2"
+    python benchmarks/bench_serving_setups.py --together --setups "auto=" "host=DFLASH_KERNELS=host"
 
 By default each setup runs alone on the machine (a server at a time), and within it dflash-bench alternates
 speculative and plain waves, so the ratios inside one setup are measured side by side; across setups, compare
@@ -16,6 +17,7 @@ drafters; not for TP, whose extra processes would share the cores with the other
 
 import argparse
 import json
+import os
 import shlex
 import subprocess
 import sys
@@ -25,10 +27,23 @@ from pathlib import Path
 DEFAULT_SETUPS = ["tp1=--tp 1", "tp2=--tp 2", "tp2+pair=--tp 2 --feature-transport pair"]
 
 
-def serve(flags: list[str], port: int, zmq_base: int, metrics_base: int) -> subprocess.Popen:
+def setup_env(flags: list[str]) -> tuple[dict, list[str]]:
+    """A setup's leading NAME=value words set its server's environment, as in a shell: ("DFLASH_KERNELS=host
+    --draft-placement local") -> ({"DFLASH_KERNELS": "host"}, ["--draft-placement", "local"])."""
+    env = {}
+    while flags and not flags[0].startswith("-") and "=" in flags[0]:
+        name, _, value = flags.pop(0).partition("=")
+        env[name] = value
+    return env, flags
+
+
+def serve(setup: str, serve_args: str, port: int, zmq_base: int, metrics_base: int) -> subprocess.Popen:
+    """Start dflash-serve with a setup's flags (after --setups' NAME=) and the --serve-args of every setup."""
+    env, flags = setup_env(shlex.split(setup))
+    flags = [*shlex.split(serve_args), *flags]
     command = [sys.executable, "-m", "gateway.launcher", "--port", str(port), "--zmq-base-port", str(zmq_base),
                "--metrics-base-port", str(metrics_base), *flags]
-    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True)
+    process = subprocess.Popen(command, stdout=subprocess.PIPE, text=True, env={**os.environ, **env})
     line = process.stdout.readline()
     if not line.startswith("dflash-serve ready"):
         process.terminate()
@@ -38,7 +53,8 @@ def serve(flags: list[str], port: int, zmq_base: int, metrics_base: int) -> subp
 
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--setups", nargs="+", default=DEFAULT_SETUPS, help="NAME=dflash-serve flags")
+    parser.add_argument("--setups", nargs="+", default=DEFAULT_SETUPS,
+                        help="NAME=dflash-serve flags, after any VAR=value words for its environment")
     parser.add_argument("--serve-args", default="", help="flags added to every setup (e.g. --target/--draft)")
     parser.add_argument("--bench-args", default="--block-sizes 8 --concurrency 1 --num-prompts 8 "
                                                  "--max-tokens 96 --rounds 2")
@@ -65,7 +81,7 @@ def together(args) -> dict:
         for i, setup in enumerate(args.setups):
             name, _, flags = setup.partition("=")
             port = args.port + 100 * i
-            processes.append(serve([*shlex.split(args.serve_args), *shlex.split(flags)], port, port + 10, port + 20))
+            processes.append(serve(flags, args.serve_args, port, port + 10, port + 20))
             names.append(name)
             urls.append(f"http://127.0.0.1:{port}")
             metrics.append(f"http://127.0.0.1:{port + 20}/metrics")
@@ -88,7 +104,7 @@ def one_by_one(args) -> dict:
     for setup in args.setups:
         name, _, flags = setup.partition("=")
         zmq_base, metrics_base = args.port + 10, args.port + 20
-        process = serve([*shlex.split(args.serve_args), *shlex.split(flags)], args.port, zmq_base, metrics_base)
+        process = serve(flags, args.serve_args, args.port, zmq_base, metrics_base)
         try:
             out = Path(args.out) / name
             subprocess.run([sys.executable, "-m", "client.bench", "--url", f"http://127.0.0.1:{args.port}",
