@@ -11,8 +11,9 @@ batch's mean A times (Tp + O) is at least Ts + O: plain decoding pays O once per
 A tokens (served at concurrency 1 with the drafter in process, O of about 0.3 ms against Tp of 1.5 ms tipped
 the choice to speculation, which was the faster there by 10%). Step times are measured per batch-size bucket
 (they barely vary from step to step); A is measured per request (it varies a lot between requests: prompts,
-greedy or sampled) and starts at the mean of the requests measured so far (running and the last 64 finished,
-each once). Step times are the median of the
+greedy or sampled, and along a request: code turns repetitive), a mean of its samples that forgets by the
+tokens of text since each (`record_acceptance`), and starts at the mean of the requests measured so far
+(running and the last 64 finished, each once), which its first samples then move. Step times are the median of the
 last `window` steps of a mode, since a step that builds new kernels or catches up on context can take ten
 times the usual. After
 `probe_every` plain steps in a row one step drafts, to re-measure the requests' A (for a batch of greedy
@@ -71,10 +72,13 @@ class AdaptiveSpeculation:
     max_probe_every: int = 64  # the most they grow to while probes keep confirming plain decoding
     refresh_every: int = 64  # speculative steps between plain probes
     window: int = 15  # steps whose median is a mode's step time
-    keep_acceptance: float = 0.9  # and in each request's acceptance length (a bursty figure: keep it long)
+    keep_acceptance: float = 0.95  # a request's acceptance samples: the weight kept per token of text since
+    prior_steps: float = 4.0  # a new request's acceptance starts as this many steps at the requests' mean
     pin_seeded: bool = True  # a step with a seeded sampled request drafts, whatever the measurements say
     step_samples: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (bucket, speculative) -> seconds
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> tokens per speculative step
+    acceptance_weight: dict[str, float] = field(default_factory=dict)  # request id -> the steps its figure holds
+    tokens_since: dict[str, int] = field(default_factory=dict)  # request id -> tokens since its last sample
     mean_acceptance: float | None = None  # over every request's speculative steps
     best_acceptance: float = 1.0  # the highest any request has shown (forgotten ones included)
     past_acceptance: dict[str, float] = field(default_factory=dict)  # the last 64 forgotten requests' A, oldest first
@@ -154,9 +158,14 @@ class AdaptiveSpeculation:
         come and go, those measured are a few probed ones (5 of 16 at 16 demo streams, one of them at 8 tokens
         a step), and 11 new requests taken at their mean of 4.8 made whole batches speculate at 14 ms a step
         against 2 ms plain."""
-        measured = [*self.acceptance.values(), *self.past_acceptance.values()]
-        default = statistics.fmean(measured) if measured else (self.mean_acceptance or 1.0)
+        measured = self._measured_mean()
+        default = measured if measured is not None else (self.mean_acceptance or 1.0)
         return sum(self.acceptance.get(r, default) for r in request_ids) / len(request_ids)
+
+    def _measured_mean(self) -> float | None:
+        """The mean acceptance over the requests measured so far, each once: running and the last 64 finished."""
+        measured = [*self.acceptance.values(), *self.past_acceptance.values()]
+        return statistics.fmean(measured) if measured else None
 
     def _decision_times(self, request_ids: list[str]) -> tuple[float, float] | None:
         """(speculative, plain) step seconds to choose by for this batch: its batch size's own once both modes
@@ -238,6 +247,7 @@ class AdaptiveSpeculation:
             key = (batch_bucket(len(request_ids)), timed)
             self.step_samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
         for request_id, tokens, drew in zip(request_ids, committed, drafted):
+            self.tokens_since[request_id] = self.tokens_since.get(request_id, 0) + tokens
             if drew:
                 self.record_acceptance(request_id, tokens)
         if self.probing is not None and chosen and request_ids:  # the probe's verdict sets the next spacing
@@ -252,15 +262,31 @@ class AdaptiveSpeculation:
 
     def record_acceptance(self, request_id: str, tokens: int) -> None:
         """One speculative step's tokens for a request, verified or scored later (a greedy probe's drafts against
-        the tokens plain steps committed: the engine's shadow drafts)."""
+        the tokens plain steps committed: the engine's shadow drafts).
+
+        A request's figure is the mean of its samples, each step's weighing keep_acceptance per token of text
+        committed since (the text's predictability drifts: code turns repetitive), started at prior_steps
+        samples of the mean over the requests measured so far. So a probe after many plain steps outweighs
+        the old samples, and a request's first steps, which commit least (1, 1, 2 tokens while later ones commit
+        8 on the demo pair), do not set its figure alone: taken as the figure from the first sample, they made 12
+        of 48 held-out requests decode plainly after 4 steps though they averaged 3-7 tokens speculating."""
         self.measuring.pop(request_id, None)
-        self.acceptance[request_id] = _decayed(self.acceptance.get(request_id), tokens, self.keep_acceptance)
+        covered = max(self.tokens_since.pop(request_id, 0), tokens)
+        old, weight = self.acceptance.get(request_id), self.acceptance_weight.get(request_id, 0.0)
+        if old is None:
+            prior = self._measured_mean()
+            old, weight = (prior, self.prior_steps) if prior is not None else (0.0, 0.0)
+        kept = weight * self.keep_acceptance ** covered
+        self.acceptance_weight[request_id] = kept + 1.0
+        self.acceptance[request_id] = (kept * old + tokens) / (kept + 1.0)
         self.best_acceptance = max(self.best_acceptance, self.acceptance[request_id])
         self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
 
     def forget(self, request_id: str) -> None:
         self.measuring.pop(request_id, None)
         self.last_probed.pop(request_id, None)
+        self.tokens_since.pop(request_id, None)
+        self.acceptance_weight.pop(request_id, None)
         accepted = self.acceptance.pop(request_id, None)
         if accepted is not None:  # (a request forgotten twice, once again after its last step: kept once)
             self.past_acceptance.pop(request_id, None)
