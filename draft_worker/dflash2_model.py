@@ -206,7 +206,8 @@ class DFlash2DraftModel(DFlashDraftModel):
                                    selector.successor_codebook.detach().contiguous(),
                                    min(self.top_k, lm_head.out_features), amx=lm_head.layout == "amx")
 
-    def greedy_walk(self, weights: DraftWalkWeights, hidden: torch.Tensor, anchors: torch.Tensor) -> torch.Tensor | None:
+    def greedy_walk(self, weights: DraftWalkWeights, hidden: torch.Tensor,
+                    anchors: torch.Tensor) -> torch.Tensor | None:
         """walk()'s greedy tokens [b, B-1] of rows 1.. of each block, from hidden [b, B, H] (the block's final
         norm) and anchors [b], in one call (native_walk's weights). None where it does not run: a float32 CPU
         block with the default kernel choice (DFLASH_KERNELS=host or reference asks for walk()'s own path), and
