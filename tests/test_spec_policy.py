@@ -191,7 +191,7 @@ def test_requests_that_ask_for_drafts_and_seeded_sampled_ones_pin_their_steps_to
 
 
 def test_the_decision_follows_the_requests_own_acceptance():
-    policy = AdaptiveSpeculation(prior_steps=0)  # a request's first sample is its figure (round numbers below)
+    policy = AdaptiveSpeculation(prior_steps=0, prior_floor=0)  # its samples alone are a request's figure
     policy.observe(["a"], True, True, 0.010, [2], [True])
     policy.observe(["a"], False, False, 0.004, [1], [False])
     policy.observe(["b"], True, True, 0.010, [6], [True])  # b: 6 tokens per 10 ms beat 4 ms per token
@@ -398,7 +398,7 @@ def test_new_requests_start_from_the_past_requests_mean_not_the_mean_over_steps(
     """One past request committed 7 tokens a step and speculated 40 steps; eight others committed 3 and were
     probed once each. Over steps the mean is near 7; over requests it is 3.4. Sixteen new requests where a
     speculative step costs 5 plain ones start plainly (before, they started speculating)."""
-    policy = AdaptiveSpeculation(prior_steps=0)  # each probe's sample is its request's figure
+    policy = AdaptiveSpeculation(prior_steps=0, prior_floor=0)  # each probe's sample is its request's figure
     for _ in range(40):
         policy.record_acceptance("lucky", 7.0)
     for i in range(8):
@@ -414,7 +414,7 @@ def test_new_requests_start_from_the_past_requests_mean_not_the_mean_over_steps(
 def test_new_requests_count_at_the_mean_over_running_and_finished_requests():
     """While requests come and go, the running ones measured are a few probed ones: one at 8 tokens a step must
     not make 15 new requests count at 8 (their batch then speculated at 14 ms a step against 2 ms plain)."""
-    policy = AdaptiveSpeculation(prior_steps=0)  # a request's first sample is its figure
+    policy = AdaptiveSpeculation(prior_steps=0, prior_floor=0)  # its samples alone are a request's figure
     for i in range(16):
         policy.record_acceptance(f"r{i}", 3.0)
         policy.forget(f"r{i}")
@@ -478,7 +478,7 @@ def test_a_requests_first_steps_do_not_set_its_figure_alone():
         return policy.preferred_mode(["new"]), policy.acceptance["new"]
     mode, figure = after_first_steps(AdaptiveSpeculation())
     assert mode == "speculative" and 2.5 < figure < 4
-    assert after_first_steps(AdaptiveSpeculation(prior_steps=0)) == ("plain", pytest.approx(1.36, abs=0.01))
+    assert after_first_steps(AdaptiveSpeculation(prior_steps=0, prior_floor=0)) == ("plain", pytest.approx(1.36, abs=0.01))
 
 
 def test_a_probe_after_many_plain_tokens_outweighs_the_old_samples():
@@ -493,3 +493,22 @@ def test_a_probe_after_many_plain_tokens_outweighs_the_old_samples():
         policy.record_acceptance("r", 6.0)
         return policy.acceptance["r"]
     assert figure(0) < 2.5 and figure(40) > 3.5
+
+
+def test_a_request_kept_plain_by_a_hard_stretch_drifts_back_to_speculating():
+    """Finished requests averaged 4 tokens a step, a speculative step costs 2.5 plain ones. A request measured
+    at 1.5 for ten steps decodes plainly; as its samples age over the tokens it commits plainly, the requests'
+    mean draws its figure back, and after about 30 tokens it speculates again (to be measured by that step)."""
+    policy = AdaptiveSpeculation()
+    for i in range(8):
+        policy.record_acceptance(f"old{i}", 4.0)
+        policy.forget(f"old{i}")
+    policy.step_samples[(1, True)] = deque([0.005])
+    policy.step_samples[(1, False)] = deque([0.002])
+    for _ in range(10):
+        policy.record_acceptance("r", 1.5)
+    modes = []
+    for _ in range(40):
+        modes.append(policy.preferred_mode(["r"]))
+        policy.observe(["r"], False, False, 0.002, [1], [False])
+    assert "speculative" in modes and 15 <= modes.index("speculative") < 40 and modes[-1] == "speculative"

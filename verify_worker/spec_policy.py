@@ -13,7 +13,9 @@ the choice to speculation, which was the faster there by 10%). Step times are me
 (they barely vary from step to step); A is measured per request (it varies a lot between requests: prompts,
 greedy or sampled, and along a request: code turns repetitive), a mean of its samples that forgets by the
 tokens of text since each (`record_acceptance`), and starts at the mean of the requests measured so far
-(running and the last 64 finished, each once), which its first samples then move. Step times are the median of the
+(running and the last 64 finished, each once), which its first samples then move; that mean also keeps one
+step's weight in the figure the policy decides by, so that while a request decodes plainly and its samples age,
+its figure drifts back toward the mean until a speculative step measures it again (`_figure`). Step times are the median of the
 last `window` steps of a mode, since a step that builds new kernels or catches up on context can take ten
 times the usual. After
 `probe_every` plain steps in a row one step drafts, to re-measure the requests' A (for a batch of greedy
@@ -74,6 +76,7 @@ class AdaptiveSpeculation:
     window: int = 15  # steps whose median is a mode's step time
     keep_acceptance: float = 0.95  # a request's acceptance samples: the weight kept per token of text since
     prior_steps: float = 4.0  # a new request's acceptance starts as this many steps at the requests' mean
+    prior_floor: float = 1.0  # and its figure always weighs that mean as one more step (see `_figure`)
     pin_seeded: bool = True  # a step with a seeded sampled request drafts, whatever the measurements say
     step_samples: dict[tuple[int, bool], deque] = field(default_factory=dict)  # (bucket, speculative) -> seconds
     acceptance: dict[str, float] = field(default_factory=dict)  # request id -> tokens per speculative step
@@ -160,7 +163,22 @@ class AdaptiveSpeculation:
         against 2 ms plain."""
         measured = self._measured_mean()
         default = measured if measured is not None else (self.mean_acceptance or 1.0)
-        return sum(self.acceptance.get(r, default) for r in request_ids) / len(request_ids)
+        return sum(self._figure(r, default, measured) for r in request_ids) / len(request_ids)
+
+    def _figure(self, request_id: str, default: float, prior: float | None) -> float:
+        """What a request is expected to commit a speculative step: its samples' mean (default when it has
+        none), drawn toward the requests' mean (prior) as prior_floor steps' weight against what its samples
+        still weigh after the tokens committed since the last one. So what is known of a request fades while it
+        decodes plainly, and a low figure from a stretch of hard text does not keep it plain for the rest of
+        the request: once its samples weigh little the mean tips it back to speculating, and the next
+        speculative step measures it again. (A figure set directly, without sample weights, is taken as is.)"""
+        figure, weight = self.acceptance.get(request_id), self.acceptance_weight.get(request_id)
+        if figure is None:
+            return default
+        if weight is None or prior is None or not self.prior_floor:
+            return figure
+        kept = weight * self.keep_acceptance ** self.tokens_since.get(request_id, 0)
+        return (kept * figure + self.prior_floor * prior) / (kept + self.prior_floor)
 
     def _measured_mean(self) -> float | None:
         """The mean acceptance over the requests measured so far, each once: running and the last 64 finished."""
@@ -202,7 +220,8 @@ class AdaptiveSpeculation:
         if not unmeasured:
             return False
         hope = self._plausible_acceptance(len(unmeasured))
-        optimistic = sum(self.acceptance.get(r, hope) for r in request_ids) / len(request_ids)
+        prior = self._measured_mean()
+        optimistic = sum(self._figure(r, hope, prior) for r in request_ids) / len(request_ids)
         return self._pays(optimistic, *self._decision_times(request_ids))
 
     def _probe_subset(self, request_ids: list[str]) -> list[str]:
