@@ -15,9 +15,9 @@ greedy or sampled, and along a request: code turns repetitive), a mean of its sa
 tokens of text since each (`record_acceptance`), and starts at the mean of the requests measured so far
 (running and the last 64 finished, each once), which its first samples then move; that mean also keeps one
 step's weight in the figure the policy decides by, so that while a request decodes plainly and its samples age,
-its figure drifts back toward the mean until a speculative step measures it again (`_figure`). Step times are the median of the
-last `window` steps of a mode, since a step that builds new kernels or catches up on context can take ten
-times the usual. After
+its figure drifts back toward the mean until a speculative step measures it again (`_figure`). Step times are
+the median of the last `window` steps of a mode, since a step that builds new kernels or catches up on context
+can take ten times the usual. After
 `probe_every` plain steps in a row one step drafts, to re-measure the requests' A (for a batch of greedy
 requests the engine makes such a probe a plain step whose drafts it scores later against the tokens the plain
 steps commit: the acceptance a verify would give, without the verify); after `refresh_every`
