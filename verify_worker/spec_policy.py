@@ -288,7 +288,8 @@ class AdaptiveSpeculation:
         samples of the mean over the requests measured so far. So a probe after many plain steps outweighs
         the old samples, and a request's first steps, which commit least (1, 1, 2 tokens while later ones commit
         8 on the demo pair), do not set its figure alone: taken as the figure from the first sample, they made 12
-        of 48 held-out requests decode plainly after 4 steps though they averaged 3-7 tokens speculating."""
+        of 48 held-out requests decode plainly after at most 6 steps for the rest of the request, though 9 of
+        them committed 2.5-4.2 tokens a step speculating every step, where speculation paid from 2.4."""
         self.measuring.pop(request_id, None)
         covered = max(self.tokens_since.pop(request_id, 0), tokens)
         old, weight = self.acceptance.get(request_id), self.acceptance_weight.get(request_id, 0.0)
