@@ -6,13 +6,16 @@ it, and print tokens/s, acceptance and the per-step phase times (draft, transfer
         --bench-args "--block-sizes 8 --concurrency 1 --num-prompts 8 --max-tokens 96 --rounds 2"
     python benchmarks/bench_serving_setups.py --together \\
         --setups "dflash=--draft models/demo/draft" "dflash2=--draft models/demo/draft2"
-    python benchmarks/bench_serving_setups.py --together --setups "auto=" "host=DFLASH_KERNELS=host"
+    cd /tmp && python /path/to/bench_serving_setups.py --together --setups "now=" "before=PYTHONPATH=/tmp/before"
 
 By default each setup runs alone on the machine (a server at a time), and within it dflash-bench alternates
 speculative and plain waves, so the ratios inside one setup are measured side by side; across setups, compare
 medians. --together starts every setup's server at once (idle servers cost next to nothing) and runs ONE
 dflash-bench over all of them, wave after wave, so the setups are measured side by side too (use it to compare
 drafters; not for TP, whose extra processes would share the cores with the other servers' work).
+Leading VAR=value words of a setup set its server's environment: with PYTHONPATH naming another checkout (a git
+worktree of an earlier commit) and the command run outside the repository, two versions of the code are
+measured side by side.
 """
 
 import argparse
