@@ -252,6 +252,43 @@ def test_top_k_puts_equal_values_in_index_order_and_never_keeps_nan():
     assert torch.equal(ids, x.topk(12, dim=-1)[1])
 
 
+@pytest.mark.parametrize("vocab", [1, 3, 257, 4096])
+def test_top_p_cut_keeps_what_the_whole_sort_keeps(vocab):
+    """top_p.cpp against sampling's whole-sort path: the same kept tokens, probabilities within float32 rounding,
+    over peaked and flat rows (a prefix of a few tokens up to the whole row), with and without top-k, top_p 1
+    (no cut) and top_p below every probability (the best token alone)."""
+    from shared.sampling import _cut_rows_sorted
+
+    generator = torch.Generator().manual_seed(vocab)
+    for scale in (0.3, 1.0, 3.0, 10.0, 40.0):
+        probs = torch.softmax(torch.randn(12, vocab, generator=generator) * scale, -1)
+        top_p = torch.tensor([0.95, 0.5, 0.9, 1.0, 1e-9, 0.99, 0.3, 0.95, 0.8, 1.0, 0.999, 0.6])
+        k = torch.tensor([vocab, vocab, 5, vocab, vocab, 2, 1, 40, vocab, 3, vocab, vocab]).clamp(max=vocab)
+        got = cpu_kernels().top_p_cut(probs, top_p, k)
+        want = _cut_rows_sorted(probs, top_p, k)
+        assert torch.equal(got > 0, want > 0), scale
+        assert torch.allclose(got, want, atol=1e-6), scale
+        assert torch.allclose(got.sum(-1), torch.ones(12), atol=1e-5)
+
+
+def test_top_p_cut_ranks_equal_probabilities_by_id_and_sampling_takes_it(monkeypatch):
+    """Equal probabilities straddling the cut: the lower ids are kept (the whole-sort path breaks such ties in
+    numpy's order, which is unspecified); sampling_probs on CPU goes through the kernel, not the whole sort."""
+    from shared import sampling
+    from shared.sampling import sampling_probs
+
+    def no_sort(*args):
+        raise AssertionError("the whole-sort path ran")
+
+    monkeypatch.setattr(sampling, "_cut_rows_sorted", no_sort)
+    probs = torch.tensor([[0.1, 0.3, 0.1, 0.3, 0.1, 0.1]])
+    got = cpu_kernels().top_p_cut(probs, torch.tensor([0.75]), torch.tensor([6]))
+    assert got.tolist() == [[0.125, 0.375, 0.125, 0.375, 0.0, 0.0]]  # 0.3, 0.3, then the 0.1s of ids 0 and 2
+    logits = probs.log()
+    one = torch.tensor([1.0])
+    assert torch.allclose(sampling_probs(logits, one, torch.tensor([0.75]), torch.tensor([0])), got)
+
+
 @pytest.mark.parametrize("intermediate", [1, 8, 13, 768])
 def test_silu_mul_equals_torch_and_computes_each_row_alike(intermediate):
     """silu(gate) * up from a fused gate/up row: within float32 rounding of PyTorch's (its exp is another

@@ -1,5 +1,5 @@
 """Building and loading the C++ CPU kernels (bf16_gemm.cpp with bf16_gemm_avx512.cpp, bf16_gemm_amx.cpp, attention.cpp,
-layer_ops.cpp, decoder_layer.cpp, draft_block.cpp, draft_walk.cpp, worker_pool.cpp, top_k.cpp; simd_exp.h,
+layer_ops.cpp, decoder_layer.cpp, draft_block.cpp, draft_walk.cpp, worker_pool.cpp, top_k.cpp, top_p.cpp; simd_exp.h,
 worker_pool.h, pooled_jobs.h, no_contraction.h):
 compiled on first use with the system's C++ compiler (about a second; no torch headers) into a cache folder
 keyed by the source and flags, loaded with ctypes. Without a compiler, on a CPU without AVX2 + FMA, or with
@@ -32,7 +32,7 @@ if TYPE_CHECKING:  # layer_step imports this module
 SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_gemm_avx512.cpp", "bf16_gemm_amx.cpp",
                                                         "attention.cpp", "layer_ops.cpp", "decoder_layer.cpp",
                                                         "draft_block.cpp", "draft_walk.cpp", "worker_pool.cpp",
-                                                        "top_k.cpp")]
+                                                        "top_k.cpp", "top_p.cpp")]
 HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h",
                                                         "no_contraction.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread"]
@@ -101,6 +101,9 @@ class CpuKernels:
         self._top_k = library.dflash_top_k
         self._top_k.restype = None
         self._top_k.argtypes = [pointer, count, count, count, pointer, pointer]
+        self._top_p_cut = library.dflash_top_p_cut
+        self._top_p_cut.restype = None
+        self._top_p_cut.argtypes = [pointer, count, count, pointer, pointer, pointer]
 
     def __deepcopy__(self, memo) -> "CpuKernels":
         return self  # the loaded library is shared (ctypes functions cannot be copied)
@@ -187,6 +190,19 @@ class CpuKernels:
             if bool((ids[:, -1] < 0).any()):
                 values, ids = rows.topk(k, dim=-1)
         return values.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)
+
+    def top_p_cut(self, probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """shared.sampling's top-k then top-p cut of finite float32 probability rows probs [R, vocab], top_p [R],
+        k [R] (vocab: no top-k cut) -> [R, vocab] (top_p.cpp: sorts only as far as the kept prefix reaches)."""
+        probs = probs.contiguous()
+        top_p, k = top_p.float().contiguous(), k.to(torch.int64).contiguous()
+        rows, vocab = probs.shape
+        check_arguments(probs.dtype == torch.float32 and top_p.shape == k.shape == (rows,), "top_p_cut", probs,
+                        top_p, k)
+        out = torch.empty_like(probs)
+        if rows:
+            self._top_p_cut(probs.data_ptr(), rows, vocab, top_p.data_ptr(), k.data_ptr(), out.data_ptr())
+        return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """shared.layers.rms_normalize for float32 x [..., n] and weight [n]."""
