@@ -3,7 +3,8 @@ host.cpp (the host build: those functions on one CPU thread) and kernel.cu (the 
 functions). Both builds export plain C functions, loaded with ctypes; no torch headers are compiled (the CPU torch
 wheel ships incomplete CUDA headers, and a torch extension takes a minute per file on a small machine).
 
-- The host build compiles on first use with the system C++ compiler ($CXX, else c++), about a second.
+- The host build compiles on first use with the system C++ compiler ($CXX, else c++), about a second; with AVX2
+  where the CPU has it (the same bits: `host_flags`).
 - The CUDA build compiles on first use with nvcc ($DFLASH_NVCC, else nvcc on PATH, else $CUDA_HOME/bin/nvcc) for
   the device's own architecture, only where torch sees a GPU.
 - `compile_objects` compiles every kernel.cu to objects for sm_90 and sm_121 (H100/H200 and the DGX Spark's
@@ -20,11 +21,18 @@ import shutil
 import subprocess
 from pathlib import Path
 
+import torch
+
 from shared.native_build import cached_library
 
 ROOT = Path(__file__).resolve().parent
 KERNELS = ("verify", "block_attention", "dflash2_walk")
 HOST_FLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-shared", "-fPIC"]
+# where the CPU has AVX2 the host build may use its 8-wide registers: the same bits (no fused multiply-add, no
+# reordered sums: -ffp-contract=off and no -ffast-math), the DFlash 2 walk's 8 partial sums in one register (a
+# sampled demo walk of 1024 candidates 0.46 -> 0.38-0.41 ms a block, 6.4 -> 5.1-5.2 ms for 16; served sampled
+# at 16 streams the draft phase 13.0 -> 12.2 ms)
+AVX2_FLAGS = ["-mavx2"]
 NVCC_FLAGS = ["-std=c++17", "-O3", "--fmad=false", "-Xcompiler", "-fPIC,-ffp-contract=off"]
 CI_ARCHS = ("90", "121")
 
@@ -59,6 +67,12 @@ def _bind(library: ctypes.CDLL, suffix: str, extra: list) -> dict:
     return functions
 
 
+def host_flags() -> list[str]:
+    """The host build's compiler flags on this CPU (the cache key includes them: a CPU without AVX2 builds its own)."""
+    avx2 = torch.backends.cpu.get_cpu_capability() in ("AVX2", "AVX512")
+    return HOST_FLAGS + (AVX2_FLAGS if avx2 else [])
+
+
 @functools.cache
 def host_library() -> dict | None:
     """The host build's entry points by kernel name, built if needed; None without a C++ compiler (logged)."""
@@ -68,7 +82,7 @@ def host_library() -> dict | None:
         log.info("cuda_ext host build off (no C++ compiler: $CXX or c++): the PyTorch references run")
         return None
     try:
-        path = cached_library("libdflash_ext_host.so", [compiler, *HOST_FLAGS], host_sources(), headers())
+        path = cached_library("libdflash_ext_host.so", [compiler, *host_flags()], host_sources(), headers())
         return _bind(ctypes.CDLL(str(path)), "host", [])
     except (OSError, subprocess.SubprocessError) as exc:
         log.warning("cuda_ext host build failed (%s): the PyTorch references run",

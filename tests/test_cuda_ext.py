@@ -4,6 +4,10 @@ accuracy) and the drafter's block attention (float32 accuracy; each row alone). 
 implementations (torch.compile traces them whole), the dispatch switch, and nvcc compiling every kernel for
 sm_90 and sm_121 where nvcc is installed."""
 
+import ctypes
+import os
+import shutil
+
 import pytest
 import torch
 
@@ -195,6 +199,28 @@ def test_walk_kernel_takes_the_reference_path(block, k, vocab):
     assert torch.allclose(q, want_q, atol=2e-6, rtol=1e-5)
     greedy = args[6] <= 0
     assert torch.equal(q[greedy].argmax(-1), choices[greedy]) and bool((q[greedy].sum(-1) == 1).all())
+
+
+@pytest.mark.skipif(build.host_library() is None or build.host_flags() == build.HOST_FLAGS,
+                    reason="no host build, or this CPU builds it without AVX2 anyway")
+def test_host_build_with_avx2_gives_the_bits_of_one_without():
+    """The AVX2 flags change how the host build computes, never what: the DFlash 2 walk (sampled and greedy rows,
+    1024 candidates) through the default build and through one compiled without them, bit for bit."""
+    from shared.native_build import cached_library
+
+    plain = build._bind(ctypes.CDLL(str(cached_library("libdflash_ext_host.so", [shutil.which(os.environ.get(
+        "CXX", "c++")), *build.HOST_FLAGS], build.host_sources(), build.headers()))), "host", [])
+    unary, candidates, anchors, projected, predecessor, successor, temperatures, uniforms = walk_case(
+        6, 7, 1024, 4096, 256, seed=9)
+    outputs = []
+    for entry in (plain["dflash2_walk"], build.host_library()["dflash2_walk"]):
+        tokens, choices = torch.empty(6, 7, dtype=torch.int64), torch.empty(6, 7, dtype=torch.int64)
+        q = torch.empty(6, 7, 1024)
+        assert entry(unary.data_ptr(), candidates.data_ptr(), anchors.data_ptr(), projected.data_ptr(),
+                     predecessor.data_ptr(), successor.data_ptr(), temperatures.data_ptr(), uniforms.data_ptr(), 6, 7,
+                     1024, 256, 4096, tokens.data_ptr(), choices.data_ptr(), q.data_ptr()) == 0
+        outputs.append((tokens, choices, q))
+    assert all(torch.equal(a, b) for a, b in zip(*outputs))
 
 
 def test_walk_kernel_breaks_ties_like_the_reference_and_refuses_bad_ids():
