@@ -19,11 +19,12 @@
 namespace {
 
 // A token as one sort key: its probability's bits inverted above its id, so that ascending keys rank tokens by
-// probability, largest first, equal values in id order (probabilities are finite and >= 0: their bits order
-// them as the values do).
+// probability, largest first, equal values in id order. The bits of a value above 0, else of +0 (a -0.0 or
+// anything below 0 ranks with the zeros): those order the keys as the values, and index kBuckets buckets.
 inline uint32_t bits_of(float value) {
+  const float positive = value > 0.0f ? value : 0.0f;
   uint32_t bits;
-  std::memcpy(&bits, &value, sizeof bits);
+  std::memcpy(&bits, &positive, sizeof bits);
   return bits;
 }
 
