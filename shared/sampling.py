@@ -63,6 +63,8 @@ def sampling_probs(
     cut = (top_p < 1) | (k < vocab)  # [...]
     if not bool(cut.any()):
         return probs
+    if bool(cut.all()):  # every row cut (one setting for the batch, as usual): no gather and scatter of rows
+        return _cut_rows(probs.reshape(-1, vocab), top_p.reshape(-1), k.reshape(-1)).view(probs.shape)
     out = probs.clone()
     out[cut] = _cut_rows(probs[cut], top_p[cut], k[cut])
     return out
@@ -73,9 +75,8 @@ def _cut_rows(probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torc
     (shared/cpu_kernels/top_p.cpp: it sorts only as far as the kept prefix reaches; 8 demo rows of 4096 at top-p
     0.95 in 0.06 ms against 0.59 ms), else the whole sort here."""
     kernels = cpu_kernels() if probs.device.type == "cpu" and probs.dtype == torch.float32 else None
-    if kernels is not None and bool(torch.isfinite(probs).all()):
-        return kernels.top_p_cut(probs, top_p, k)
-    return _cut_rows_sorted(probs, top_p, k)
+    cut = kernels.top_p_cut(probs, top_p, k) if kernels is not None else None
+    return cut if cut is not None else _cut_rows_sorted(probs, top_p, k)  # (the kernel refuses non-finite rows)
 
 
 def _cut_rows_sorted(probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

@@ -271,6 +271,17 @@ def test_top_p_cut_keeps_what_the_whole_sort_keeps(vocab):
         assert torch.allclose(got.sum(-1), torch.ones(12), atol=1e-5)
 
 
+def test_top_p_cut_refuses_a_row_that_is_not_finite_and_sampling_cuts_it_the_other_way():
+    from shared.sampling import _cut_rows, _cut_rows_sorted
+
+    probs = torch.softmax(torch.randn(3, 300, generator=torch.Generator().manual_seed(2)), -1)
+    top_p, k = torch.full((3,), 0.9), torch.full((3,), 300)
+    assert cpu_kernels().top_p_cut(probs, top_p, k) is not None
+    probs[1, 17] = float("nan")
+    assert cpu_kernels().top_p_cut(probs, top_p, k) is None
+    assert torch.equal(_cut_rows(probs, top_p, k).isnan(), _cut_rows_sorted(probs, top_p, k).isnan())
+
+
 def test_top_p_cut_ranks_equal_probabilities_by_id_and_sampling_takes_it(monkeypatch):
     """Equal probabilities straddling the cut: the lower ids are kept (the whole-sort path breaks such ties in
     numpy's order, which is unspecified); sampling_probs on CPU goes through the kernel, not the whole sort."""

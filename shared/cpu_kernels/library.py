@@ -102,7 +102,7 @@ class CpuKernels:
         self._top_k.restype = None
         self._top_k.argtypes = [pointer, count, count, count, pointer, pointer]
         self._top_p_cut = library.dflash_top_p_cut
-        self._top_p_cut.restype = None
+        self._top_p_cut.restype = ctypes.c_int
         self._top_p_cut.argtypes = [pointer, count, count, pointer, pointer, pointer]
 
     def __deepcopy__(self, memo) -> "CpuKernels":
@@ -191,17 +191,18 @@ class CpuKernels:
                 values, ids = rows.topk(k, dim=-1)
         return values.view(*x.shape[:-1], k), ids.view(*x.shape[:-1], k)
 
-    def top_p_cut(self, probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """shared.sampling's top-k then top-p cut of finite float32 probability rows probs [R, vocab], top_p [R],
-        k [R] (vocab: no top-k cut) -> [R, vocab] (top_p.cpp: sorts only as far as the kept prefix reaches)."""
+    def top_p_cut(self, probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torch.Tensor | None:
+        """shared.sampling's top-k then top-p cut of float32 probability rows probs [R, vocab], top_p [R], k [R]
+        (vocab: no top-k cut) -> [R, vocab] (top_p.cpp: sorts only the buckets of value the kept prefix reaches);
+        None where a row holds a value that is not a finite number."""
         probs = probs.contiguous()
         top_p, k = top_p.float().contiguous(), k.to(torch.int64).contiguous()
         rows, vocab = probs.shape
         check_arguments(probs.dtype == torch.float32 and top_p.shape == k.shape == (rows,), "top_p_cut", probs,
                         top_p, k)
         out = torch.empty_like(probs)
-        if rows:
-            self._top_p_cut(probs.data_ptr(), rows, vocab, top_p.data_ptr(), k.data_ptr(), out.data_ptr())
+        if rows and self._top_p_cut(probs.data_ptr(), rows, vocab, top_p.data_ptr(), k.data_ptr(), out.data_ptr()):
+            return None
         return out
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -9,9 +9,10 @@
 // vocabulary, 0.45 against 3.5 ms where 50 are kept). Float32
 // arithmetic as the PyTorch path does it (each probability divided by the top-k total, the running mass summed
 // in double and rounded, as torch's CPU cumsum does; the totals summed in double), so a cut lands where the
-// PyTorch path puts it, up to the rounding of those totals. Finite probabilities only (the caller checks).
-// Plain C ABI (ctypes).
+// PyTorch path puts it, up to the rounding of those totals. A row with a value that is not a finite number is
+// refused (the caller cuts such rows its own way). Plain C ABI (ctypes).
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <vector>
@@ -94,17 +95,23 @@ void radix_sort(std::vector<uint64_t>& keys, int64_t count, std::vector<uint64_t
   if (from != keys.data()) std::copy(from, from + count, keys.data());
 }
 
-void cut_row(const float* p, int64_t n, float top_p, int64_t k, float* out, std::vector<uint64_t>& keys,
+// Cuts one row; false (nothing written) for a row with a value that is not a finite number.
+bool cut_row(const float* p, int64_t n, float top_p, int64_t k, float* out, std::vector<uint64_t>& keys,
              std::vector<uint64_t>& scratch, std::vector<double>& mass) {
   keys.resize(n);
-  for (int64_t i = 0; i < n; ++i) keys[i] = key_of(p, i);
+  bool finite = true;
+  for (int64_t i = 0; i < n; ++i) {
+    finite &= std::isfinite(p[i]);
+    keys[i] = key_of(p, i);
+  }
+  if (!finite) return false;
   const int64_t count = std::min(std::max<int64_t>(k, 1), n);
   if (count < n) std::nth_element(keys.begin(), keys.begin() + (count - 1), keys.end());
   std::fill(out, out + n, 0.0f);
   const float total = total_of(p, keys, count);  // of the top k, whatever their order
   if (top_p >= 1.0f) {  // top-k alone (the running sum may round to 1.0 early: top_p 1 cuts nothing)
     for (int64_t j = 0; j < count; ++j) out[id_of(keys[j])] = p[id_of(keys[j])] / total;
-    return;
+    return true;
   }
   int64_t candidates = gather_candidates(p, keys, count, total, top_p, mass);
   if (candidates >= kRadixFrom) {
@@ -129,18 +136,22 @@ void cut_row(const float* p, int64_t n, float top_p, int64_t k, float* out, std:
   for (int64_t j = 0; j < kept; ++j) kept_sum += p[id_of(keys[j])] / total;
   const float kept_total = static_cast<float>(kept_sum);
   for (int64_t j = 0; j < kept; ++j) out[id_of(keys[j])] = (p[id_of(keys[j])] / total) / kept_total;
+  return true;
 }
 
 }  // namespace
 
 extern "C" {
 
-// probs [rows, n], top_p [rows], k [rows] (n or more: no top-k cut) -> out [rows, n].
-void dflash_top_p_cut(const float* probs, int64_t rows, int64_t n, const float* top_p, const int64_t* k,
-                      float* out) {
+// probs [rows, n], top_p [rows], k [rows] (n or more: no top-k cut) -> out [rows, n]. Returns 0, or 1 as soon as a
+// row holds a value that is not a finite number (out is then incomplete: the caller takes another path).
+int dflash_top_p_cut(const float* probs, int64_t rows, int64_t n, const float* top_p, const int64_t* k, float* out) {
   std::vector<uint64_t> keys, scratch;
   std::vector<double> mass;
-  for (int64_t r = 0; r < rows; ++r) cut_row(probs + r * n, n, top_p[r], k[r], out + r * n, keys, scratch, mass);
+  for (int64_t r = 0; r < rows; ++r) {
+    if (!cut_row(probs + r * n, n, top_p[r], k[r], out + r * n, keys, scratch, mass)) return 1;
+  }
+  return 0;
 }
 
 }  // extern "C"
