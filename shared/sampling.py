@@ -72,11 +72,12 @@ def sampling_probs(
 
 def _cut_rows(probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
     """Top-k then top-p of probs [R, vocab] with top_p [R] and k [R] (vocab = no top-k cut). On CPU the C++ kernel
-    (shared/cpu_kernels/top_p.cpp: it sorts only as far as the kept prefix reaches; 8 demo rows of 4096 at top-p
-    0.95 in 0.06 ms against 0.59 ms), else the whole sort here."""
+    (shared/cpu_kernels/top_p.cpp: it sorts only the buckets of value the kept prefix reaches, 40 us a row of the
+    demo target's sampled rows against 87 us for the whole sort), else, and for rows it refuses (a value that is
+    not a finite number), the whole sort."""
     kernels = cpu_kernels() if probs.device.type == "cpu" and probs.dtype == torch.float32 else None
-    cut = kernels.top_p_cut(probs, top_p, k) if kernels is not None else None
-    return cut if cut is not None else _cut_rows_sorted(probs, top_p, k)  # (the kernel refuses non-finite rows)
+    cut_rows = kernels.top_p_cut(probs, top_p, k) if kernels is not None else None
+    return cut_rows if cut_rows is not None else _cut_rows_sorted(probs, top_p, k)
 
 
 def _cut_rows_sorted(probs: torch.Tensor, top_p: torch.Tensor, k: torch.Tensor) -> torch.Tensor:

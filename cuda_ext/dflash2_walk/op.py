@@ -2,10 +2,10 @@
 picks the kernel or the reference (cuda_ext/dispatch.py). On CPU the host build is the default: one call for the
 whole path where the reference runs a handful of PyTorch ops per row. For a sampled walk over the demo drafter's
 1024 candidates (selector_sample_top_k) the reference took 2.15 ms for one block and the host build 0.46 ms
-(about even at 16 blocks, 5.2 against 6.1 ms; built with AVX2, cuda_ext/build.py, 0.41 and 5.1 ms); served sampled at concurrency 1 (temperature 1, top-p 0.95), the
-draft call went from 3.7 to 1.7 ms and speculative decoding from 224 to 315 tok/s with a draft worker. (An
-earlier measurement had the host build's sequential sums 20% slower on sampled demo decoding; its pair term has
-summed in 8 interleaved partial sums since.)"""
+(about even at 16 blocks, 5.2 against 6.1 ms; built with AVX2, cuda_ext/build.py, 0.41 and 5.1 ms); served
+sampled at concurrency 1 (temperature 1, top-p 0.95), the draft call went from 3.7 to 1.7 ms and speculative
+decoding from 224 to 315 tok/s with a draft worker. (An earlier measurement had the host build's sequential sums
+20% slower on sampled demo decoding; its pair term has summed in 8 interleaved partial sums since.)"""
 
 import torch
 
