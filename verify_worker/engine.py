@@ -425,8 +425,11 @@ class SpeculativeEngine:
                 self.policy.forget(state.request_id)  # again: the step's own measurement re-added it
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
+        first = slots[0]
+        consecutive = slots == list(range(first, first + len(slots)))
         batch = StepBatch(ids.to(self.device), positions.to(self.device), torch.tensor(slots, device=self.device),
-                          torch.tensor(lengths, device=self.device))
+                          torch.tensor(lengths, device=self.device), key_length=int(positions.max()) + 1,
+                          slot_range=(first, first + len(slots)) if consecutive else None)
         return self.target.step(batch, self.state, self.tap_layers)
 
     def _draft(self, states: list[RequestState], counts: list[int], report: StepReport):

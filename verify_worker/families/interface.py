@@ -24,6 +24,11 @@ class StepBatch:
     slots: torch.Tensor  # [b] long: each row's state slot
     lengths: torch.Tensor | None = None  # [b] long: each row's real tokens (None: all s); the rest is padding,
     #                                      which a recurrent state must not take in
+    # what the host knows, so that a family need not read it back from the device (a sync per step on a GPU,
+    # and none may happen while a CUDA graph is captured); None: the family works it out from the tensors
+    key_length: int | None = None  # positions a row may attend to: at least max(positions) + 1
+    slot_range: tuple[int, int] | None = None  # slots are start..end-1 in order (cache reads become views);
+    #                                            with key_length given, None means: read the slots by index
 
 
 @dataclass

@@ -168,7 +168,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         return 2 * cfg.num_layers * self.local.num_kv_heads * capacity * cfg.head_dim * element
 
     def step(self, batch: StepBatch, state: PositionalKVCache, taps: tuple[int, ...] = ()) -> TargetOutput:
-        return self(batch.input_ids, batch.positions, state, batch.slots, taps)
+        return self(batch.input_ids, batch.positions, state, batch.slots, taps, batch.key_length, batch.slot_range)
 
     def commit(self, state: PositionalKVCache, slots: torch.Tensor, kept: torch.Tensor) -> None:
         """Nothing to do: entries past a slot's committed length are never attended."""
@@ -183,6 +183,8 @@ class TargetModel(EmbeddingHead, nn.Module):
         cache: PositionalKVCache | None,
         slots: torch.Tensor | None,
         tap_layers: tuple[int, ...] = (),
+        key_length: int | None = None,
+        slot_range: tuple[int, int] | None = None,
     ) -> TargetOutput:
         """Run new tokens input_ids [batch, seq] at absolute positions [batch, seq] of cache rows slots [batch].
 
@@ -190,15 +192,23 @@ class TargetModel(EmbeddingHead, nn.Module):
         slot holds below each query. Rows may be right-padded: padding sits at later positions, so real
         queries never see it. With cache None (training, scoring) the tokens attend causally among themselves,
         and positions must then be 0..seq-1.
+
+        key_length, slot_range: the host's facts (StepBatch's): with key_length given nothing is read back from
+        the device (a CUDA graph can capture the forward), and slots are read by index unless slot_range says
+        they are consecutive. A larger key_length than needed gives the same rows (the mask hides the extra keys).
         """
-        kv_len = input_ids.shape[1] if cache is None else int(positions.max()) + 1
+        if cache is None:
+            kv_len, read_slots = input_ids.shape[1], None
+        elif key_length is None:
+            kv_len, read_slots = int(positions.max()) + 1, slot_selector(slots)
+        else:
+            kv_len, read_slots = min(key_length, cache.capacity), slots if slot_range is None else slice(*slot_range)
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         invariant = invariant_attention(x)
         attend = batch_invariant_attention if invariant else cached_attention
         if cache is not None and invariant:  # whole key chunks: see batch_invariant_attention
             kv_len = invariant_key_length(kv_len, cache.capacity)
         mask = visibility_mask(positions, kv_len)  # [b, 1, s, kv_len]
-        read_slots = None if cache is None else slot_selector(slots)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         if self.kernels is not None and cache is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return self._forward_fused(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask, tap_layers)
