@@ -1,8 +1,8 @@
 """Which implementation of a kernel runs, chosen per call by the tensors' device and $DFLASH_KERNELS:
 
-- auto (default): CUDA tensors go to the CUDA build (the reference if it is not built: no nvcc, a failed build);
-  CPU tensors to the reference, except where a kernel's host build is the faster CPU path (kernel folders say
-  which: `cpu_default`).
+- auto (default): CUDA tensors go to the CUDA build (the reference if it is not built: no nvcc, a failed build),
+  except where the reference is the faster GPU path (kernel folders say which: `cuda_default`); CPU tensors to the
+  reference, except where a kernel's host build is the faster CPU path (`cpu_default`).
 - host: CPU tensors go to the host build wherever it exists (how the tests run the kernel code in the servers).
 - reference: the PyTorch references everywhere.
 """
@@ -35,12 +35,14 @@ def built_entry(kernel: str, device: torch.device):
     return None if build is None else build[kernel]
 
 
-def kernel_entry(kernel: str, device: torch.device, cpu_default: bool = False):
+def kernel_entry(kernel: str, device: torch.device, cpu_default: bool = False, cuda_default: bool = True):
     """The C entry point that should run `kernel` for tensors on `device`, or None for the reference."""
     mode = kernel_mode()
     if mode == "reference":
         return None
     if device.type == "cpu" and not (mode == "host" or cpu_default):
+        return None
+    if device.type == "cuda" and not cuda_default:
         return None
     return built_entry(kernel, device)
 

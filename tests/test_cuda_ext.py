@@ -320,6 +320,8 @@ def test_the_dispatch_switch(monkeypatch):
     assert block_attention_available(q, keys)
     assert not block_attention_available(torch.zeros(1, 4, 8, 320), torch.zeros(2, 2, 16, 320))  # head size
     assert not block_attention_available(q, keys.half())  # float16 caches take the reference
+    cuda = torch.device("cuda")  # no CUDA call is made before the build is looked up: this runs without a GPU
+    assert dispatch.kernel_entry("block_attention", cuda, cuda_default=False) is None  # measured slower on an H200
     monkeypatch.setenv("DFLASH_KERNELS", "reference")
     assert dispatch.kernel_entry("verify", cpu, cpu_default=True) is None
     monkeypatch.setenv("DFLASH_KERNELS", "fast")

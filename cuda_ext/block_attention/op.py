@@ -1,6 +1,11 @@
 """The drafter's block attention as a torch custom op (dflash::block_attention, with a fake implementation), and
 `block_attention`, which picks the kernel or the reference (cuda_ext/dispatch.py). On CPU the reference (or the
-drafter's own AVX2 kernel) stays the default: the host build runs one row at a time in plain scalar code."""
+drafter's own AVX2 kernel) stays the default: the host build runs one row at a time in plain scalar code. On
+CUDA the reference is the default too: on an H200 (2026-12-04, benchmarks/gpu_kernels.py, a Qwen3-8B-shaped
+drafter layer, block 16, contexts 512..2048) the kernel took 6.96 / 15.3 / 27.5 ms at batch 1 / 8 / 32 against the
+reference's 0.26 / 0.30 / 1.06 ms: a thread block per (row, KV head) is 8 blocks for 132 multiprocessors at batch 1,
+and each thread walks its keys alone. The kernel stays callable (use_kernel=True) and tested until it is rewritten
+(keys split over blocks, a warp per dot product)."""
 
 import torch
 
@@ -58,9 +63,10 @@ def block_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, s
 
 
 def kernel_available(q: torch.Tensor, keys: torch.Tensor) -> bool:
-    """Whether dispatch sends this block attention to a kernel build (CUDA, or DFLASH_KERNELS=host on CPU) and
-    the kernel takes its sizes: head size <= 256; on CUDA, GQA group x block queries <= 256 (a thread each)."""
+    """Whether dispatch sends this block attention to a kernel build (DFLASH_KERNELS=host on CPU; on CUDA not by
+    default, see above) and the kernel takes its sizes: head size <= 256; on CUDA, GQA group x block queries <=
+    256 (a thread each)."""
     heads, queries, dim = q.shape[1], q.shape[2], q.shape[3]
     fits = dim <= MAX_HEAD_DIM and keys.dtype in (torch.float32, torch.bfloat16) and (
         q.device.type != "cuda" or heads // keys.shape[1] * queries <= CUDA_MAX_ROWS)
-    return fits and kernel_entry("block_attention", q.device) is not None
+    return fits and kernel_entry("block_attention", q.device, cuda_default=False) is not None
