@@ -19,6 +19,7 @@ from draft_worker.draft_model import DFlashDraftModel, DraftDecoderLayer, native
 from shared.cpu_kernels.draft_step import ConvWeights
 from shared.cpu_kernels.draft_walk import DraftWalkWeights
 from shared.draft_config import DraftConfig
+from shared.kv_cache import CacheReads
 from shared.packed_linear import PackedLinear
 
 
@@ -95,8 +96,8 @@ class DFlash2DecoderLayer(DraftDecoderLayer):
         h, kept = self.mlp_conv.prepare(self.post_attention_layernorm(x))
         return x + self.mlp_conv.finish(self.mlp(h), kept)
 
-    def forward(self, x, cos, sin, cache, slots, positions, block_end):
-        return self._sublayers(x, lambda h: self.self_attn(h, cos, sin, cache, slots, positions, block_end))
+    def forward(self, x, cos, sin, cache, slots, positions, block_end, reads: CacheReads):
+        return self._sublayers(x, lambda h: self.self_attn(h, cos, sin, cache, slots, positions, block_end, reads))
 
     def forward_rows(self, x, cos, sin, context_k, context_v, mask, block_size: int):
         rows, hidden = x.shape[1], x.shape[2]

@@ -15,7 +15,7 @@ from shared.cpu_kernels.draft_step import (ContextWeights, ConvWeights, DraftBlo
                                            DraftLayerWeights, DraftStepInputs)
 from shared.cpu_kernels.library import cpu_kernels
 from shared.draft_config import DraftConfig
-from shared.kv_cache import PositionalKVCache, slot_selector
+from shared.kv_cache import CacheReads, PositionalKVCache
 from shared.layers import GatedMLP, RMSNorm, project_rows
 from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, common_layout, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
@@ -86,15 +86,15 @@ class DraftAttention(nn.Module):
         k = apply_rotary(k.transpose(1, 2), cos, sin).transpose(1, 2)
         return k, v
 
-    def forward(self, x, cos, sin, cache: PositionalKVCache, slots, positions, block_end):
+    def forward(self, x, cos, sin, cache: PositionalKVCache, slots, positions, block_end, reads: CacheReads):
         q = self._queries(x, cos, sin, cache, slots, positions)  # [b, heads, block, dim]
         self.write_keys_values(x, cos, sin, cache, slots, positions)  # block rows join the cached context rows
         keys, values = cache.keys[self.layer_index], cache.values[self.layer_index]
         if block_attention_available(q, keys):  # the kernel: ragged lengths, no padding work
             return self.o_proj(block_attention(q, keys, values, slots, block_end, positions, self.window or 0,
                                                self.causal, self.head_dim**-0.5, use_kernel=True))
-        kv_len = int(block_end.max())
-        keys, values = cache.read(self.layer_index, slot_selector(slots), kv_len)
+        kv_len = reads.length
+        keys, values = cache.read(self.layer_index, reads.slots, kv_len)
         if self.causal:
             mask = visibility_mask(positions, kv_len, sliding_window=self.window)
         else:
@@ -145,8 +145,8 @@ class DraftDecoderLayer(nn.Module):
                 self.post_attention_layernorm), self.post_attention_layernorm.eps, mlp.gate_up_proj.weight,
             mlp.down_proj.weight, norm_weight(next_norm), next_norm.eps, *convs)
 
-    def forward(self, x, cos, sin, cache, slots, positions, block_end):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, positions, block_end)
+    def forward(self, x, cos, sin, cache, slots, positions, block_end, reads: CacheReads):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, cache, slots, positions, block_end, reads)
         return x + self.mlp(self.post_attention_layernorm(x))
 
     def forward_rows(self, x, cos, sin, context_k, context_v, mask, block_size: int):
@@ -253,14 +253,18 @@ class DFlashDraftModel(nn.Module):
             layer.self_attn.write_keys_values(context, cos, sin, cache, slots, positions[:, None])
 
     def block_hidden(self, cache: PositionalKVCache, slots: torch.Tensor, block_start: torch.Tensor,
-                     block_embeds: torch.Tensor) -> torch.Tensor:
+                     block_embeds: torch.Tensor, key_length: int | None = None,
+                     slot_range: tuple[int, int] | None = None) -> torch.Tensor:
         """Denoise one block per slot. block_embeds [b, B, hidden] (anchor then masks) sit at positions
         block_start[b] + 0..B-1, right after the slot's cached context. Returns [b, B, hidden] after the final
-        norm. The block's keys/values land past the context length, so the cache keeps context rows only."""
+        norm. The block's keys/values land past the context length, so the cache keeps context rows only.
+        key_length (max(block_start) + B), slot_range (the slots are start..end-1 in order): the host's facts,
+        where the caller has them; without key_length they are read back from the device, once for every layer."""
         batch, block, hidden = block_embeds.shape
         positions = block_start[:, None] + torch.arange(block, device=block_start.device)  # [b, B]
         block_end = block_start + block
-        kv_len = int(block_end.max())  # one past the batch's last block position
+        reads = CacheReads.of(slots, key_length, slot_range, block_end)
+        kv_len = reads.length  # one past the batch's last block position
         cos, sin = self._cos_sin(positions, block_embeds.dtype, end=kv_len)  # [b, B, dim]
         if self._runs_native(block_embeds):
             kinds = [(layer.self_attn.causal, layer.self_attn.window) for layer in self.layers]
@@ -274,7 +278,7 @@ class DFlashDraftModel(nn.Module):
             return h.view(batch, block, hidden)
         x = block_embeds
         for layer in self.layers:
-            x = layer(x, cos, sin, cache, slots, positions, block_end)
+            x = layer(x, cos, sin, cache, slots, positions, block_end, reads)
         return self.norm(x)
 
     def _runs_native(self, block_embeds: torch.Tensor) -> bool:

@@ -159,11 +159,13 @@ class LocalProposer:
 
     def _draft(self, items: list[DraftItem]) -> list[DraftResult]:
         device = self.embed_weight.device
-        slots = torch.tensor([self.slots[item.request_id] for item in items], device=device)
+        slot_list = [self.slots[item.request_id] for item in items]
+        slots = torch.tensor(slot_list, device=device)
         started = time.perf_counter()
         self._ingest(items, slots)
         self.ingest_seconds = time.perf_counter() - started
-        starts = torch.tensor([self.lengths[item.request_id] for item in items], device=device)  # [b]
+        start_list = [self.lengths[item.request_id] for item in items]
+        starts = torch.tensor(start_list, device=device)  # [b]
         anchors = torch.tensor([item.anchor_token for item in items], device=device)
         # The block only needs as many rows as the longest draft asked for (a request capped by
         # num_speculative_tokens or near its max_tokens drafts a shorter block, and cheaper).
@@ -173,7 +175,11 @@ class LocalProposer:
         embeds = self.embed_weight[block_ids]  # [b, block, hidden]
         if self.drafter.config.input_embedding_scale != 1.0:
             embeds = embeds * self.drafter.config.input_embedding_scale
-        hidden = self.drafter.block_hidden(self.cache, slots, starts, embeds)  # [b, B, hidden]
+        first = slot_list[0]
+        consecutive = slot_list == list(range(first, first + len(slot_list)))
+        hidden = self.drafter.block_hidden(  # [b, B, hidden]; the host's facts: nothing read back from a GPU
+            self.cache, slots, starts, embeds, key_length=max(start_list) + block,
+            slot_range=(first, first + len(slot_list)) if consecutive else None)
         if self.native_walk is not None and not any(self._samples(item) for item in items):
             tokens = self.drafter.greedy_walk(self.native_walk, hidden, anchors)  # [b, B-1], or None
             if tokens is not None:

@@ -4,6 +4,8 @@ Each request owns one slot. Entries at positions >= the owner's committed length
 attention mask never shows, so rolling back rejected tokens is only a change of the owner's length.
 """
 
+from dataclasses import dataclass
+
 import torch
 
 
@@ -45,3 +47,21 @@ def slot_selector(slots: torch.Tensor) -> torch.Tensor | slice:
     if torch.equal(slots.cpu(), torch.arange(first, first + len(slots))):
         return slice(first, first + len(slots))
     return slots
+
+
+@dataclass(frozen=True)
+class CacheReads:
+    """What every layer of one step reads from a positional cache, decided once: key positions 0..length-1 of
+    `slots` (a slice where they are consecutive: views; else the index tensor: a gathered copy)."""
+
+    length: int
+    slots: torch.Tensor | slice
+
+    @classmethod
+    def of(cls, slots: torch.Tensor, length: int | None, slot_range: tuple[int, int] | None,
+           ends: torch.Tensor) -> "CacheReads":
+        """From the host's facts where the caller has them (length; slot_range: the slots are start..end-1 in
+        order), else from the device: length max(ends) and slot_selector(slots) (two reads back)."""
+        if length is None:
+            return cls(int(ends.max()), slot_selector(slots))
+        return cls(length, slice(*slot_range) if slot_range is not None else slots)

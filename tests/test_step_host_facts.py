@@ -1,6 +1,6 @@
-"""The host's facts in a StepBatch (key_length, slot_range): the same rows as a step that reads them back from
-the device, and with them the step reads nothing back (what a CUDA graph capture needs); the graph itself on a
-GPU."""
+"""The host's facts in a StepBatch (key_length, slot_range) and in the drafter's block: the same rows as a step
+that reads them back from the device, and with them the step reads nothing back (what a CUDA graph capture
+needs); the graph itself on a GPU."""
 
 import pytest
 import torch
@@ -76,6 +76,36 @@ def test_with_host_facts_the_step_reads_nothing_back(qwen3_pair):
         with DeviceReads() as reads:
             target.logits(target.step(StepBatch(ids, positions, slots, **facts), cache).hidden)
         assert reads.calls == []
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_the_drafters_block_with_host_facts_reads_nothing_back_and_gives_the_same_rows(version):
+    """The drafter's block on the path a GPU takes (unpacked modules, PyTorch's attention): with the host's
+    facts it gives the rows of a block without them and reads nothing back (without them: once, not per layer)."""
+    from conftest import tiny_draft_config
+
+    from draft_worker.dflash2_model import upgrade_to_dflash2
+    from draft_worker.draft_checkpoint import random_drafter
+    from shared.draft_config import DFlash2Settings
+
+    drafter = random_drafter(tiny_draft_config(layers=2, block_size=6), seed=9, std=0.2)
+    if version == 2:
+        drafter = upgrade_to_dflash2(drafter, DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4))
+    generator = torch.Generator().manual_seed(0)
+    cache = drafter.new_cache(4, 32)
+    for slot, length in ((1, 13), (2, 9), (3, 4)):
+        features = torch.randn(length, 2 * 64, generator=generator)
+        drafter.ingest_context(cache, torch.full((length,), slot), torch.arange(length), features)
+    block = torch.randn(3, 6, 64, generator=generator)
+    starts = torch.tensor([13, 9, 4])
+    for slots, slot_range in ((torch.tensor([1, 2, 3]), (1, 4)), (torch.tensor([3, 1, 2]), None)):
+        with DeviceReads() as without:
+            want = drafter.block_hidden(cache, slots, starts, block)
+        assert 0 < len(without.calls) <= 4  # the length and the slot check (int, int, cpu, equal): once, not per layer
+        with DeviceReads() as reads:
+            got = drafter.block_hidden(cache, slots, starts, block, key_length=19, slot_range=slot_range)
+        assert reads.calls == []
+        assert torch.equal(got, want)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
