@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # Everything a lent GPU is for, in one command (a lease is short): the CUDA kernels built and tested
-# (benchmarks/gpu_kernels.py), the CUDA-graph step's test, then the target step on a Qwen3-8B-shaped random target,
-# eager against graphed and compiled (benchmarks/gpu_target_step.py). Logs go to $OUT (else ./gpu-logs).
+# (benchmarks/gpu_kernels.py), the host-facts / CUDA-graph step's tests and the engine's on the device, then the
+# target step on a Qwen3-8B-shaped random target, eager against graphed and compiled, with the row checks greedy
+# identity relies on (benchmarks/gpu_target_step.py). Logs go to $OUT (else ./gpu-logs). About 6-8 minutes on an
+# H200 (2026-12-04: 194 s for the first version of this script, the machine's start not counted).
 #     bash benchmarks/gpu_session.sh
 set -u
 out=${OUT:-gpu-logs}
@@ -12,8 +14,8 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --
 $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 timeout 150 $python benchmarks/gpu_kernels.py --rounds 20 >"$out/kernels.log" 2>&1
 echo "gpu_kernels.py: exit $?"; grep -v "^\.\|^$" "$out/kernels.log" | tail -40
-timeout 60 $python -m pytest -q -x tests/test_step_host_facts.py >"$out/host_facts.log" 2>&1
-echo "test_step_host_facts.py: exit $?"; tail -5 "$out/host_facts.log"
-timeout ${STEP_TIMEOUT:-300} $python benchmarks/gpu_target_step.py --compile --compile-budget-s ${COMPILE_BUDGET:-120} \
-    >"$out/target_step.log" 2>&1
-echo "gpu_target_step.py: exit $?"; tail -30 "$out/target_step.log"
+timeout 90 $python -m pytest -q tests/test_step_host_facts.py tests/test_engine_on_devices.py >"$out/engine.log" 2>&1
+echo "test_step_host_facts.py, test_engine_on_devices.py: exit $?"; tail -8 "$out/engine.log"
+timeout ${STEP_TIMEOUT:-300} $python benchmarks/gpu_target_step.py --gemm-sweep --invariance-variants \
+    --compile --compile-budget-s ${COMPILE_BUDGET:-120} >"$out/target_step.log" 2>&1
+echo "gpu_target_step.py: exit $?"; grep -v "^W[0-9]" "$out/target_step.log" | tail -60

@@ -172,6 +172,37 @@ def component_invariance(model, device: str, block: int = 16) -> None:
               f"{int((whole == rows).all(-1).sum())}/{block}", flush=True)
 
 
+def gemm_row_sweep(model, device: str, counts=(1, 2, 4, 8, 16, 32, 64, 128, 256, 512), pad: int = 16) -> None:
+    """For each of the step's GEMM shapes: at which row counts M a row of an M-row product equals the same row
+    multiplied alone (bit for bit), and the same with every product padded to a multiple of `pad` rows (a
+    batch-invariant GEMM is what greedy identity needs on a GPU; padding is the cheapest candidate)."""
+    generator = torch.Generator().manual_seed(5)
+    dtype = model.embed_weight.dtype
+    layer = model.model.layers[0]
+    shapes = {"qkv": layer.self_attn.qkv_proj, "o": layer.self_attn.o_proj, "gate/up": layer.mlp.gate_up_proj,
+              "down": layer.mlp.down_proj}
+    for name, linear in shapes.items():
+        if linear is None or getattr(linear, "layout", None) != "fused":
+            print(f"  GEMM sweep: {name} is not a plain [out, in] weight here (layout "
+                  f"{getattr(linear, 'layout', None)}): skipped")
+            continue
+        weight = linear.weight  # [out, in]
+        x = torch.randn(max(counts), weight.shape[1], generator=generator).to(device, dtype)
+
+        def product(rows: torch.Tensor, padded: bool) -> torch.Tensor:
+            if not padded:
+                return torch.nn.functional.linear(rows, weight)
+            total = -(-rows.shape[0] // pad) * pad
+            return torch.nn.functional.linear(torch.cat([rows, rows.new_zeros(total - rows.shape[0], rows.shape[1])]),
+                                              weight)[: rows.shape[0]]
+
+        for padded in (False, True):
+            alone = torch.cat([product(x[i: i + 1], padded) for i in range(max(counts))])  # [max M, out]
+            same = [m for m in counts if torch.equal(product(x[:m], padded), alone[:m])]
+            print(f"  GEMM {name} [{weight.shape[1]} -> {weight.shape[0]}]{' padded to ' + str(pad) if padded else ''}:"
+                  f" rows equal alone at M = {same} of {list(counts)}", flush=True)
+
+
 def row_invariance(model, cache, args, device: str, block: int = 16) -> None:
     """A verify block's rows against the same tokens decoded one at a time, into two different slots."""
     generator = torch.Generator().manual_seed(2)
@@ -263,6 +294,8 @@ def main() -> int:
     parser.add_argument("--compile", action="store_true", help="also time torch.compile (minutes per shape)")
     parser.add_argument("--invariant-attention", action="store_true",
                         help="attend with batch_invariant_attention (the CPU's bfloat16 path) instead of SDPA")
+    parser.add_argument("--gemm-sweep", action="store_true",
+                        help="which row counts give every GEMM's rows the bits of one-row products (and padded)")
     parser.add_argument("--invariance-variants", action="store_true",
                         help="the row check under other GEMM / attention settings and in float32 (a second model)")
     parser.add_argument("--compile-shapes", default="1x1,1x16")
@@ -293,6 +326,8 @@ def main() -> int:
             time_shapes(model, cache, args, args.device)
         row_invariance(model, cache, args, args.device)
         component_invariance(model, args.device)
+        if args.gemm_sweep:
+            gemm_row_sweep(model, args.device)
         if args.invariance_variants and args.device == "cuda":
             invariance_variants(model, cache, args)
         if args.compile and args.device == "cuda":
