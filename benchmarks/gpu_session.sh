@@ -2,9 +2,12 @@
 # Everything a lent GPU is for, in one command (a lease is short): the CUDA kernels built and tested
 # (benchmarks/gpu_kernels.py), the host-facts / CUDA-graph step's tests and the engine's on the device, then the
 # target step on a Qwen3-8B-shaped random target, eager against graphed and compiled, with the row checks greedy
-# identity relies on (benchmarks/gpu_target_step.py). Logs go to $OUT (else ./gpu-logs). About 6-8 minutes on an
-# H200 (2026-12-04: 194 s for the first version of this script, the machine's start not counted).
-#     bash benchmarks/gpu_session.sh
+# identity relies on (benchmarks/gpu_target_step.py), then, where .whl/ travelled (benchmarks/gpu_wheels.sh), the
+# served stack on the GPU (benchmarks/gpu_serve_smoke.sh). Logs go to $OUT (else ./gpu-logs). About 8-12 minutes
+# on an H200 with the smoke (2026-12-04: 194 s for the first version of this script, the machine's start not
+# counted): run it with timeout_s 600 and STEP_TIMEOUT / SERVE_TIMEOUT / COMPILE_BUDGET lower where time is short.
+#     bash benchmarks/gpu_wheels.sh            # here, first; then on the device, with carry [".whl"]:
+#     COMPILE_BUDGET=0 bash benchmarks/gpu_session.sh
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -19,3 +22,11 @@ echo "test_step_host_facts.py, test_engine_on_devices.py: exit $?"; tail -8 "$ou
 timeout ${STEP_TIMEOUT:-300} $python benchmarks/gpu_target_step.py --gemm-sweep --invariance-variants \
     --compile --compile-budget-s ${COMPILE_BUDGET:-120} >"$out/target_step.log" 2>&1
 echo "gpu_target_step.py: exit $?"; grep -v "^W[0-9]" "$out/target_step.log" | tail -60
+if [ -d .whl ]; then  # serving's packages the image lacks (benchmarks/gpu_wheels.sh, carried as .whl)
+    $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+        && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    timeout ${SERVE_TIMEOUT:-300} bash benchmarks/gpu_serve_smoke.sh "$out" >"$out/serve.log" 2>&1
+    echo "gpu_serve_smoke.sh: exit $?"; tail -45 "$out/serve.log"
+else
+    echo "no .whl/: the served smoke was skipped (run benchmarks/gpu_wheels.sh here and carry .whl)"
+fi
