@@ -20,7 +20,6 @@ greedy tokens equal).
 """
 
 import argparse
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -30,6 +29,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
+from gpu_kernels import median_ms  # noqa: E402  (this folder's kernel benchmark: CUDA events, medians)
 from shared.attention import batch_invariant_attention, cached_attention, visibility_mask  # noqa: E402
 from shared.rope import inverse_frequencies  # noqa: E402
 from verify_worker.cuda_graph_step import CudaGraphStep, StepShape  # noqa: E402
@@ -65,25 +65,6 @@ def random_target(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> 
     model.load_state_dict(tensors, strict=True, assign=True)
     model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)
     return model.eval().requires_grad_(False).pack("auto")
-
-
-def median_ms(function, rounds: int, device: str) -> float:
-    for _ in range(3):
-        function()
-    times = []
-    for _ in range(rounds):
-        if device == "cuda":
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            function()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        else:
-            started = time.perf_counter()
-            function()
-            times.append((time.perf_counter() - started) * 1e3)
-    return statistics.median(times)
 
 
 def step_inputs(batch: int, tokens: int, context: int, vocab: int, device: str, generator: torch.Generator):
