@@ -94,7 +94,9 @@ def parse_args(argv):
     parser.add_argument("--max-waiting", type=int, default=64)
     parser.add_argument("--max-model-len", type=int)
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")
-    parser.add_argument("--kv-cache-budget-mb", type=float, help="cap on the verify worker's KV-cache memory")
+    parser.add_argument("--kv-cache-budget-mb", type=float,
+                        help="cap on the memory requests hold in the verify worker (its KV cache and the feature rows "
+                             "kept for the drafter)")
     parser.add_argument("--zmq-base-port", type=int, default=5555,
                         help="ports N (requests), N+1 (token events), N+2 (draft calls) on 127.0.0.1")
     parser.add_argument("--metrics-base-port", type=int, default=9101,

@@ -298,7 +298,8 @@ def parse_args(argv):
     parser.add_argument("--max-model-len", type=int, default=None, help="prompt + completion tokens per request")
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")
     parser.add_argument("--kv-cache-budget-mb", type=float, default=None,
-                        help="cap on KV-cache memory: max-running is lowered to fit (error if one slot does not)")
+                        help="cap on the memory requests hold here (the KV cache, and the feature rows kept for "
+                             "the drafter): max-running is lowered to fit (error if one request does not)")
     parser.add_argument("--draft-timeout", type=float, default=5.0,
                         help="the longest wait for a draft (a fresh drafter waits it until 4 calls are answered); "
                              "other calls wait 8x their recent median plus their extra context rows at the measured "
@@ -364,6 +365,14 @@ def served_max_len(args, cfg) -> int:
     return min(args.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
+def request_bytes(target, capacity: int, num_taps: int) -> int:
+    """The memory one request holds in this worker at `capacity` positions: the target's state (its KV cache) and,
+    where a drafter is fed, the tapped feature rows the engine keeps for it (num_taps x hidden per committed token,
+    in the activations' dtype, kept for the request's life so that a restarted drafter can be resynchronised)."""
+    feature_row = num_taps * target.config.hidden_size * target.embed_weight.element_size()
+    return target.state_bytes_per_slot(capacity) + capacity * feature_row
+
+
 def local_proposer(args, target, max_running: int) -> LocalProposer:
     """The drafter in the verify worker's own process, sharing the target's embedding and lm_head."""
     drafter = load_drafter(args.draft, dtype=target.embed_weight.dtype, device=args.device)
@@ -419,13 +428,15 @@ def build_server(args, log) -> VerifyServer:
         cfg = target.config
         max_len = served_max_len(args, cfg)
         capacity = max_len + ((args.block_size or draft_cfg.block_size) if drafting else 1)
-        slot_bytes = target.state_bytes_per_slot(capacity)
+        slot_bytes = request_bytes(target, capacity, len(draft_cfg.target_layer_ids) if drafting else 0)
         fit = int(args.kv_cache_budget_mb * 2**20 // slot_bytes)
         if fit < 1:
             raise DFlashError(f"--kv-cache-budget-mb {args.kv_cache_budget_mb} holds no request of {max_len} tokens "
-                              f"({slot_bytes / 2**20:.1f} MiB each): raise it or lower --max-model-len")
+                              f"({slot_bytes / 2**20:.1f} MiB each: KV cache and the drafter's feature rows): raise "
+                              f"it or lower --max-model-len")
         if fit < max_running:
-            log.warning("KV-cache budget fits %d requests: max running lowered from %d", fit, max_running)
+            log.warning("KV-cache budget (KV cache and drafter feature rows) fits %d requests: max running lowered "
+                        "from %d", fit, max_running)
             max_running = fit
     if local:
         proposer = local_proposer(args, target, max_running)
@@ -436,9 +447,11 @@ def build_server(args, log) -> VerifyServer:
                                max_prefill_tokens=args.max_prefill_tokens, policy=policy)
     capacity = engine.state.capacity
     per_request = target.state_bytes_per_slot(capacity)
+    features = request_bytes(target, capacity, len(engine.tap_layers)) - per_request
     log.info("target %s: %d layers, cache %d slots x %d positions (%.1f MiB: %.1f MiB per request, %.1f KiB per "
-             "token)", args.target, target.config.num_layers, max_running, capacity, engine.state.nbytes() / 2**20,
-             per_request / 2**20, per_request / capacity / 2**10)
+             "token); drafter feature rows up to %.1f MiB per request", args.target, target.config.num_layers,
+             max_running, capacity, engine.state.nbytes() / 2**20, per_request / 2**20, per_request / capacity / 2**10,
+             features / 2**20)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")
     server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log,
                           keep_alive=target.keep_alive if tp.parallel else None, stall_s=args.stall_timeout)
