@@ -99,9 +99,9 @@ def time_shapes(model, cache, args, device: str) -> list[tuple]:
         graph_ms, checks = float("nan"), "graph: needs CUDA"
         if device == "cuda":
             shape = StepShape(batch, tokens, bucket(key_length, cache.capacity))
-            graphed = CudaGraphStep(model, cache, shape)
+            graphed = CudaGraphStep(model, cache, shape, ids, positions, slots)
             graph_ms = median_ms(lambda: graphed.run(ids, positions, slots), args.rounds, device)
-            replayed = graphed.run(ids, positions, slots).clone()
+            replayed = graphed.run(ids, positions, slots).logits.clone()
             same_batch = StepBatch(ids, positions, slots, key_length=shape.key_length)
             identical = model.logits(model.step(same_batch, cache).hidden)
             engine = eager()

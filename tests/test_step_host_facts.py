@@ -114,14 +114,17 @@ def test_a_cuda_graph_replay_gives_the_eager_steps_bits(qwen3_pair):
 
     target = load_target(qwen3_pair[3], device="cuda", dtype="bfloat16")
     cache = target.new_cache(4, 64)
-    graph = CudaGraphStep(target, cache, StepShape(batch=2, tokens=4, key_length=32))
+    first = (torch.zeros(2, 4, dtype=torch.long), torch.arange(4).repeat(2, 1), torch.tensor([3, 1]))
+    graph = CudaGraphStep(target, cache, StepShape(batch=2, tokens=4, key_length=32), *first)
+    assert torch.equal(graph.outputs.logits, target.logits(target.step(
+        StepBatch(*(t.cuda() for t in first), key_length=32), cache).hidden))  # built from its first step
     generator = torch.Generator().manual_seed(0)
     for start in (3, 11):  # two replays with different inputs: the graph reads the new ones
         ids = torch.randint(0, 128, (2, 4), generator=generator).cuda()
         positions = (torch.tensor([[start], [start + 5]]) + torch.arange(4)).cuda()
         slots = torch.tensor([2, 0]).cuda()
-        replayed = graph.run(ids, positions, slots).clone()
+        replayed = graph.run(ids, positions, slots).logits.clone()
         eager = target.logits(target.step(StepBatch(ids, positions, slots, key_length=32), cache).hidden)
         assert torch.equal(replayed, eager)
-    with pytest.raises(ValueError, match="captured for 2 rows of 4 tokens"):
+    with pytest.raises(ValueError, match="for 2 rows of 4 tokens"):
         graph.run(ids[:1], positions[:1], slots[:1])

@@ -34,6 +34,7 @@ from verify_worker.request import GenerationRequest, GenerationResult, RequestSt
 from verify_worker.request_snapshot import RequestSnapshot
 from verify_worker.scheduler import num_drafts, padding_groups, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
+from verify_worker.step_buckets import StepBuckets
 
 
 class SpeculativeEngine:
@@ -45,7 +46,11 @@ class SpeculativeEngine:
         max_model_len: int | None = None,
         max_prefill_tokens: int = 2048,
         policy: AdaptiveSpeculation | None = None,
+        step_buckets: str | None = None,
     ):
+        """step_buckets: None runs each decode step at its own shape; "eager" pads it to a bucket
+        (verify_worker/step_buckets.py), "cuda-graphs" too and replays one CUDA graph per bucket (a CUDA target
+        whose family takes padded steps)."""
         cfg = target.config
         self.target = target
         self.proposer = proposer
@@ -64,8 +69,18 @@ class SpeculativeEngine:
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_prefill_tokens = max_prefill_tokens
         self.max_requests = max_requests
-        self.state = target.new_state(max_requests, self.max_model_len + max(self.block_size, 1))
+        if step_buckets not in (None, "eager", "cuda-graphs"):
+            raise ConfigError(f"step buckets must be None, 'eager' or 'cuda-graphs', got {step_buckets!r}")
+        if step_buckets is not None and not getattr(target, "graphable_steps", False):
+            raise ConfigError(f"{type(target).__name__} does not take padded steps (CUDA graphs): its state commits "
+                              f"tokens, or its step is mirrored on other ranks")
+        # a padded step's extra rows write into one more slot, which no request holds
+        self.state = target.new_state(max_requests + (step_buckets is not None),
+                                      self.max_model_len + max(self.block_size, 1))
         self.free_slots = list(range(max_requests))  # a heap (see _take_slot)
+        self.buckets = None if step_buckets is None else StepBuckets(
+            target, self.state, max_requests, max(self.block_size, 1), self.tap_layers,
+            graphs=step_buckets == "cuda-graphs")
         self.waiting: list[RequestState] = []
         self.prefilling: list[RequestState] = []
         self.running: dict[str, RequestState] = {}  # request id -> decoding state, in admission order
@@ -342,7 +357,10 @@ class SpeculativeEngine:
         n = drafts.shape[1]
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
         positions = torch.tensor([s.cache_len for s in states])[:, None] + torch.arange(n + 1)  # [b, n+1]
-        out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
+        if self.buckets is not None:
+            out = self.buckets.step(block, positions, [s.slot for s in states], int(positions.max()) + 1)
+        else:
+            out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
         logits = self.target.logits(out.hidden)  # [b, n+1, vocab]
         accepted, next_tokens = self._verify(states, drafts, counts, proposals, logits)
         report.seconds["verify"] += time.perf_counter() - started

@@ -150,6 +150,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         self.kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: the weights' (set by the loader)
 
     commits_state = False  # a positional KV cache: rollback is the committed length alone
+    graphable_steps = True  # padded rows and tokens leave committed entries alone (verify_worker/step_buckets.py)
 
     def new_cache(self, num_slots: int, capacity: int) -> PositionalKVCache:
         cfg = self.config

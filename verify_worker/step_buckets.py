@@ -1,0 +1,106 @@
+"""Decode steps at a few fixed shapes, so that a CUDA graph captured once per shape can replay every step.
+
+A decode step of b rows of s new tokens attending over up to L positions runs as a step of B rows (the next power
+of two) of T tokens (1 for a plain step, the block size for a verify step) over K keys (the next power of two, at
+least 256, at most the cache's capacity). The padding is inert for the real rows:
+- padded rows write into a scratch slot no request holds, at positions 0..T-1;
+- a real row's padded tokens sit after its real ones (positions continue), so no real query sees them, and their
+  cache entries lie past what the row commits (a positional cache never attends those);
+- keys beyond a row's own positions are masked.
+So a real row is computed as in the unpadded step, up to how the device's kernels round rows of a larger product:
+on CPU the target's kernels are row-invariant and the bits are the same (tests/test_step_buckets.py); on a GPU
+they are not yet (docs/architecture.md, "On a GPU").
+
+Only for families whose `graphable_steps` is true (a positional KV cache: padding never touches a committed state)
+and for decode steps; a prefill chunk runs unpadded.
+"""
+
+import logging
+import time
+
+import torch
+
+from verify_worker.cuda_graph_step import CudaGraphStep, StepShape
+from verify_worker.families.interface import StepBatch, TargetFamily, TargetOutput, TargetState
+
+MIN_KEY_BUCKET = 256
+
+
+def row_bucket(rows: int) -> int:
+    """Rows 1, 2, 3-4, 5-8, ... run as 1, 2, 4, 8, ..."""
+    return 1 << max(0, rows - 1).bit_length()
+
+
+def key_bucket(length: int, capacity: int) -> int:
+    """The key length a step of `length` positions runs with: a power of two, at least MIN_KEY_BUCKET, at most
+    the cache's capacity."""
+    return min(max(MIN_KEY_BUCKET, 1 << max(0, length - 1).bit_length()), capacity)
+
+
+class StepBuckets:
+    """Runs the engine's decode forwards at bucketed shapes, eagerly or (graphs=True, on CUDA) by replaying one
+    CUDA graph per shape, captured on its first use. scratch_slot: a state slot no request holds (padded rows
+    write there); block_size: the tokens a verify step is padded to."""
+
+    def __init__(self, target: TargetFamily, state: TargetState, scratch_slot: int, block_size: int,
+                 taps: tuple[int, ...], graphs: bool = False):
+        if not getattr(target, "graphable_steps", False):
+            raise ValueError(f"{type(target).__name__} does not take padded steps (its state commits tokens)")
+        if graphs and target.embed_weight.device.type != "cuda":
+            raise ValueError("CUDA graphs need the target on a CUDA device")
+        self.target, self.state, self.scratch_slot = target, state, scratch_slot
+        self.block_size, self.taps, self.graphs = block_size, taps, graphs
+        self.captured: dict[StepShape, CudaGraphStep] = {}
+        self.log = logging.getLogger("dflash.step_buckets")
+        self.pool = torch.cuda.graph_pool_handle() if graphs else None  # one memory pool for every shape's graph
+
+    def shape(self, rows: int, tokens: int, key_length: int) -> StepShape:
+        return StepShape(row_bucket(rows), 1 if tokens == 1 else self.block_size,
+                         key_bucket(key_length, self.state.capacity))
+
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], key_length: int) -> TargetOutput:
+        """ids, positions [b, s] (on the host or the device), slots: the rows' state slots; key_length: the host's
+        max(positions) + 1. Returns the real rows' TargetOutput ([b, s, ...]; views of a graph's buffers, valid
+        until the next step)."""
+        rows, tokens = ids.shape
+        shape = self.shape(rows, tokens, key_length)
+        if tokens > shape.tokens:
+            raise ValueError(f"a step of {tokens} tokens a row is longer than the block size {self.block_size}")
+        device = self.target.embed_weight.device
+        padded_ids = torch.zeros(shape.batch, shape.tokens, dtype=torch.long)  # [B, T]
+        padded_ids[:rows, :tokens] = ids.cpu()
+        padded_positions = torch.arange(shape.tokens).repeat(shape.batch, 1)  # [B, T]: padded rows at 0..T-1
+        padded_positions[:rows] = positions[:, :1].cpu() + torch.arange(shape.tokens)  # real rows continue
+        padded_slots = torch.tensor(slots + [self.scratch_slot] * (shape.batch - rows))  # [B]
+        padded_ids, padded_positions = padded_ids.to(device), padded_positions.to(device)
+        padded_slots = padded_slots.to(device)
+        out = None
+        if self.graphs:
+            graph = self.captured.get(shape)
+            if graph is not None:
+                out = graph.run(padded_ids, padded_positions, padded_slots).step
+            else:  # captured from this step (its warm-up calls run it): its outputs are this step's
+                out = self._capture(shape, padded_ids, padded_positions, padded_slots)
+        if out is None:
+            batch = StepBatch(padded_ids, padded_positions, padded_slots, key_length=shape.key_length)
+            out = self.target.step(batch, self.state, self.taps)
+        taps = None if out.taps is None else out.taps[:rows, :tokens]  # [b, s, taps * hidden]
+        return TargetOutput(hidden=out.hidden[:rows, :tokens], taps=taps)
+
+    def _capture(self, shape: StepShape, ids: torch.Tensor, positions: torch.Tensor,
+                 slots: torch.Tensor) -> TargetOutput | None:
+        """Capture the shape's graph from this step and return the step's outputs; where the capture fails, say so
+        once and run every later step eagerly (None: the caller runs this one eagerly too)."""
+        started = time.perf_counter()
+        try:
+            graph = CudaGraphStep(self.target, self.state, shape, ids, positions, slots, self.taps, logits=False,
+                                  pool=self.pool)
+        except Exception as error:  # noqa: BLE001 - any failure to capture leaves the eager step, which is exact
+            self.log.warning("capturing a CUDA graph for %s failed (%s: %s): decode steps run eagerly from now on",
+                             shape, type(error).__name__, error)
+            self.graphs = False
+            return None
+        self.captured[shape] = graph
+        self.log.info("captured a CUDA graph for %s in %.2f s (%d shapes now)", shape,
+                      time.perf_counter() - started, len(self.captured))
+        return graph.outputs.step
