@@ -17,8 +17,9 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --
 $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 timeout 150 $python benchmarks/gpu_kernels.py --rounds 20 >"$out/kernels.log" 2>&1
 echo "gpu_kernels.py: exit $?"; grep -v "^\.\|^$" "$out/kernels.log" | tail -40
-timeout 90 $python -m pytest -q tests/test_step_host_facts.py tests/test_engine_on_devices.py >"$out/engine.log" 2>&1
-echo "test_step_host_facts.py, test_engine_on_devices.py: exit $?"; tail -8 "$out/engine.log"
+timeout 120 $python -m pytest -q tests/test_step_host_facts.py tests/test_engine_on_devices.py \
+    tests/test_step_buckets.py >"$out/engine.log" 2>&1
+echo "test_step_host_facts.py, test_engine_on_devices.py, test_step_buckets.py: exit $?"; tail -8 "$out/engine.log"
 timeout ${STEP_TIMEOUT:-300} $python benchmarks/gpu_target_step.py --gemm-sweep --invariance-variants \
     --compile --compile-budget-s ${COMPILE_BUDGET:-120} >"$out/target_step.log" 2>&1
 echo "gpu_target_step.py: exit $?"; grep -v "^W[0-9]" "$out/target_step.log" | tail -60

@@ -119,6 +119,9 @@ def parse_args(argv):
                              "pay at the batch size (a drafted step after 8 plain ones, and rarer where such probes "
                              "would cost over 5%% of the time, re-measures it; steps with a seeded sampled request "
                              "always draft); always: every step drafts")
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="the verify worker replays its decode steps from CUDA graphs, one per shape bucket "
+                             "(--device cuda, tensor parallelism 1, a Qwen3/Llama target)")
     parser.add_argument("--draft-placement", choices=["worker", "local"], default="worker",
                         help="worker: a draft worker process (the default); local: the drafter runs inside the "
                              "verify worker (no draft call between processes, no separate restart)")
@@ -160,7 +163,7 @@ def build_children(args) -> dict[str, Child]:
     gateway = ["--target", target, *common, "--host", args.host, "--port", str(args.port),
                "--max-pending", str(args.max_running + args.max_waiting), "--shutdown-timeout",
                str(args.shutdown_timeout)]
-    verify += ["--max-prefill-tokens", str(args.max_prefill_tokens)]
+    verify += ["--max-prefill-tokens", str(args.max_prefill_tokens)] + (["--cuda-graphs"] if args.cuda_graphs else [])
     for flag, value in (("--max-model-len", args.max_model_len), ("--block-size", args.block_size),
                         ("--kv-cache-budget-mb", args.kv_cache_budget_mb)):
         if value is not None:

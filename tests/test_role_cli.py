@@ -27,6 +27,8 @@ def run(module, *args):
         ("gateway.launcher", ["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         ("verify_worker.server", ["--metrics-port", "0"], "--target is required"),
         ("draft_worker.server", ["--metrics-port", "0"], "--target and --draft are required"),
+        ("verify_worker.server", ["--target", "t", "--metrics-port", "0", "--cuda-graphs"],
+         "--cuda-graphs needs a CUDA device (--device cuda), not 'cpu'"),
     ],
 )
 def test_bad_settings(module, args, message):

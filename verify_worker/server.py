@@ -315,6 +315,9 @@ def parse_args(argv):
                              "pay (a drafted step after 8 plain ones, and rarer where such probes would cost over "
                              "5%% of the time, re-measures it)")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="replay decode steps from CUDA graphs, one per shape bucket (rows padded to a power of "
+                             "two, a verify step to the block size, keys to a power of two; captured on first use)")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")),
                         help="PyTorch's threads (0: half the cores, see shared.role.default_threads)")
@@ -393,6 +396,10 @@ def build_server(args, log) -> VerifyServer:
                              args.collective_timeout)
     if args.world_size < 1:
         raise DFlashError(f"--world-size must be >= 1, got {args.world_size}")
+    if args.cuda_graphs and not str(args.device).startswith("cuda"):
+        raise DFlashError(f"--cuda-graphs needs a CUDA device (--device cuda), not {args.device!r}")
+    if args.cuda_graphs and args.world_size > 1:
+        raise DFlashError("--cuda-graphs needs --world-size 1 (the other ranks mirror each step eagerly)")
     if args.draft_timeout <= 0 or args.draft_deadline_floor <= 0:
         raise DFlashError("--draft-timeout and --draft-deadline-floor must be > 0")
     longest_wait = max(args.draft_timeout, args.collective_timeout)
@@ -444,7 +451,8 @@ def build_server(args, log) -> VerifyServer:
                  proposer.block_size)
     policy = AdaptiveSpeculation() if args.spec_policy == "adaptive" else None
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=args.max_model_len,
-                               max_prefill_tokens=args.max_prefill_tokens, policy=policy)
+                               max_prefill_tokens=args.max_prefill_tokens, policy=policy,
+                               step_buckets="cuda-graphs" if args.cuda_graphs else None)
     capacity = engine.state.capacity
     per_request = target.state_bytes_per_slot(capacity)
     features = request_bytes(target, capacity, len(engine.tap_layers)) - per_request
