@@ -31,10 +31,10 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_kernels import median_ms  # noqa: E402  (this folder's kernel benchmark: CUDA events, medians)
 from shared.attention import batch_invariant_attention, cached_attention, visibility_mask  # noqa: E402
-from shared.rope import inverse_frequencies  # noqa: E402
 from verify_worker.cuda_graph_step import CudaGraphStep, StepShape  # noqa: E402
 from verify_worker.families.interface import StepBatch  # noqa: E402
 from verify_worker.families.llama.config import TargetConfig  # noqa: E402
+from verify_worker.families.llama.loader import assemble_llama  # noqa: E402
 from verify_worker.families.llama.model import TargetModel  # noqa: E402
 
 CONFIGS = {
@@ -47,8 +47,8 @@ KEY_BUCKET = 256
 
 
 def random_target(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> TargetModel:
-    """A packed TargetModel of the named shape with random weights, built as the loader builds one (meta modules,
-    the checkpoint's tensor table, then pack) without writing a checkpoint."""
+    """A packed TargetModel of the named shape with random weights in the checkpoint's tensor table, assembled as
+    the loader assembles one (loader.assemble_llama), without writing a checkpoint."""
     cfg = TargetConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
                                   "rms_norm_eps": 1e-6, "tie_word_embeddings": False, "max_position_embeddings": 40_960,
                                   "torch_dtype": "bfloat16", **CONFIGS[name]})
@@ -60,11 +60,7 @@ def random_target(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> 
         else:
             std = 1.0 if "embed_tokens" in tensor_name else 0.02
             tensors[tensor_name] = (torch.randn(shape, generator=generator, device=device) * std).to(dtype)
-    with torch.device("meta"):
-        model = TargetModel(cfg)
-    model.load_state_dict(tensors, strict=True, assign=True)
-    model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)
-    return model.eval().requires_grad_(False).pack("auto")
+    return assemble_llama(cfg, tensors, device).pack("auto")
 
 
 def step_inputs(batch: int, tokens: int, context: int, vocab: int, device: str, generator: torch.Generator):

@@ -263,7 +263,7 @@ class DFlashDraftModel(nn.Module):
         batch, block, hidden = block_embeds.shape
         positions = block_start[:, None] + torch.arange(block, device=block_start.device)  # [b, B]
         block_end = block_start + block
-        reads = CacheReads.of(slots, key_length, slot_range, block_end)
+        reads = CacheReads.of(slots, key_length, slot_range, positions)
         kv_len = reads.length  # one past the batch's last block position
         cos, sin = self._cos_sin(positions, block_embeds.dtype, end=kv_len)  # [b, B, dim]
         if self._runs_native(block_embeds):

@@ -11,6 +11,7 @@ from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
 from shared.cpu_kernels.library import WorkerPool, pool_awake
 from shared.errors import ConfigError
+from shared.kv_cache import consecutive_range
 from shared.packed_linear import PackedLinear, packed_head
 from shared.proposals import DraftItem, DraftResult
 from shared.sampling import batch_sampling_probs, request_generator, sample_from
@@ -175,11 +176,9 @@ class LocalProposer:
         embeds = self.embed_weight[block_ids]  # [b, block, hidden]
         if self.drafter.config.input_embedding_scale != 1.0:
             embeds = embeds * self.drafter.config.input_embedding_scale
-        first = slot_list[0]
-        consecutive = slot_list == list(range(first, first + len(slot_list)))
         hidden = self.drafter.block_hidden(  # [b, B, hidden]; the host's facts: nothing read back from a GPU
             self.cache, slots, starts, embeds, key_length=max(start_list) + block,
-            slot_range=(first, first + len(slot_list)) if consecutive else None)
+            slot_range=consecutive_range(slot_list))
         if self.native_walk is not None and not any(self._samples(item) for item in items):
             tokens = self.drafter.greedy_walk(self.native_walk, hidden, anchors)  # [b, B-1], or None
             if tokens is not None:

@@ -49,6 +49,13 @@ def slot_selector(slots: torch.Tensor) -> torch.Tensor | slice:
     return slots
 
 
+def consecutive_range(slots: list[int]) -> tuple[int, int] | None:
+    """(start, end) where the slots (on the host) are start..end-1 in order, else None: slot_selector's test
+    without reading a device tensor."""
+    first = slots[0]
+    return (first, first + len(slots)) if slots == list(range(first, first + len(slots))) else None
+
+
 @dataclass(frozen=True)
 class CacheReads:
     """What every layer of one step reads from a positional cache, decided once: key positions 0..length-1 of
@@ -59,9 +66,9 @@ class CacheReads:
 
     @classmethod
     def of(cls, slots: torch.Tensor, length: int | None, slot_range: tuple[int, int] | None,
-           ends: torch.Tensor) -> "CacheReads":
+           positions: torch.Tensor) -> "CacheReads":
         """From the host's facts where the caller has them (length; slot_range: the slots are start..end-1 in
-        order), else from the device: length max(ends) and slot_selector(slots) (two reads back)."""
+        order), else from the device: length max(positions) + 1 and slot_selector(slots) (two reads back)."""
         if length is None:
-            return cls(int(ends.max()), slot_selector(slots))
+            return cls(int(positions.max()) + 1, slot_selector(slots))
         return cls(length, slice(*slot_range) if slot_range is not None else slots)

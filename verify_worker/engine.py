@@ -25,6 +25,7 @@ from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.cpu_kernels.library import WorkerPool, pool_awake
 from shared.errors import ConfigError, RequestError, WorkerFault
+from shared.kv_cache import consecutive_range
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.request_limits import is_int64
 from shared.sampling import SamplingParams, batch_sampling_probs
@@ -443,11 +444,9 @@ class SpeculativeEngine:
                 self.policy.forget(state.request_id)  # again: the step's own measurement re-added it
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
-        first = slots[0]
-        consecutive = slots == list(range(first, first + len(slots)))
         batch = StepBatch(ids.to(self.device), positions.to(self.device), torch.tensor(slots, device=self.device),
                           torch.tensor(lengths, device=self.device), key_length=int(positions.max()) + 1,
-                          slot_range=(first, first + len(slots)) if consecutive else None)
+                          slot_range=consecutive_range(slots))
         return self.target.step(batch, self.state, self.tap_layers)
 
     def _draft(self, states: list[RequestState], counts: list[int], report: StepReport):

@@ -27,10 +27,17 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
     tensors = load_tensor_slices(folder, slices, dtype=compute, device=device)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
+    model = assemble_llama(cfg, tensors, device, tp)
+    model.kv_dtype = kv_cache_dtype(dtype, cfg.checkpoint_dtype, compute, kernels)
+    return model.pack(kernel_layout(dtype, cfg.checkpoint_dtype, device)) if pack else model
+
+
+def assemble_llama(cfg: TargetConfig, tensors: dict[str, torch.Tensor], device: str,
+                   tp: TensorParallel = TensorParallel()) -> TargetModel:
+    """An unpacked TargetModel for inference holding `tensors` (the checkpoint's names, already on `device`)
+    themselves: no module is first built with weights of its own."""
     with torch.device("meta"):
         model = TargetModel(cfg, tp)
     model.load_state_dict(tensors, strict=True, assign=True)
     model.inv_freq = inverse_frequencies(cfg.rope, cfg.head_dim).to(device)  # buffers are not in the checkpoint
-    model.kv_dtype = kv_cache_dtype(dtype, cfg.checkpoint_dtype, compute, kernels)
-    model = model.eval().requires_grad_(False)
-    return model.pack(kernel_layout(dtype, cfg.checkpoint_dtype, device)) if pack else model
+    return model.eval().requires_grad_(False)

@@ -9,7 +9,7 @@ from torch import nn
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
 from shared.cpu_kernels.layer_step import DenseLayerWeights, StackStepInputs, StackWeights
 from shared.cpu_kernels.library import cpu_kernels
-from shared.kv_cache import PositionalKVCache, slot_selector
+from shared.kv_cache import CacheReads, PositionalKVCache
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
 from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, common_layout, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
@@ -200,10 +200,9 @@ class TargetModel(EmbeddingHead, nn.Module):
         """
         if cache is None:
             kv_len, read_slots = input_ids.shape[1], None
-        elif key_length is None:
-            kv_len, read_slots = int(positions.max()) + 1, slot_selector(slots)
         else:
-            kv_len, read_slots = min(key_length, cache.capacity), slots if slot_range is None else slice(*slot_range)
+            reads = CacheReads.of(slots, key_length, slot_range, positions)
+            kv_len, read_slots = min(reads.length, cache.capacity), reads.slots
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         invariant = invariant_attention(x)
         attend = batch_invariant_attention if invariant else cached_attention
