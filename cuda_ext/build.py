@@ -26,7 +26,8 @@ import torch
 from shared.native_build import cached_library
 
 ROOT = Path(__file__).resolve().parent
-KERNELS = ("verify", "block_attention", "dflash2_walk")
+KERNELS = ("verify", "block_attention", "dflash2_walk")  # a host build and a CUDA build each
+CUDA_ONLY_KERNELS = ("row_gemm",)  # tensor-core code: no host build (its CPU path is row_gemm/reference.py)
 HOST_FLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 # where the CPU has AVX2 the host build may use its 8-wide registers: the same bits (no fused multiply-add, no
 # reordered sums: -ffp-contract=off and no -ffast-math), the DFlash 2 walk's 8 partial sums in one register (a
@@ -43,6 +44,9 @@ SIGNATURES = {
     "block_attention": [P] * 6 + [I64] * 10 + [F32, P],
     "dflash2_walk": [P] * 8 + [I64] * 5 + [P] * 3,
 }
+CUDA_ONLY_SIGNATURES = {
+    "row_gemm": [P] * 4 + [I64] * 8,
+}
 
 
 def headers() -> list[Path]:
@@ -54,12 +58,12 @@ def host_sources() -> list[Path]:
 
 
 def cuda_sources() -> list[Path]:
-    return [ROOT / kernel / "kernel.cu" for kernel in KERNELS] + [ROOT / "common" / "errors.cu"]
+    return [ROOT / kernel / "kernel.cu" for kernel in (*KERNELS, *CUDA_ONLY_KERNELS)] + [ROOT / "common" / "errors.cu"]
 
 
-def _bind(library: ctypes.CDLL, suffix: str, extra: list) -> dict:
+def _bind(library: ctypes.CDLL, suffix: str, extra: list, signatures: dict = SIGNATURES) -> dict:
     functions = {}
-    for kernel, argtypes in SIGNATURES.items():
+    for kernel, argtypes in signatures.items():
         function = getattr(library, f"dflash_{kernel}_{suffix}")
         function.restype = ctypes.c_int
         function.argtypes = argtypes + extra
@@ -111,10 +115,10 @@ class CudaBuild:
     behind a positive status."""
 
     def __init__(self, library: ctypes.CDLL):
-        self.entries = _bind(library, "cuda", [P])
+        self.entries = _bind(library, "cuda", [P], {**SIGNATURES, **CUDA_ONLY_SIGNATURES})
         self._error_name = library.dflash_cuda_error_name
         self._error_name.restype, self._error_name.argtypes = ctypes.c_char_p, [ctypes.c_int]
-        self._probes = {kernel: getattr(library, f"dflash_{kernel}_probe") for kernel in KERNELS}
+        self._probes = {kernel: getattr(library, f"dflash_{kernel}_probe") for kernel in (*KERNELS, *CUDA_ONLY_KERNELS)}
         for probe in self._probes.values():
             probe.restype, probe.argtypes = ctypes.c_int, []
 

@@ -338,13 +338,14 @@ def test_nvcc_compiles_every_kernel_for_sm90_and_sm121(tmp_path):
     import subprocess
 
     objects = build.compile_objects(tmp_path, archs=("90", "121"))
-    assert sorted(o.name for o in objects) == sorted([f"{k}.o" for k in build.KERNELS] + ["errors.o"])
+    every = (*build.KERNELS, *build.CUDA_ONLY_KERNELS)
+    assert sorted(o.name for o in objects) == sorted([f"{k}.o" for k in every] + ["errors.o"])
     assert all(o.stat().st_size > 0 for o in objects)
     library = tmp_path / "libdflash_ext_cuda.so"
     subprocess.run([build.find_nvcc(), "-shared", "-o", str(library), *map(str, objects)], check=True,
                    capture_output=True, text=True, timeout=300)
     loaded = build.CudaBuild(ctypes.CDLL(str(library)))
-    assert sorted(loaded.entries) == sorted(build.KERNELS)
+    assert sorted(loaded.entries) == sorted(every)
     why = loaded.probe()
     assert (why == "") == torch.cuda.is_available(), why
 
