@@ -11,14 +11,26 @@ alignment of a GEMM's weight in memory, makes the same weights loaded from two f
 
 import torch
 
+from cuda_ext.row_gemm import op as row_gemm
+
 VECTOR_CHUNK = 32  # a multiple of every CPU vector loop's chunk (2 x 8 floats on AVX2, 2 x 16 on AVX-512)
 
 
 def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., in] @ weight [out, in]^T -> [..., out], as a batched matmul with one row per batch entry."""
+    """x [..., in] @ weight [out, in]^T -> [..., out], each row's result independent of the other rows: on a GPU
+    the row GEMM of cuda_ext (tensor cores, a sum order fixed by the weight's shape) where it takes the product;
+    otherwise as a batched matmul with one row per batch entry, at least two entries (on CPU, in bfloat16, a
+    2-D product rounds differently from 2 rows on for 1 row with K = 64, and from 64 rows on with K = 768, in
+    0.2-2% of rows; the batched kernel with two or more entries gave the same bits at every count tried; on a
+    GPU this path is a fallback whose invariance depends on cuBLAS)."""
+    if x.device.type == "cuda" and row_gemm.usable(x, weight):
+        return row_gemm.row_gemm(x, weight)
     rows = x.reshape(-1, 1, x.shape[-1])  # [n, 1, in]
+    alone = rows.shape[0] == 1
+    if alone:  # a batch of one goes to another kernel (2-D, M = 1), whose roundings differ: keep two entries
+        rows = rows.expand(2, -1, -1)
     out = torch.bmm(rows, weight.t().expand(rows.shape[0], -1, -1))  # [n, 1, out]
-    return out.view(*x.shape[:-1], weight.shape[0])
+    return (out[:1] if alone else out).view(*x.shape[:-1], weight.shape[0])
 
 
 def elementwise_rows(fn, x: torch.Tensor) -> torch.Tensor:
