@@ -119,6 +119,10 @@ def parse_args(argv):
                              "pay at the batch size (a drafted step after 8 plain ones, and rarer where such probes "
                              "would cost over 5%% of the time, re-measures it; steps with a seeded sampled request "
                              "always draft); always: every step drafts")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="on a GPU, the verify worker multiplies through a row-invariant GEMM and attends in "
+                             "whole key chunks, for greedy speculative output equal to plain decoding (--device cuda, "
+                             "bfloat16/float16, --tp 1, a Qwen3/Llama target; not yet run on a GPU)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the verify worker replays its decode steps from CUDA graphs, one per shape bucket "
                              "(--device cuda, tensor parallelism 1, a Qwen3/Llama target)")
@@ -164,6 +168,7 @@ def build_children(args) -> dict[str, Child]:
                "--max-pending", str(args.max_running + args.max_waiting), "--shutdown-timeout",
                str(args.shutdown_timeout)]
     verify += ["--max-prefill-tokens", str(args.max_prefill_tokens)] + (["--cuda-graphs"] if args.cuda_graphs else [])
+    verify += ["--batch-invariant"] if args.batch_invariant else []
     for flag, value in (("--max-model-len", args.max_model_len), ("--block-size", args.block_size),
                         ("--kv-cache-budget-mb", args.kv_cache_budget_mb)):
         if value is not None:
@@ -305,6 +310,10 @@ def main(argv=None) -> int:
     if args.tp > 1 and args.draft_placement == "local":
         print("dflash-serve: error: --draft-placement local needs --tp 1 (the drafter needs the whole lm_head)",
               file=sys.stderr)
+        return 2
+    if args.batch_invariant and (not str(args.device).startswith("cuda") or args.tp > 1):
+        print("dflash-serve: error: --batch-invariant needs --device cuda and --tp 1 (on CPU the target's steps are "
+              "row-invariant already; at TP > 1 an all-reduce's order depends on the message size)", file=sys.stderr)
         return 2
     for path in (args.target, args.draft):
         if path is not None and not Path(path).is_dir():

@@ -43,10 +43,11 @@ class GatedMLP(nn.Module):
         self.down_proj = nn.Linear(intermediate, hidden, **kw)
         self.gate_up_proj = None  # set by pack()
 
-    def pack(self, layout: str, reduce=None) -> None:
-        """Inference: gate and up as one GEMM (see shared.packed_linear); reduce: down_proj's all-reduce."""
-        self.gate_up_proj = PackedLinear.of(self.gate_proj, self.up_proj, layout=layout)
-        self.down_proj = PackedLinear.of(self.down_proj, layout=layout, reduce=reduce)
+    def pack(self, layout: str, reduce=None, multiply=None) -> None:
+        """Inference: gate and up as one GEMM (see shared.packed_linear); reduce: down_proj's all-reduce;
+        multiply: the rows layout's product."""
+        self.gate_up_proj = PackedLinear.of(self.gate_proj, self.up_proj, layout=layout, multiply=multiply)
+        self.down_proj = PackedLinear.of(self.down_proj, layout=layout, reduce=reduce, multiply=multiply)
         del self.gate_proj, self.up_proj
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,9 @@ itself. Layouts, measured on 2 CPU cores (AMD EPYC, float32, one thread):
   1.90 ms in "bf16" (2 kernel threads), 16 one-token rows 2.18 against 2.72 ms, one token the same;
 - "transposed": [in, out] float32, x @ W (MKL's F.linear took 217 us for a one-token row of the demo's
   [1536, 256] gate/up weight, stored transposed 51 us);
-- "fused": the [out, in] layout and F.linear, on CUDA (cuBLAS reads either layout alike; not run yet).
+- "fused": the [out, in] layout and F.linear, on CUDA (cuBLAS reads either layout alike; not run yet);
+- "rows": the [out, in] layout multiplied by a function the owner passes (`multiply`) whose result for a row never
+  depends on the other rows of the call: a target packed for --batch-invariant, on a GPU the row GEMM of cuda_ext.
 benchmarks/bench_forward.py measures the whole forward in each layout.
 """
 
@@ -73,9 +75,14 @@ class PackedLinear(nn.Module):
     """
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, layout: str,
-                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None):
-        """weight [out, in] as nn.Linear holds it; layout as packing_layout names it."""
+                 reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+                 multiply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None):
+        """weight [out, in] as nn.Linear holds it; layout as packing_layout names it, or "rows" with `multiply`
+        (x [..., in], weight [out, in] -> [..., out])."""
         super().__init__()
+        if (layout == "rows") != (multiply is not None):
+            raise ValueError("the rows layout, and only it, takes a multiply function")
+        self.multiply = multiply
         on_kernels = layout in KERNEL_LAYOUTS
         if layout == "amx" and (cpu_kernels() is None or not cpu_kernels().amx):
             raise ValueError("the amx layout needs the C++ CPU kernels on a CPU with AMX (kernel_layout checks)")
@@ -94,20 +101,22 @@ class PackedLinear(nn.Module):
         self.pool = None  # a CpuKernels.worker_pool whose threads share the product (the owner sets it)
 
     @classmethod
-    def of(cls, *linears: nn.Linear, layout: str,
-           reduce: Callable[[torch.Tensor], torch.Tensor] | None = None) -> "PackedLinear":
+    def of(cls, *linears: nn.Linear, layout: str, reduce: Callable[[torch.Tensor], torch.Tensor] | None = None,
+           multiply: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] | None = None) -> "PackedLinear":
         weight = torch.cat([linear.weight.detach() for linear in linears])  # [sum of outs, in]
         biases = [linear.bias for linear in linears]
         if any(b is not None for b in biases) and not all(b is not None for b in biases):
             raise ValueError("cannot pack linear layers with and without a bias together")
         bias = torch.cat([b.detach() for b in biases]) if biases[0] is not None else None
-        return cls(weight, bias, layout, reduce)
+        return cls(weight, bias, layout, reduce, multiply)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., in] -> [..., out]."""
         if self.reduce is None and self.layout == "fused":
             return F.linear(x, self.weight, self.bias)
-        if self.kernels is not None:
+        if self.multiply is not None:
+            out = self.multiply(x, self.weight)
+        elif self.kernels is not None:
             out = self.kernels.bf16_matmul(x, self.weight, self.out_features, self.isa, self.pool)
         elif self.transposed:
             out = torch.matmul(x, self.weight)

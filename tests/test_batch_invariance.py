@@ -3,7 +3,9 @@ speculative greedy output is exactly plain greedy output (no near-tie allowance)
 attention. Two setups have this property:
 - bfloat16 where the CPU has native bfloat16 (oneDNN GEMMs, batch_invariant_attention);
 - float32 on a bfloat16 checkpoint with the C++ CPU kernels (the "bf16" layout: row-invariant GEMM and
-  attention), the demo's default where bfloat16 is not native."""
+  attention), the demo's default where bfloat16 is not native.
+The rows layout (--batch-invariant, made for GPUs: linear_rows for every product, batch_invariant_attention) runs
+the same checks here in bfloat16; tests/test_row_gemm.py runs its GPU path."""
 
 import json
 
@@ -27,13 +29,18 @@ needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU ke
 needs_amx = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().amx, reason="no AMX here")
 SETUPS = [pytest.param("bfloat16", marks=needs_native_bf16), pytest.param("float32 kernels", marks=needs_kernels),
           pytest.param("float32 kernels, bfloat16 cache", marks=needs_kernels),
-          pytest.param("amx kernels, bfloat16 cache", marks=needs_amx)]
+          pytest.param("amx kernels, bfloat16 cache", marks=needs_amx),
+          pytest.param("rows layout, bfloat16", marks=needs_native_bf16)]
 
 
 def _invariant_target(folder, setup: str):
     """The target as the setup runs it."""
     if setup == "bfloat16":
         return load_target(folder, dtype="bfloat16")
+    if setup == "rows layout, bfloat16":  # what --batch-invariant loads (on CPU: linear_rows' batched matmul)
+        target = load_target(folder, dtype="bfloat16", batch_invariant=True)
+        assert target.rows_layout and target.model.layers[0].mlp.down_proj.layout == "rows"
+        return target
     if setup == "float32 kernels, bfloat16 cache":  # what --dtype auto runs where the kernels run (one thread)
         target = load_target(folder, dtype="float32", pack=False).pack("bf16")
         target.kv_dtype = kv_cache_dtype("auto", "bfloat16", torch.float32, float32_kernels=True)

@@ -29,6 +29,9 @@ def run(module, *args):
         ("draft_worker.server", ["--metrics-port", "0"], "--target and --draft are required"),
         ("verify_worker.server", ["--target", "t", "--metrics-port", "0", "--cuda-graphs"],
          "--cuda-graphs needs a CUDA device (--device cuda), not 'cpu'"),
+        ("verify_worker.server", ["--target", "t", "--metrics-port", "0", "--batch-invariant"],
+         "--batch-invariant is for a CUDA device (--device cuda), not 'cpu'"),
+        ("gateway.launcher", ["--batch-invariant"], "--batch-invariant needs --device cuda and --tp 1"),
     ],
 )
 def test_bad_settings(module, args, message):

@@ -315,6 +315,11 @@ def parse_args(argv):
                              "pay (a drafted step after 8 plain ones, and rarer where such probes would cost over "
                              "5%% of the time, re-measures it)")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="on a GPU, the target's projections and lm_head through cuda_ext's row GEMM (a row's "
+                             "sums never depend on the batch) and attention through batch_invariant_attention, for "
+                             "greedy speculative output equal to plain decoding (--device cuda, bfloat16/float16, TP "
+                             "1, a Qwen3/Llama target; not yet run on a GPU)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay decode steps from CUDA graphs, one per shape bucket (rows padded to a power of "
                              "two, a verify step to the block size, keys to a power of two; captured on first use)")
@@ -398,6 +403,9 @@ def build_server(args, log) -> VerifyServer:
         raise DFlashError(f"--world-size must be >= 1, got {args.world_size}")
     if args.cuda_graphs and not str(args.device).startswith("cuda"):
         raise DFlashError(f"--cuda-graphs needs a CUDA device (--device cuda), not {args.device!r}")
+    if args.batch_invariant and not str(args.device).startswith("cuda"):
+        raise DFlashError(f"--batch-invariant is for a CUDA device (--device cuda), not {args.device!r}: on CPU the "
+                          f"target's steps are row-invariant already (bfloat16, and float32 through the C++ kernels)")
     if args.cuda_graphs and args.world_size > 1:
         raise DFlashError("--cuda-graphs needs --world-size 1 (the other ranks mirror each step eagerly)")
     if args.draft_timeout <= 0 or args.draft_deadline_floor <= 0:
@@ -409,7 +417,7 @@ def build_server(args, log) -> VerifyServer:
     args.device = rank_device(args.device, args.rank, args.world_size)
     tp = join_group(settings, args.device)
     target = load_target(args.target, device=args.device, dtype=args.dtype, tp=tp,
-                         kernel_threads=args.kernel_threads or usable_cores())
+                         kernel_threads=args.kernel_threads or usable_cores(), batch_invariant=args.batch_invariant)
     if tp.rank > 0:
         log.info("tensor-parallel rank %d of %d: following rank 0", tp.rank, tp.world_size)
         return FollowerServer(target, log)

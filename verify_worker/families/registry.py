@@ -20,11 +20,13 @@ class FamilyEntry:
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     load: Loader  # (folder, config, device, dtype, tp, pack) -> the loaded target
+    batch_invariant: bool = False  # load(..., batch_invariant=True): rows that never depend on the batch, on a GPU too
 
 
 def known_families() -> tuple[FamilyEntry, ...]:
     return (
-        FamilyEntry("llama", ("Qwen3ForCausalLM", "LlamaForCausalLM"), ("qwen3", "llama"), load_llama),
+        FamilyEntry("llama", ("Qwen3ForCausalLM", "LlamaForCausalLM"), ("qwen3", "llama"), load_llama,
+                    batch_invariant=True),
         FamilyEntry("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), load_glm_moe_dsa),
         FamilyEntry("glm5_next", ("Glm5NextForConditionalGeneration",), ("glm5_next",), load_glm5_next),
     )

@@ -4,20 +4,23 @@ from pathlib import Path
 
 import torch
 
+from cuda_ext.row_gemm import op as row_gemm
 from shared.checkpoint_io import check_tensor_names, load_tensor_slices
 from shared.dtype_choice import kv_cache_dtype, resolve_dtype
+from shared.errors import ConfigError
 from shared.packed_linear import float32_kernels_run, kernel_layout
 from shared.rope import inverse_frequencies
 from verify_worker.families.llama.config import TargetConfig
-from verify_worker.families.llama.model import TargetModel
+from verify_worker.families.llama.model import ROWS_LAYOUT, TargetModel
 from verify_worker.families.llama.shard_plan import shard_slices
 from verify_worker.parallel.group import TensorParallel
 
 
 def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: TensorParallel,
-               pack: bool) -> TargetModel:
+               pack: bool, batch_invariant: bool = False) -> TargetModel:
     """At TP N, only this rank's slice of each sharded tensor is read; any missing, unexpected or mis-shaped
-    tensor is a CheckpointError, a shape TP N cannot split a ConfigError."""
+    tensor is a CheckpointError, a shape TP N cannot split a ConfigError. batch_invariant: packed in the rows
+    layout (TargetModel.pack), on a GPU through the row GEMM of cuda_ext, which must take every projection."""
     cfg = TargetConfig.from_dict(config)
     optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
     check_tensor_names(folder, cfg.tensor_shapes(), optional)
@@ -29,7 +32,31 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
         tensors.pop("lm_head.weight", None)
     model = assemble_llama(cfg, tensors, device, tp)
     model.kv_dtype = kv_cache_dtype(dtype, cfg.checkpoint_dtype, compute, kernels)
-    return model.pack(kernel_layout(dtype, cfg.checkpoint_dtype, device)) if pack else model
+    if not pack:
+        return model
+    if not batch_invariant:
+        return model.pack(kernel_layout(dtype, cfg.checkpoint_dtype, device))
+    model.pack(ROWS_LAYOUT)
+    if str(device).startswith("cuda"):
+        check_row_gemm_takes(model)
+    return model
+
+
+def check_row_gemm_takes(model: TargetModel) -> None:
+    """A ConfigError naming what stops the row GEMM from taking one of the model's products on its GPU (a
+    float32 model, a width that is not a multiple of 16, no CUDA build or a build that failed its check): the
+    other path's rows would depend on the batch again."""
+    for name, module in model.named_modules():
+        weight = getattr(module, "weight", None)
+        if getattr(module, "multiply", None) is None or weight is None:
+            continue
+        probe = weight.new_zeros(1, weight.shape[1])
+        if not row_gemm.usable(probe, weight):
+            raise ConfigError(
+                f"--batch-invariant: the row GEMM (cuda_ext/row_gemm) cannot take {name or 'lm_head'} "
+                f"({weight.dtype}, [{weight.shape[0]}, {weight.shape[1]}]) on {weight.device}: it needs bfloat16 or "
+                f"float16 weights (--dtype), widths that are multiples of {row_gemm.TILE}, and the CUDA build of "
+                f"cuda_ext (nvcc) passing its first-use check (see the log)")
 
 
 def assemble_llama(cfg: TargetConfig, tensors: dict[str, torch.Tensor], device: str,

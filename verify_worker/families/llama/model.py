@@ -14,6 +14,7 @@ from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
 from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, common_layout, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.families.common.embedding_head import EmbeddingHead
+from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.interface import StepBatch, TargetOutput
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.families.llama.shard_plan import LocalShapes, local_shapes
@@ -30,10 +31,14 @@ def _reduce_of(linear: nn.Module):
     return linear.tp.all_reduce if isinstance(linear, RowParallelLinear) else None
 
 
-def invariant_attention(x: torch.Tensor) -> bool:
+ROWS_LAYOUT = "rows"  # pack(): every projection and the lm_head through linear_rows (--batch-invariant)
+
+
+def invariant_attention(x: torch.Tensor, rows_layout: bool = False) -> bool:
     """Whether the target attends with batch_invariant_attention: bfloat16 on CPU, where the fused kernel's
-    roundings depend on the block's shape (float32, float16 and accelerators keep the fused kernel)."""
-    return x.device.type == "cpu" and x.dtype == torch.bfloat16
+    roundings depend on the block's shape, and a target packed in the rows layout (--batch-invariant: on a GPU
+    SDPA's rows also depend on the row count); float32, float16 and accelerators otherwise keep the fused kernel."""
+    return rows_layout or (x.device.type == "cpu" and x.dtype == torch.bfloat16)
 
 
 class TargetAttention(nn.Module):
@@ -55,10 +60,11 @@ class TargetAttention(nn.Module):
             self.q_norm = self.k_norm = None
         self.qkv_proj = None  # set by pack()
 
-    def pack(self, layout: str) -> None:
-        """Inference: q, k and v as one GEMM, o_proj in the same layout (see shared.packed_linear)."""
-        self.qkv_proj = PackedLinear.of(self.q_proj, self.k_proj, self.v_proj, layout=layout)
-        self.o_proj = PackedLinear.of(self.o_proj, layout=layout, reduce=_reduce_of(self.o_proj))
+    def pack(self, layout: str, multiply=None) -> None:
+        """Inference: q, k and v as one GEMM, o_proj in the same layout (see shared.packed_linear; multiply: the
+        rows layout's product)."""
+        self.qkv_proj = PackedLinear.of(self.q_proj, self.k_proj, self.v_proj, layout=layout, multiply=multiply)
+        self.o_proj = PackedLinear.of(self.o_proj, layout=layout, reduce=_reduce_of(self.o_proj), multiply=multiply)
         del self.q_proj, self.k_proj, self.v_proj
         if self.q_norm is not None:  # q's and k's heads normalized in one go: each head row with its norm's weight
             dim = self.head_dim
@@ -148,6 +154,7 @@ class TargetModel(EmbeddingHead, nn.Module):
         self.whole_layers: StackWeights | None = None  # every layer in one kernel call (set by pack())
         self.pool = None  # the threads the layer stack and the lm_head share (set by pack(), with whole_layers)
         self.kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: the weights' (set by the loader)
+        self.rows_layout = False  # packed in the rows layout: every row's result independent of the batch
 
     commits_state = False  # a positional KV cache: rollback is the committed length alone
     graphable_steps = True  # padded rows and tokens leave committed entries alone (verify_worker/step_buckets.py)
@@ -204,7 +211,7 @@ class TargetModel(EmbeddingHead, nn.Module):
             reads = CacheReads.of(slots, key_length, slot_range, positions)
             kv_len, read_slots = min(reads.length, cache.capacity), reads.slots
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
-        invariant = invariant_attention(x)
+        invariant = invariant_attention(x, self.rows_layout)
         attend = batch_invariant_attention if invariant else cached_attention
         if cache is not None and invariant:  # whole key chunks: see batch_invariant_attention
             kv_len = invariant_key_length(kv_len, cache.capacity)
@@ -287,17 +294,21 @@ class TargetModel(EmbeddingHead, nn.Module):
     def pack(self, layout: str | None = "auto", kernel_threads: int = 1) -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
         in `layout` ("auto": the one this device and dtype multiply fastest, see shared.packed_linear; None
-        keeps the loaded modules). The loaded tensors are released; the module then no longer has the
-        checkpoint's names. kernel_threads: the threads the C++ layer stack and lm_head share, where they run
-        (the same bits whatever the count)."""
+        keeps the loaded modules; "rows": every product through linear_rows and attention through
+        batch_invariant_attention, so that a row's result never depends on the batch: --batch-invariant, for a
+        GPU, where cuBLAS's and SDPA's rows depend on the row count). The loaded tensors are released; the module
+        then no longer has the checkpoint's names. kernel_threads: the threads the C++ layer stack and lm_head
+        share, where they run (the same bits whatever the count)."""
         if layout == "auto":
             layout = packing_layout(self.embed_weight)
         if layout is not None:
-            self.head = PackedLinear(self.lm_head_weight.detach(), None, layout)
+            multiply = linear_rows if layout == ROWS_LAYOUT else None
+            self.rows_layout = multiply is not None
+            self.head = PackedLinear(self.lm_head_weight.detach(), None, layout, multiply=multiply)
             self.kernels = cpu_kernels() if layout in KERNEL_LAYOUTS else None  # their layer ops and attention too
             for layer in self.model.layers:
-                layer.self_attn.pack(layout)
-                layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj))
+                layer.self_attn.pack(layout, multiply)
+                layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj), multiply)
             if self.kernels is not None and not self.tp.parallel:
                 self.whole_layers = self._whole_layer_weights()
             self.share_kernel_threads(kernel_threads)
