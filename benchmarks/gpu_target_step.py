@@ -12,10 +12,14 @@ For each shape BATCHxTOKENS (1 token: a plain decode step; 16: a verify block) e
 Checks printed with them: the graph's logits against an eager call of the identical batch (bit for bit), and
 against the engine's eager step (largest difference, greedy tokens). Then, for lossless verification on this
 device: a verify block of 16 tokens against the same 16 tokens decoded one at a time (rows equal bit for bit,
-greedy tokens equal).
+greedy tokens equal), and a row of a one-token step beside seven longer rows against the same row alone (the
+batch's composition must not change a row either). --batch-invariant runs all of it on the target as
+--batch-invariant packs it (every projection through cuda_ext's row GEMM, attention through
+batch_invariant_attention).
 
     python benchmarks/gpu_target_step.py                        # on a GPU: Qwen3-8B-shaped, bfloat16
     python benchmarks/gpu_target_step.py --compile --compile-budget-s 240
+    python benchmarks/gpu_target_step.py --batch-invariant --shapes 1x1,1x16,8x1,8x16,32x1,32x16
     python benchmarks/gpu_target_step.py --device cpu --config tiny --shapes 1x1,2x4 --rounds 2   # dry run
 """
 
@@ -46,7 +50,7 @@ CONFIGS = {
 KEY_BUCKET = 256
 
 
-def random_target(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> TargetModel:
+def random_target(name: str, device: str, dtype: torch.dtype, seed: int = 0, layout: str = "auto") -> TargetModel:
     """A packed TargetModel of the named shape with random weights in the checkpoint's tensor table, assembled as
     the loader assembles one (loader.assemble_llama), without writing a checkpoint."""
     cfg = TargetConfig.from_dict({"architectures": ["Qwen3ForCausalLM"], "model_type": "qwen3", "hidden_act": "silu",
@@ -60,7 +64,7 @@ def random_target(name: str, device: str, dtype: torch.dtype, seed: int = 0) -> 
         else:
             std = 1.0 if "embed_tokens" in tensor_name else 0.02
             tensors[tensor_name] = (torch.randn(shape, generator=generator, device=device) * std).to(dtype)
-    return assemble_llama(cfg, tensors, device).pack("auto")
+    return assemble_llama(cfg, tensors, device).pack(layout)
 
 
 def step_inputs(batch: int, tokens: int, context: int, vocab: int, device: str, generator: torch.Generator):
@@ -240,6 +244,27 @@ def time_compiled(model, cache, args, device: str, started: float) -> None:
               f"{int((out.argmax(-1) == reference.argmax(-1)).sum())}/{batch * tokens}", flush=True)
 
 
+def batch_invariance(model, cache, args, device: str, beside: int = 7) -> None:
+    """A one-token step's first row computed beside `beside` longer rows against the same row alone (the other
+    rows' key lengths set the step's, and the batch size the GEMMs' row counts)."""
+    generator = torch.Generator().manual_seed(3)
+    vocab, rows = model.config.vocab_size, beside + 1
+    contexts = [args.context - 100] + [args.context + 13 * i for i in range(1, rows)]  # row 0 the shortest
+    for slot, length in enumerate(contexts):
+        prefix = torch.randint(0, vocab, (1, length), generator=generator).to(device)
+        model.step(StepBatch(prefix, torch.arange(length, device=device)[None], torch.tensor([slot], device=device),
+                             key_length=length, slot_range=(slot, slot + 1)), cache)
+    ids = torch.randint(0, vocab, (rows, 1), generator=generator).to(device)
+    positions = torch.tensor(contexts, device=device)[:, None]
+    together = model.logits(model.step(StepBatch(ids, positions, torch.arange(rows, device=device),
+                                                 key_length=max(contexts) + 1, slot_range=(0, rows)), cache).hidden)
+    alone = model.logits(model.step(StepBatch(ids[:1], positions[:1], torch.tensor([0], device=device),
+                                              key_length=contexts[0] + 1, slot_range=(0, 1)), cache).hidden)
+    print(f"a row beside {beside} longer rows vs alone: equal bit for bit {torch.equal(together[0], alone[0])}, "
+          f"greedy token equal {bool(together[0].argmax(-1).eq(alone[0].argmax(-1)).all())}, max |diff| "
+          f"{(together[0] - alone[0]).abs().max().item():.2e}", flush=True)
+
+
 def invariance_variants(model, cache, args) -> None:
     """The row check again where PyTorch is told to keep reduced-precision sums out of bfloat16 GEMMs, with
     attention on the math backend, and in float32 (a second model)."""
@@ -275,6 +300,8 @@ def main() -> int:
                         help="which row counts give every GEMM's rows the bits of one-row products (and padded)")
     parser.add_argument("--invariance-variants", action="store_true",
                         help="the row check under other GEMM / attention settings and in float32 (a second model)")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="the target as --batch-invariant packs it (the rows layout: cuda_ext's row GEMM)")
     parser.add_argument("--compile-shapes", default="1x1,1x16")
     parser.add_argument("--compile-budget-s", type=float, default=300.0)
     args = parser.parse_args()
@@ -284,24 +311,27 @@ def main() -> int:
     started = time.perf_counter()
     torch.manual_seed(0)
     dtype = getattr(torch, args.dtype)
-    model = random_target(args.config, args.device, dtype)
-    max_batch = max([int(text.split("x")[0]) for text in args.shapes.split(",") if text] + [2])
+    model = random_target(args.config, args.device, dtype, layout="rows" if args.batch_invariant else "auto")
+    max_batch = max([int(text.split("x")[0]) for text in args.shapes.split(",") if text] + [8])
     capacity = bucket(args.context + 64, 1 << 30)
     cache = model.new_cache(max(max_batch, 2), capacity)
     name = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
     print(f"{name}, torch {torch.__version__}: {args.config} target, {args.dtype}, "
           f"{sum(p.numel() for p in model.state_dict().values()) / 1e9:.2f}B values, cache "
           f"{cache.nbytes() / 2**30:.1f} GiB ({capacity} positions x {cache.num_slots} slots), context {args.context}; "
-          f"built in {time.perf_counter() - started:.1f} s", flush=True)
+          f"built in {time.perf_counter() - started:.1f} s"
+          + ("; packed for --batch-invariant (row GEMM, batch_invariant_attention)" if args.batch_invariant else ""),
+          flush=True)
     if args.invariant_attention:  # a trial of the CPU's bfloat16 attention on this device (not the served default)
         import verify_worker.families.llama.model as llama
 
-        llama.invariant_attention = lambda x: x.dtype == torch.bfloat16
+        llama.invariant_attention = lambda x, rows_layout=False: x.dtype == torch.bfloat16
         print("attention: batch_invariant_attention (shared/attention.py) in place of SDPA")
     with torch.inference_mode():
         if args.shapes:
             time_shapes(model, cache, args, args.device)
         row_invariance(model, cache, args, args.device)
+        batch_invariance(model, cache, args, args.device)
         component_invariance(model, args.device)
         if args.gemm_sweep:
             gemm_row_sweep(model, args.device)
