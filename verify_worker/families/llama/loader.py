@@ -25,7 +25,7 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
     optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
     check_tensor_names(folder, cfg.tensor_shapes(), optional)
     slices = shard_slices(cfg, tp) if tp.parallel else {}
-    kernels = pack and float32_kernels_run(device)
+    kernels = pack and not batch_invariant and float32_kernels_run(device)
     compute = resolve_dtype(dtype, cfg.checkpoint_dtype, device, kernels)
     tensors = load_tensor_slices(folder, slices, dtype=compute, device=device)
     if cfg.tie_word_embeddings:
@@ -38,14 +38,17 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
         return model.pack(kernel_layout(dtype, cfg.checkpoint_dtype, device))
     model.pack(ROWS_LAYOUT)
     if str(device).startswith("cuda"):
-        check_row_gemm_takes(model)
+        check_row_kernels_take(model)
     return model
 
 
-def check_row_gemm_takes(model: TargetModel) -> None:
-    """A ConfigError naming what stops the row GEMM from taking one of the model's products on its GPU (a
-    float32 model, a width that is not a multiple of 16, no CUDA build or a build that failed its check): the
-    other path's rows would depend on the batch again."""
+def check_row_kernels_take(model: TargetModel) -> None:
+    """A ConfigError naming what stops cuda_ext's row GEMM or row attention from taking the model on its GPU (not
+    bfloat16, a width that is not a multiple of 16, no CUDA build or a build that failed its check): another
+    path's rows would depend on the batch again."""
+    if model.embed_weight.dtype != torch.bfloat16 or (model.kv_dtype or torch.bfloat16) != torch.bfloat16:
+        raise ConfigError(f"--batch-invariant on a GPU needs a bfloat16 model and cache (--dtype bfloat16, or auto on a "
+                          f"bfloat16 checkpoint), not {model.embed_weight.dtype}")
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if getattr(module, "multiply", None) is None or weight is None:
@@ -54,9 +57,9 @@ def check_row_gemm_takes(model: TargetModel) -> None:
         if not row_gemm.usable(probe, weight):
             raise ConfigError(
                 f"--batch-invariant: the row GEMM (cuda_ext/row_gemm) cannot take {name or 'lm_head'} "
-                f"({weight.dtype}, [{weight.shape[0]}, {weight.shape[1]}]) on {weight.device}: it needs bfloat16 or "
-                f"float16 weights (--dtype), widths that are multiples of {row_gemm.TILE}, and the CUDA build of "
-                f"cuda_ext (nvcc) passing its first-use check (see the log)")
+                f"({weight.dtype}, [{weight.shape[0]}, {weight.shape[1]}]) on {weight.device}: it needs widths that are "
+                f"multiples of {row_gemm.TILE} and the CUDA build of cuda_ext (nvcc) passing its first-use check (see "
+                f"the log)")
 
 
 def assemble_llama(cfg: TargetConfig, tensors: dict[str, torch.Tensor], device: str,

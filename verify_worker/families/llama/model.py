@@ -6,6 +6,7 @@ Module names mirror the HF checkpoint's tensor names, so the state dict is the l
 import torch
 from torch import nn
 
+from cuda_ext.row_attention.op import row_attention
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
 from shared.cpu_kernels.layer_step import DenseLayerWeights, StackStepInputs, StackWeights
 from shared.cpu_kernels.library import cpu_kernels
@@ -59,12 +60,14 @@ class TargetAttention(nn.Module):
         else:
             self.q_norm = self.k_norm = None
         self.qkv_proj = None  # set by pack()
+        self.row_attention = False  # set by pack() in the rows layout: cuda_ext's row attention over the cache
 
     def pack(self, layout: str, multiply=None) -> None:
         """Inference: q, k and v as one GEMM, o_proj in the same layout (see shared.packed_linear; multiply: the
         rows layout's product)."""
         self.qkv_proj = PackedLinear.of(self.q_proj, self.k_proj, self.v_proj, layout=layout, multiply=multiply)
         self.o_proj = PackedLinear.of(self.o_proj, layout=layout, reduce=_reduce_of(self.o_proj), multiply=multiply)
+        self.row_attention = multiply is not None
         del self.q_proj, self.k_proj, self.v_proj
         if self.q_norm is not None:  # q's and k's heads normalized in one go: each head row with its norm's weight
             dim = self.head_dim
@@ -95,6 +98,11 @@ class TargetAttention(nn.Module):
         q, k, v = self._queries_keys_values(x, cos, sin)  # [b, heads, s, dim], [b, kv_heads, s, dim], [b, s, kv_heads, dim]
         if cache is None:  # training / scoring: the tokens attend to themselves only
             keys, values = k, v.transpose(1, 2)
+        elif self.row_attention:  # each row over its own keys in an order of its own (cuda_ext/row_attention)
+            cache.write(self.layer_index, slots, positions, k.transpose(1, 2), v)
+            out = row_attention(q, cache.keys[self.layer_index], cache.values[self.layer_index], slots, positions,
+                                kv_len, self.head_dim**-0.5)  # [b, s, heads * dim]
+            return self.o_proj(out)
         else:
             cache.write(self.layer_index, slots, positions, k.transpose(1, 2), v)
             keys, values = cache.read(self.layer_index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
