@@ -6,9 +6,11 @@
 # row GEMM: tests/test_row_gemm.py first), then, where .whl/ travelled (benchmarks/gpu_wheels.sh), the
 # served stack on the GPU (benchmarks/gpu_serve_smoke.sh). Logs go to $OUT (else ./gpu-logs). About 8-12 minutes
 # on an H200 with the smoke (2026-12-04: 194 s for the first version of this script, the machine's start not
-# counted): run it with timeout_s 600 and STEP_TIMEOUT / SERVE_TIMEOUT / COMPILE_BUDGET lower where time is short.
+# counted): run it with timeout_s 600; the newest checks come first (--batch-invariant's tests and step), then the
+# default step with the GEMM row sweep (torch.compile only with COMPILE_BUDGET=seconds: measured 2026-12-04), then
+# the served smoke; ROWS_TIMEOUT / STEP_TIMEOUT / SERVE_TIMEOUT lower where time is short.
 #     bash benchmarks/gpu_wheels.sh            # here, first; then on the device, with carry [".whl"]:
-#     COMPILE_BUDGET=0 bash benchmarks/gpu_session.sh
+#     bash benchmarks/gpu_session.sh
 set -u
 out=${OUT:-gpu-logs}
 mkdir -p "$out"
@@ -18,16 +20,17 @@ nvidia-smi --query-gpu=name,driver_version,memory.used,memory.total,clocks.sm --
 $python -c "import torch; print('torch', torch.__version__, 'cuda', torch.version.cuda)" | tee -a "$out/gpu.txt"
 timeout 150 $python benchmarks/gpu_kernels.py --rounds 20 >"$out/kernels.log" 2>&1
 echo "gpu_kernels.py: exit $?"; grep -v "^\.\|^$" "$out/kernels.log" | tail -40
-timeout 120 $python -m pytest -q tests/test_step_host_facts.py tests/test_engine_on_devices.py \
-    tests/test_step_buckets.py tests/test_row_gemm.py >"$out/engine.log" 2>&1
-echo "test_step_host_facts.py, test_engine_on_devices.py, test_step_buckets.py, test_row_gemm.py: exit $?"
+timeout 150 $python -m pytest -q tests/test_row_gemm.py tests/test_row_attention.py tests/test_step_host_facts.py \
+    tests/test_engine_on_devices.py tests/test_step_buckets.py >"$out/engine.log" 2>&1
+echo "test_row_gemm.py, test_row_attention.py, test_step_host_facts.py, test_engine_on_devices.py, test_step_buckets.py: exit $?"
 grep -E "^(FAILED|ERROR)|passed|failed" "$out/engine.log" | tail -12
-timeout ${STEP_TIMEOUT:-300} $python benchmarks/gpu_target_step.py --gemm-sweep --invariance-variants \
-    --compile --compile-budget-s ${COMPILE_BUDGET:-120} >"$out/target_step.log" 2>&1
-echo "gpu_target_step.py: exit $?"; grep -v "^W[0-9]" "$out/target_step.log" | tail -60
 timeout ${ROWS_TIMEOUT:-150} $python benchmarks/gpu_target_step.py --batch-invariant --rounds 20 \
     >"$out/target_step_rows.log" 2>&1
 echo "gpu_target_step.py --batch-invariant: exit $?"; tail -20 "$out/target_step_rows.log"
+compile=""; [ "${COMPILE_BUDGET:-0}" != 0 ] && compile="--compile --compile-budget-s $COMPILE_BUDGET"
+timeout ${STEP_TIMEOUT:-200} $python benchmarks/gpu_target_step.py --gemm-sweep --rounds 20 $compile \
+    >"$out/target_step.log" 2>&1
+echo "gpu_target_step.py: exit $?"; grep -v "^W[0-9]" "$out/target_step.log" | tail -45
 if [ -d .whl ]; then  # serving's packages the image lacks (benchmarks/gpu_wheels.sh, carried as .whl)
     $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
