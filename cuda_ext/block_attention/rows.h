@@ -10,6 +10,7 @@
 // rounds differently: the two agree to float32 accuracy, not bit for bit.
 #pragma once
 
+#include "../common/cache_rows.h"
 #include "../common/hd.h"
 
 namespace dflash {
@@ -52,17 +53,6 @@ DFLASH_HD void key_range(const AttentionArgs<T>& a, int64_t b, int64_t i, int64_
   }
   *lo = begin;
   *hi = end > begin ? end : begin;
-}
-
-template <typename T>
-DFLASH_HD const T* query_row(const AttentionArgs<T>& a, int64_t b, int64_t h, int64_t i) {
-  return a.q + ((b * a.heads + h) * a.queries + i) * a.dim;
-}
-
-// Offset of (entry b's slot, kv head g, position 0) in the cache.
-template <typename T>
-DFLASH_HD int64_t cache_offset(const AttentionArgs<T>& a, int64_t b, int64_t g) {
-  return (a.slots[b] * a.kv_heads + g) * a.capacity * a.dim;
 }
 
 // The running softmax of one row: the largest score so far and the sum of exp(score - top); acc holds the

@@ -14,9 +14,9 @@ int attend_rows(const dflash::RowAttentionArgs<T>& a) {
   for (int64_t b = 0; b < a.batch; ++b) {
     if (!dflash::row_slot_valid(a, b)) return dflash::kBadArgument;
     for (int64_t h = 0; h < a.heads; ++h) {
-      const int64_t base = dflash::row_cache_offset(a, b, h / group);
+      const int64_t base = dflash::cache_offset(a, b, h / group);
       for (int64_t i = 0; i < a.queries; ++i) {
-        const T* query = dflash::row_query(a, b, h, i);
+        const T* query = dflash::query_row(a, b, h, i);
         const int64_t end = dflash::row_key_end(a, b, i);
         for (int64_t c = 0; c < a.chunks; ++c) {
           const int64_t begin = c * dflash::kRowChunk;

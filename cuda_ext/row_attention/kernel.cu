@@ -23,8 +23,8 @@ __global__ void __launch_bounds__(kWarps * dflash::kLanes) chunk_states(dflash::
   const int64_t h = g * group + r / a.queries, i = r % a.queries;
   const int64_t begin = c * dflash::kRowChunk, end = dflash::row_key_end(a, b, i);
   const int64_t stop = begin + dflash::kRowChunk < end ? begin + dflash::kRowChunk : end;
-  const T* query = dflash::row_query(a, b, h, i);
-  const int64_t base = dflash::row_cache_offset(a, b, g);
+  const T* query = dflash::query_row(a, b, h, i);
+  const int64_t base = dflash::cache_offset(a, b, g);
   dflash::LaneSoftmax state;
   dflash::lane_start(state);
   for (int64_t j = begin; j < stop; ++j) {

@@ -11,6 +11,7 @@
 // Both builds run without contraction and with our own exp (common/hd.h), so they give the same bits.
 #pragma once
 
+#include "../common/cache_rows.h"
 #include "../common/hd.h"
 
 namespace dflash {
@@ -117,17 +118,6 @@ DFLASH_HD void lane_store(const RowAttentionArgs<T>& a, const LaneSoftmax& s, fl
     state[1] = s.total;
   }
   for (int64_t d = lane, j = 0; d < a.dim; d += kLanes, ++j) state[2 + d] = s.acc[j];
-}
-
-template <typename T>
-DFLASH_HD const T* row_query(const RowAttentionArgs<T>& a, int64_t b, int64_t h, int64_t i) {
-  return a.q + ((b * a.heads + h) * a.queries + i) * a.dim;
-}
-
-// Offset of (entry b's slot, kv head g, position 0) in the cache.
-template <typename T>
-DFLASH_HD int64_t row_cache_offset(const RowAttentionArgs<T>& a, int64_t b, int64_t g) {
-  return (a.slots[b] * a.kv_heads + g) * a.capacity * a.dim;
 }
 
 // Output dim d of row (b, h, i): the chunks' states merged in chunk order, empty chunks skipped; 0 for a row
