@@ -99,6 +99,7 @@ def test_the_kernel_is_the_float32_product_and_its_rows_never_depend_on_the_othe
     for rows in (1, 2, 9, 15, 16, 17, 64, 65, 144, 288):
         assert torch.equal(op.row_gemm(x[:rows], weight), full[:rows]), f"{rows} rows"
     assert torch.equal(op.row_gemm(x[7:16], weight), full[7:16])  # a row's place in its tile does not matter either
+    assert torch.equal(op.row_gemm(x[1:17], weight), full[1:17])  # 16 rows at an offset: copied to aligned tiles
     batched = op.row_gemm(x[:18].view(2, 9, k), weight)  # [..., K] inputs keep their leading shape
     assert batched.shape == (2, 9, n) and torch.equal(batched.view(18, n), full[:18])
 

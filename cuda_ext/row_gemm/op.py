@@ -43,7 +43,7 @@ def row_gemm_kernel(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     rows, k = x.shape
     n = weight.shape[0]
     padded_rows = -(-rows // TILE) * TILE
-    if padded_rows != rows or not x.is_contiguous():
+    if padded_rows != rows or not x.is_contiguous() or x.data_ptr() % 32:  # whole, aligned tiles (kernel.cu)
         padded = torch.zeros(padded_rows, k, dtype=x.dtype, device=x.device)
         padded[:rows] = x
         x = padded
