@@ -23,11 +23,14 @@ def test_buckets():
     assert key_bucket(3000, 2100) == 2100  # never past the cache
 
 
-@pytest.mark.parametrize("which", ["tiny bfloat16", "demo float32"])
+@pytest.mark.parametrize("which", ["tiny bfloat16", "demo float32", "tiny rows layout"])
 def test_padded_rows_and_tokens_leave_the_real_rows_bits(qwen3_pair, which):
-    """bfloat16 (batch-invariant attention, oneDNN GEMMs) and the demo target on the C++ kernels' layer stack."""
+    """bfloat16 (batch-invariant attention, oneDNN GEMMs), the demo target on the C++ kernels' layer stack, and the
+    rows layout of --batch-invariant (what --cuda-graphs pads on a GPU; padding rows past the step's keys)."""
     if which == "tiny bfloat16":
         target, taps, vocab = load_target(qwen3_pair[3], dtype="bfloat16"), (1, 2), 128
+    elif which == "tiny rows layout":
+        target, taps, vocab = load_target(qwen3_pair[3], dtype="bfloat16", batch_invariant=True), (1, 2), 128
     else:
         target, taps, vocab = load_target(default_pair().target), (1, 3), 4096
     generator = torch.Generator().manual_seed(0)
@@ -45,8 +48,9 @@ def test_padded_rows_and_tokens_leave_the_real_rows_bits(qwen3_pair, which):
         assert torch.equal(got.taps, want.taps)
 
 
-def test_the_engine_serves_the_same_tokens_with_padded_steps(qwen3_pair):
-    target = load_target(qwen3_pair[3], dtype="bfloat16")
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_the_engine_serves_the_same_tokens_with_padded_steps(qwen3_pair, batch_invariant):
+    target = load_target(qwen3_pair[3], dtype="bfloat16", batch_invariant=batch_invariant)
     drafter = random_drafter(tiny_draft_config(block_size=8), seed=1, std=0.2).to(torch.bfloat16)
     prompts = [[3, 17, 22, 9, 41, 7, 99], [5], [60, 61, 62, 63, 64, 65, 66, 67, 68], [100, 2], [8, 8, 8, 1]]
 
@@ -77,24 +81,31 @@ def test_padded_steps_refuse_what_they_cannot_run(qwen3_pair):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_graph_steps_serve_the_eager_padded_tokens(qwen3_pair):
+@pytest.mark.parametrize("batch_invariant", [False, True])
+def test_cuda_graph_steps_serve_the_eager_padded_tokens(qwen3_pair, batch_invariant):
     """On a GPU: every decode step replayed from a CUDA graph per bucket; greedy tokens as the eager padded steps
-    give them (near ties judged on CPU), and graphs captured for the buckets used."""
+    give them (near ties judged on CPU; exactly, and as unpadded plain decoding, with --batch-invariant), and
+    graphs captured for the buckets used."""
     from greedy_check import assert_same_or_near_tie
 
-    target = load_target(qwen3_pair[3], device="cuda")
-    drafter = random_drafter(tiny_draft_config(block_size=8), seed=1, std=0.2).to("cuda")
+    dtype = "bfloat16" if batch_invariant else "auto"
+    target = load_target(qwen3_pair[3], device="cuda", dtype=dtype, batch_invariant=batch_invariant)
+    drafter = random_drafter(tiny_draft_config(block_size=8), seed=1, std=0.2).to("cuda", target.embed_weight.dtype)
     prompts = [[3, 17, 22, 9, 41, 7, 99], [5], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
 
-    def serve(step_buckets):
+    def serve(step_buckets, with_drafts=True):
         proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=3,
-                                 max_model_len=256)
+                                 max_model_len=256) if with_drafts else None
         engine = SpeculativeEngine(target, proposer, max_requests=3, max_model_len=256, step_buckets=step_buckets)
         return engine.generate([GenerationRequest(tuple(p), 40) for p in prompts]), engine
 
     eager, _ = serve("eager")
     graphed, engine = serve("cuda-graphs")
     assert engine.buckets.captured  # the steps replayed graphs
+    if batch_invariant:
+        plain, _ = serve(None, with_drafts=False)
+        assert [r.token_ids for r in graphed] == [r.token_ids for r in eager] == [r.token_ids for r in plain]
+        return
     for prompt, got, want in zip(prompts, graphed, eager):
         assert_same_or_near_tie(qwen3_pair[1], prompt, got.token_ids, want.token_ids)
 
