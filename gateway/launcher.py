@@ -312,8 +312,9 @@ def main(argv=None) -> int:
               file=sys.stderr)
         return 2
     if args.batch_invariant and (not str(args.device).startswith("cuda") or args.tp > 1):
-        print("dflash-serve: error: --batch-invariant needs --device cuda and --tp 1 (on CPU the target's steps are "
-              "row-invariant already; at TP > 1 an all-reduce's order depends on the message size)", file=sys.stderr)
+        print("dflash-serve: error: --batch-invariant needs --device cuda and --tp 1 (on CPU the default path, the C++ "
+              "kernels, is row-invariant already; at TP > 1 an all-reduce's order depends on the message size)",
+              file=sys.stderr)
         return 2
     for path in (args.target, args.draft):
         if path is not None and not Path(path).is_dir():

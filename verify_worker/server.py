@@ -405,7 +405,7 @@ def build_server(args, log) -> VerifyServer:
         raise DFlashError(f"--cuda-graphs needs a CUDA device (--device cuda), not {args.device!r}")
     if args.batch_invariant and not str(args.device).startswith("cuda"):
         raise DFlashError(f"--batch-invariant is for a CUDA device (--device cuda), not {args.device!r}: on CPU the "
-                          f"target's steps are row-invariant already (bfloat16, and float32 through the C++ kernels)")
+                          f"default path, the C++ kernels, is row-invariant already")
     if args.cuda_graphs and args.world_size > 1:
         raise DFlashError("--cuda-graphs needs --world-size 1 (the other ranks mirror each step eagerly)")
     if args.draft_timeout <= 0 or args.draft_deadline_floor <= 0:
