@@ -1,11 +1,14 @@
 """The row-invariant setups on CPU: a verify block's rows are bitwise the rows one-token decoding computes, so
 speculative greedy output is exactly plain greedy output (no near-tie allowance), and the attention is still
-attention. Two setups have this property:
-- bfloat16 where the CPU has native bfloat16 (oneDNN GEMMs, batch_invariant_attention);
+attention. The setups:
 - float32 on a bfloat16 checkpoint with the C++ CPU kernels (the "bf16" layout: row-invariant GEMM and
-  attention), the demo's default where bfloat16 is not native.
-The rows layout (--batch-invariant, made for GPUs: linear_rows for every product, batch_invariant_attention) runs
-the same checks here in bfloat16; tests/test_row_gemm.py runs its GPU path."""
+  attention), the demo's default where bfloat16 is not native; with a bfloat16 cache; bfloat16 products on AMX;
+- the rows layout of --batch-invariant (made for GPUs: linear_rows for every product, cuda_ext's row attention;
+  here through their CPU paths); tests/test_row_gemm.py runs its GPU path;
+- bfloat16 where the CPU has native bfloat16 (oneDNN GEMMs, batch_invariant_attention): these checks pass on their
+  data, but oneDNN's products are row-invariant only in the common case (rare rows round differently between a
+  one-row and a two-row product, or between batch counts: docs/architecture.md, Decisions), so this setup's
+  greedy identity holds up to rare near-ties; the others are exact by construction."""
 
 import json
 
