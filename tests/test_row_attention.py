@@ -52,6 +52,19 @@ def test_a_rows_bits_depend_on_that_row_alone(dtype):
 
 
 @needs_host
+def test_a_long_query_block_goes_in_pieces_with_the_same_bits(monkeypatch):
+    q, keys, values, slots, positions = _case(torch.bfloat16)
+    whole = op.row_attention(q, keys, values, slots, positions, 605, 0.125)
+    monkeypatch.setattr(op, "WORKSPACE_BYTES", 2 * 4 * 3 * (2 + 64) * 4 * 2)  # two queries' chunk states a call
+    calls = []
+    kernel = op.row_attention_kernel
+    monkeypatch.setattr(op, "row_attention_kernel", lambda *a: calls.append(a[0].shape[2]) or kernel(*a))
+    assert torch.equal(op.row_attention(q, keys, values, slots, positions, 605, 0.125), whole)
+    assert calls == [2, 2, 1]
+    assert op.row_attention(q[:, :, :0], keys, values, slots, positions[:, :0], 605, 0.125).shape == (2, 0, 256)
+
+
+@needs_host
 def test_refused_and_degenerate_inputs():
     q, keys, values, slots, positions = _case(torch.float32)
     with pytest.raises(ValueError, match="arguments the kernel does not take"):  # a slot outside the cache
@@ -80,6 +93,13 @@ def test_the_cuda_build_is_the_host_build_bit_for_bit(dtype):
     host = op.row_attention(*case, 605, 0.125)
     cuda = op.row_attention(*(t.cuda() for t in case), 605, 0.125)
     assert torch.equal(cuda.cpu(), host)
+
+
+@needs_gpu
+def test_tensors_on_another_device_are_refused_before_the_launch():
+    q, keys, values, slots, positions = _case(torch.bfloat16, device="cuda")
+    with pytest.raises(ValueError, match="inconsistent arguments"):  # a host pointer would fault the CUDA context
+        op.row_attention(q, keys, values, slots, positions.cpu(), 605, 0.125)
 
 
 @needs_gpu

@@ -11,6 +11,8 @@ from cuda_ext.dispatch import call_kernel
 CHUNK = 256  # rows.h: kRowChunk
 MAX_HEAD_DIM = 256  # rows.h: kRowMaxHeadDim
 DTYPES = (torch.float32, torch.bfloat16)
+WORKSPACE_BYTES = 256 * 2**20  # the most one call's chunk states take: longer query blocks go in pieces
+MAX_GROUP_ROWS = 4 * 65535  # kernel.cu: a grid's z dimension of 4-warp blocks covers group heads x queries
 
 
 @torch.library.custom_op("dflash::row_attention", mutates_args=())
@@ -22,7 +24,8 @@ def row_attention_kernel(q: torch.Tensor, keys: torch.Tensor, values: torch.Tens
     num_slots, kv_heads, capacity = keys.shape[0], keys.shape[1], keys.shape[2]
     q = q.contiguous()
     slots, positions = slots.long().contiguous(), positions.long().contiguous()
-    if not (q.dtype == keys.dtype == values.dtype and q.dtype in DTYPES and keys.is_contiguous()
+    on_device = all(t.device == q.device for t in (keys, values, slots, positions))
+    if not (on_device and q.dtype == keys.dtype == values.dtype and q.dtype in DTYPES and keys.is_contiguous()
             and values.is_contiguous() and keys.shape == values.shape and keys.shape[3] == dim
             and heads % kv_heads == 0 and dim <= MAX_HEAD_DIM and slots.shape == (batch,)
             and positions.shape == (batch, queries) and chunks >= 1):
@@ -46,7 +49,17 @@ def row_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, slo
                   positions: torch.Tensor, key_length: int, scale: float) -> torch.Tensor:
     """q [b, heads, queries, dim] (converted to the cache's dtype); one layer's cache keys, values [slots, kv_heads,
     capacity, dim]; slots [b]; positions [b, queries]; key_length: at least every real row's position + 1 (the
-    host's fact; rows past it, padding, see only its keys). -> [b, queries, heads * dim] in q's dtype."""
+    host's fact; rows past it, padding, see only its keys). -> [b, queries, heads * dim] in q's dtype. A slot
+    outside the cache: a ValueError on CPU, zero rows on CUDA (nothing is read back from the device). Queries go
+    in pieces where one call's chunk states would pass WORKSPACE_BYTES (a long prefill chunk): rows are
+    independent, so the pieces give the same bits."""
+    batch, heads, queries, dim = q.shape
     chunks = max(1, -(-min(key_length, keys.shape[2]) // CHUNK))
-    out = row_attention_kernel(q.to(keys.dtype), keys, values, slots, positions, chunks, float(scale))
-    return out.to(q.dtype)
+    per_query = batch * heads * chunks * (2 + dim) * 4
+    piece = max(1, min(WORKSPACE_BYTES // per_query, MAX_GROUP_ROWS // (heads // keys.shape[1])))
+    dtype, q = q.dtype, q.to(keys.dtype)
+    parts = [row_attention_kernel(q[:, :, i: i + piece], keys, values, slots, positions[:, i: i + piece], chunks,
+                                  float(scale)) for i in range(0, queries, piece)]  # each [b, piece, heads * dim]
+    if not parts:  # no queries
+        return q.new_empty(batch, 0, heads * dim, dtype=dtype)
+    return (parts[0] if len(parts) == 1 else torch.cat(parts, dim=1)).to(dtype)

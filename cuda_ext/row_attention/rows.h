@@ -19,7 +19,7 @@ namespace dflash {
 constexpr int64_t kRowChunk = 256;         // key positions per chunk
 constexpr int kLanes = 32;                 // a warp
 constexpr int64_t kRowMaxHeadDim = 256;    // a lane holds at most kRowMaxHeadDim / kLanes dims of a row's values
-constexpr int64_t kLaneDims = kRowMaxHeadDim / kLanes;
+constexpr int kLaneDims = (int)(kRowMaxHeadDim / kLanes);
 
 // T: float, or bfloat16 (its bits, uint16_t); the arithmetic is float32.
 template <typename T>
@@ -83,25 +83,35 @@ struct LaneSoftmax {
 DFLASH_HD void lane_start(LaneSoftmax& s) {
   s.top = 0.0f;
   s.total = 0.0f;
-  for (int64_t j = 0; j < kLaneDims; ++j) s.acc[j] = 0.0f;
+  for (int j = 0; j < kLaneDims; ++j) s.acc[j] = 0.0f;
 }
 
 // One more key (its score, the same in every lane, and its value row) into the lane's state.
+// (The loops run over the fixed kLaneDims with a guard, so that the CUDA build keeps acc in registers.)
 template <typename T>
 DFLASH_HD void lane_add(LaneSoftmax& s, float score, const T* value, int64_t dim, int lane) {
   if (s.total == 0.0f) {
     s.top = score;
     s.total = 1.0f;
-    for (int64_t d = lane, j = 0; d < dim; d += kLanes, ++j) s.acc[j] = row_value(value[d]);
+    for (int j = 0; j < kLaneDims; ++j) {
+      const int64_t d = lane + (int64_t)j * kLanes;
+      if (d < dim) s.acc[j] = row_value(value[d]);
+    }
   } else if (score > s.top) {
     const float shrink = exp_nonpositive(s.top - score);
     s.total = s.total * shrink + 1.0f;
-    for (int64_t d = lane, j = 0; d < dim; d += kLanes, ++j) s.acc[j] = s.acc[j] * shrink + row_value(value[d]);
+    for (int j = 0; j < kLaneDims; ++j) {
+      const int64_t d = lane + (int64_t)j * kLanes;
+      if (d < dim) s.acc[j] = s.acc[j] * shrink + row_value(value[d]);
+    }
     s.top = score;
   } else {
     const float weight = exp_nonpositive(score - s.top);
     s.total = s.total + weight;
-    for (int64_t d = lane, j = 0; d < dim; d += kLanes, ++j) s.acc[j] = s.acc[j] + weight * row_value(value[d]);
+    for (int j = 0; j < kLaneDims; ++j) {
+      const int64_t d = lane + (int64_t)j * kLanes;
+      if (d < dim) s.acc[j] = s.acc[j] + weight * row_value(value[d]);
+    }
   }
 }
 
@@ -117,7 +127,10 @@ DFLASH_HD void lane_store(const RowAttentionArgs<T>& a, const LaneSoftmax& s, fl
     state[0] = s.top;
     state[1] = s.total;
   }
-  for (int64_t d = lane, j = 0; d < a.dim; d += kLanes, ++j) state[2 + d] = s.acc[j];
+  for (int j = 0; j < kLaneDims; ++j) {
+    const int64_t d = lane + (int64_t)j * kLanes;
+    if (d < a.dim) state[2 + d] = s.acc[j];
+  }
 }
 
 // Output dim d of row (b, h, i): the chunks' states merged in chunk order, empty chunks skipped; 0 for a row

@@ -15,6 +15,7 @@ TILE = 16  # kernel.cu: kTile; rows are padded to whole tiles, N and K must be w
 DTYPE_CODES = {torch.bfloat16: 1, torch.float16: 2}
 WARPS_PER_MULTIPROCESSOR = 16  # what the K slices aim to keep in flight (weights read at full speed)
 MIN_SLICE = 256  # the shortest K slice (a slice of fewer steps costs more in partial sums than it gains)
+WORKSPACE_BYTES = 256 * 2**20  # the most one call's slice sums take: more rows go in pieces
 
 
 def slice_length(n: int, k: int, multiprocessors: int) -> int:
@@ -65,16 +66,26 @@ def usable(x: torch.Tensor, weight: torch.Tensor) -> bool:
     """Whether row_gemm takes this product: CUDA tensors of one dtype (bfloat16 or float16), a contiguous
     32-byte-aligned weight [N, K] with N and K multiples of 16, a kernel build for the device that passed
     `verified`."""
-    return (x.device.type == "cuda" and x.dtype in DTYPE_CODES and weight.dtype == x.dtype and weight.dim() == 2
+    return (x.device.type == "cuda" and weight.device == x.device and x.dtype in DTYPE_CODES
+            and weight.dtype == x.dtype and weight.dim() == 2 and weight.shape[0] > 0 and weight.shape[1] > 0
             and weight.shape[0] % TILE == 0 and weight.shape[1] % TILE == 0 and x.shape[-1] == weight.shape[1]
             and weight.is_contiguous() and weight.data_ptr() % 32 == 0
             and kernel_entry("row_gemm", x.device) is not None and verified(_device_index(x.device)))
 
 
 def row_gemm(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T -> [..., N] through the kernel (the caller checked `usable`)."""
-    rows = row_gemm_kernel(x.reshape(-1, x.shape[-1]), weight)  # [rows, N]
-    return rows.view(*x.shape[:-1], weight.shape[0])
+    """x [..., K] @ weight [N, K]^T -> [..., N] through the kernel (the caller checked `usable`). Rows go in pieces
+    where one call's slice sums would pass WORKSPACE_BYTES (a long prompt through the lm_head): a row's bits do
+    not depend on the rows beside it, so the pieces give the same bits."""
+    n, k = weight.shape
+    flat = x.reshape(-1, k)  # [rows, K]
+    slices = -(-k // slice_length(n, k, _multiprocessors(_device_index(x.device))))
+    piece = max(TILE, WORKSPACE_BYTES // (slices * n * 4) // TILE * TILE)
+    parts = [row_gemm_kernel(flat[i: i + piece], weight) for i in range(0, flat.shape[0], piece)]  # [piece, N] each
+    if not parts:  # no rows
+        return x.new_empty(*x.shape[:-1], n)
+    rows = parts[0] if len(parts) == 1 else torch.cat(parts)
+    return rows.view(*x.shape[:-1], n)
 
 
 @functools.cache
