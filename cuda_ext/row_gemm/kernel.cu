@@ -45,6 +45,7 @@ slice_partials(const T* __restrict__ x, const T* __restrict__ w, float* __restri
   wmma::fragment<wmma::accumulator, kTile, kTile, kTile, float> sums[kRowTiles];
 #pragma unroll
   for (int t = 0; t < kRowTiles; ++t) wmma::fill_fragment(sums[t], 0.0f);
+#pragma unroll 4  // (loads of the next steps issued ahead: the same operations in the same order)
   for (int64_t k0 = k_begin; k0 < k_end; k0 += kTile) {
     wmma::fragment<wmma::matrix_b, kTile, kTile, kTile, T, wmma::col_major> weights;  // w[n0.., k0..] as K x N
     wmma::load_matrix_sync(weights, w + n0 * K + k0, (unsigned)K);
