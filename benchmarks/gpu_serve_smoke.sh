@@ -34,7 +34,7 @@ serve() {  # $1: extra dflash-serve flags; $2: a label for the logs
                 --concurrency $concurrency --num-prompts 16 --max-tokens 64 --rounds 1 \
                 --out "/tmp/bench$2_c$concurrency.json" 2>&1 | grep -E "^dflash|greedy_mismatches|Error|error" | head -12
         done
-        grep -iE "error|traceback|captured a CUDA graph" "$out/serve_server$2.log" | head -12
+        grep -iE "error|traceback|captured (a )?CUDA graph" "$out/serve_server$2.log" | head -12
     fi
     kill $server 2>/dev/null; wait $server 2>/dev/null
 }

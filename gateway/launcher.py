@@ -124,8 +124,8 @@ def parse_args(argv):
                              "whole key chunks, for greedy speculative output equal to plain decoding (--device cuda, "
                              "bfloat16/float16, --tp 1, a Qwen3/Llama target; not yet run on a GPU)")
     parser.add_argument("--cuda-graphs", action="store_true",
-                        help="the verify worker replays its decode steps from CUDA graphs, one per shape bucket "
-                             "(--device cuda, tensor parallelism 1, a Qwen3/Llama target)")
+                        help="the verify worker replays its decode steps from CUDA graphs, one per shape bucket, "
+                             "captured at start-up (--device cuda, tensor parallelism 1, a Qwen3/Llama target)")
     parser.add_argument("--draft-placement", choices=["worker", "local"], default="worker",
                         help="worker: a draft worker process (the default); local: the drafter runs inside the "
                              "verify worker (no draft call between processes, no separate restart)")

@@ -70,6 +70,45 @@ def test_the_engine_serves_the_same_tokens_with_padded_steps(qwen3_pair, batch_i
         assert got.token_ids == want.token_ids and got.stats.draft_tokens > 0
 
 
+def test_the_shapes_a_warm_up_covers():
+    class Target:
+        graphable_steps = True
+
+    class State:
+        capacity = 1032
+
+    buckets = StepBuckets(Target(), State(), scratch_slot=6, block_size=8, taps=())
+    shapes = buckets.all_shapes(6)
+    assert {s.batch for s in shapes} == {1, 2, 4, 8} and {s.tokens for s in shapes} == {1, 8}
+    assert sorted({s.key_length for s in shapes}) == [256, 512, 1024, 1032]
+    assert len(shapes) == 4 * 2 * 4 and buckets.shape(5, 3, 700) in shapes and buckets.shape(1, 1, 1032) in shapes
+
+
+def test_a_warm_up_before_the_first_request_changes_no_token(qwen3_pair):
+    """engine.warm_up (what --cuda-graphs runs at start-up, there capturing every shape) writes slots no request
+    holds yet: the tokens served after it are those served without it; it refuses once requests are in."""
+    target = load_target(qwen3_pair[3], dtype="bfloat16")
+    drafter = random_drafter(tiny_draft_config(block_size=8), seed=1, std=0.2).to(torch.bfloat16)
+    prompts = [[3, 17, 22, 9, 41, 7, 99], [5], [60, 61, 62, 63, 64, 65, 66, 67, 68]]
+
+    def serve(warm: bool):
+        proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=3,
+                                 max_model_len=256)
+        engine = SpeculativeEngine(target, proposer, max_requests=3, max_model_len=256, step_buckets="eager")
+        lines = []
+        if warm:
+            assert engine.warm_up(progress=lines.append) == len(engine.buckets.all_shapes(3)) == 3 * 2 * 2
+            assert lines[-1].startswith("warmed up for 12/12 decode step shapes")
+        return [r.token_ids for r in engine.generate([GenerationRequest(tuple(p), 30) for p in prompts])], engine
+
+    cold, _ = serve(False)
+    warm, engine = serve(True)
+    assert warm == cold
+    engine.add(GenerationRequest((1, 2), 4))
+    with pytest.raises(RuntimeError, match="before the first request"):
+        engine.warm_up()
+
+
 def test_padded_steps_refuse_what_they_cannot_run(qwen3_pair):
     target = load_target(qwen3_pair[3])
     with pytest.raises(ValueError, match="does not take padded steps"):
@@ -97,11 +136,13 @@ def test_cuda_graph_steps_serve_the_eager_padded_tokens(qwen3_pair, batch_invari
         proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, max_requests=3,
                                  max_model_len=256) if with_drafts else None
         engine = SpeculativeEngine(target, proposer, max_requests=3, max_model_len=256, step_buckets=step_buckets)
+        if step_buckets == "cuda-graphs":  # as the verify worker does at start-up
+            assert engine.warm_up() == len(engine.buckets.all_shapes(3)) == len(engine.buckets.captured)
         return engine.generate([GenerationRequest(tuple(p), 40) for p in prompts]), engine
 
     eager, _ = serve("eager")
     graphed, engine = serve("cuda-graphs")
-    assert engine.buckets.captured  # the steps replayed graphs
+    assert len(engine.buckets.captured) == len(engine.buckets.all_shapes(3))  # replayed, none captured late
     if batch_invariant:
         plain, _ = serve(None, with_drafts=False)
         assert [r.token_ids for r in graphed] == [r.token_ids for r in eager] == [r.token_ids for r in plain]

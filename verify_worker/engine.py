@@ -92,6 +92,15 @@ class SpeculativeEngine:
         self.shadow_drafts: dict[str, tuple[int, list[int]]] = {}  # request -> (output index, drafts) of a probe
         self.log = logging.getLogger("dflash.engine")
 
+    def warm_up(self, progress=None) -> int:
+        """Before any request: every decode step shape run once, or captured as a CUDA graph (step_buckets
+        "cuda-graphs"), so no request waits for a capture. Returns the shapes done (0 without step buckets)."""
+        if self.buckets is None:
+            return 0
+        if self.running or self.waiting or self.prefilling:
+            raise RuntimeError("warm_up writes slots no request may hold: call it before the first request")
+        return self.buckets.warm_up(self.max_requests, progress)
+
     # ------------------------------------------------------------------ admission
     def add(self, request: GenerationRequest) -> RequestState:
         self.validate(request)

@@ -468,6 +468,8 @@ def build_server(args, log) -> VerifyServer:
              "token); drafter feature rows up to %.1f MiB per request", args.target, target.config.num_layers,
              max_running, capacity, engine.state.nbytes() / 2**20, per_request / 2**20, per_request / capacity / 2**10,
              features / 2**20)
+    if args.cuda_graphs:  # every decode step shape captured now, so that no request waits for a capture
+        engine.warm_up(progress=log.info)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")
     server = VerifyServer(engine, args.requests_addr, args.events_addr, metrics, args.max_waiting, log,
                           keep_alive=target.keep_alive if tp.parallel else None, stall_s=args.stall_timeout)

@@ -39,7 +39,7 @@ def key_bucket(length: int, capacity: int) -> int:
 
 class StepBuckets:
     """Runs the engine's decode forwards at bucketed shapes, eagerly or (graphs=True, on CUDA) by replaying one
-    CUDA graph per shape, captured on its first use. scratch_slot: a state slot no request holds (padded rows
+    CUDA graph per shape, captured by warm_up at start-up or else on its first use. scratch_slot: a state slot no request holds (padded rows
     write there); block_size: the tokens a verify step is padded to."""
 
     def __init__(self, target: TargetFamily, state: TargetState, scratch_slot: int, block_size: int,
@@ -87,8 +87,43 @@ class StepBuckets:
         taps = None if out.taps is None else out.taps[:rows, :tokens]  # [b, s, taps * hidden]
         return TargetOutput(hidden=out.hidden[:rows, :tokens], taps=taps)
 
+    def all_shapes(self, max_rows: int) -> list[StepShape]:
+        """Every shape a decode step of at most max_rows rows can take: row buckets x {1, the block size} tokens x
+        key buckets up to the cache's capacity."""
+        rows, capacity = [], self.state.capacity
+        while not rows or rows[-1] < row_bucket(max_rows):
+            rows.append(1 << len(rows))
+        keys = sorted({key_bucket(1 << i, capacity) for i in range(capacity.bit_length() + 1)})
+        tokens = sorted({1, self.block_size})
+        return [StepShape(b, t, k) for b in rows for t in tokens for k in keys]
+
+    def warm_up(self, max_rows: int, progress=None) -> int:
+        """Run (eagerly) or capture (graphs) every shape of all_shapes(max_rows) now, before any request: at
+        start-up no slot is held, so the warm-up rows may write slots 0.. (what a later request writes from
+        position 0 over). progress(message) hears how far it got. Returns the shapes done (captures stop at the
+        first failure, which leaves eager steps)."""
+        shapes, started, done = self.all_shapes(max_rows), time.perf_counter(), 0
+        device = self.target.embed_weight.device
+        for index, shape in enumerate(shapes):
+            slots = list(range(min(shape.batch, self.scratch_slot)))
+            slots += [self.scratch_slot] * (shape.batch - len(slots))
+            ids = torch.zeros(shape.batch, shape.tokens, dtype=torch.long, device=device)  # [B, T]
+            positions = torch.arange(shape.tokens, device=device).repeat(shape.batch, 1)  # [B, T]
+            slot_tensor = torch.tensor(slots, device=device)
+            if self.graphs and shape not in self.captured:
+                if self._capture(shape, ids, positions, slot_tensor, quiet=True) is None:
+                    break
+            elif not self.graphs:
+                self.target.step(StepBatch(ids, positions, slot_tensor, key_length=shape.key_length), self.state,
+                                 self.taps)
+            done = index + 1
+            if progress is not None and (done == len(shapes) or done % max(1, len(shapes) // 10) == 0):
+                progress(f"{'captured CUDA graphs' if self.graphs else 'warmed up'} for {done}/{len(shapes)} decode "
+                         f"step shapes ({time.perf_counter() - started:.1f} s)")
+        return done
+
     def _capture(self, shape: StepShape, ids: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor) -> TargetOutput | None:
+                 slots: torch.Tensor, quiet: bool = False) -> TargetOutput | None:
         """Capture the shape's graph from this step and return the step's outputs; where the capture fails, say so
         once and run every later step eagerly (None: the caller runs this one eagerly too)."""
         started = time.perf_counter()
@@ -101,6 +136,6 @@ class StepBuckets:
             self.graphs = False
             return None
         self.captured[shape] = graph
-        self.log.info("captured a CUDA graph for %s in %.2f s (%d shapes now)", shape,
-                      time.perf_counter() - started, len(self.captured))
+        self.log.log(logging.DEBUG if quiet else logging.INFO, "captured a CUDA graph for %s in %.2f s (%d shapes "
+                     "now)", shape, time.perf_counter() - started, len(self.captured))
         return graph.outputs.step
