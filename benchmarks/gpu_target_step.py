@@ -14,8 +14,8 @@ against the engine's eager step (largest difference, greedy tokens). Then, for l
 device: a verify block of 16 tokens against the same 16 tokens decoded one at a time (rows equal bit for bit,
 greedy tokens equal), and a row of a one-token step beside seven longer rows against the same row alone (the
 batch's composition must not change a row either). --batch-invariant runs all of it on the target as
---batch-invariant packs it (every projection through cuda_ext's row GEMM, attention through
-batch_invariant_attention).
+--batch-invariant packs it (every projection through cuda_ext's row GEMM, every norm through its row norm,
+attention through its row attention).
 
     python benchmarks/gpu_target_step.py                        # on a GPU: Qwen3-8B-shaped, bfloat16
     python benchmarks/gpu_target_step.py --compile --compile-budget-s 240
@@ -320,7 +320,7 @@ def main() -> int:
           f"{sum(p.numel() for p in model.state_dict().values()) / 1e9:.2f}B values, cache "
           f"{cache.nbytes() / 2**30:.1f} GiB ({capacity} positions x {cache.num_slots} slots), context {args.context}; "
           f"built in {time.perf_counter() - started:.1f} s"
-          + ("; packed for --batch-invariant (row GEMM, batch_invariant_attention)" if args.batch_invariant else ""),
+          + ("; packed for --batch-invariant (row GEMM, row norm, row attention)" if args.batch_invariant else ""),
           flush=True)
     if args.invariant_attention:  # a trial of the CPU's bfloat16 attention on this device (not the served default)
         import verify_worker.families.llama.model as llama

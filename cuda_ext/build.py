@@ -26,7 +26,7 @@ import torch
 from shared.native_build import cached_library
 
 ROOT = Path(__file__).resolve().parent
-KERNELS = ("verify", "block_attention", "dflash2_walk", "row_attention")  # a host build and a CUDA build each
+KERNELS = ("verify", "block_attention", "dflash2_walk", "row_attention", "row_norm")  # a host build and a CUDA build each
 CUDA_ONLY_KERNELS = ("row_gemm",)  # tensor-core code: no host build (its CPU path is row_gemm/reference.py)
 HOST_FLAGS = ["-std=c++17", "-O3", "-ffp-contract=off", "-shared", "-fPIC"]
 # where the CPU has AVX2 the host build may use its 8-wide registers: the same bits (no fused multiply-add, no
@@ -44,6 +44,7 @@ SIGNATURES = {
     "block_attention": [P] * 6 + [I64] * 10 + [F32, P],
     "dflash2_walk": [P] * 8 + [I64] * 5 + [P] * 3,
     "row_attention": [P] * 7 + [I64] * 9 + [F32],
+    "row_norm": [P] * 3 + [I64] * 4 + [F32],
 }
 CUDA_ONLY_SIGNATURES = {
     "row_gemm": [P] * 4 + [I64] * 8,

@@ -120,9 +120,9 @@ def parse_args(argv):
                              "would cost over 5%% of the time, re-measures it; steps with a seeded sampled request "
                              "always draft); always: every step drafts")
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="on a GPU, the verify worker multiplies through a row-invariant GEMM and attends in "
-                             "whole key chunks, for greedy speculative output equal to plain decoding (--device cuda, "
-                             "bfloat16/float16, --tp 1, a Qwen3/Llama target; not yet run on a GPU)")
+                        help="on a GPU, the verify worker computes each row of a step independently of the batch "
+                             "(cuda_ext's row GEMM, norm and attention), for greedy speculative output equal to plain "
+                             "decoding (--device cuda, bfloat16, --tp 1, a Qwen3/Llama target; not yet run on a GPU)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="the verify worker replays its decode steps from CUDA graphs, one per shape bucket, "
                              "captured at start-up (--device cuda, tensor parallelism 1, a Qwen3/Llama target)")

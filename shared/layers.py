@@ -15,8 +15,11 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(size, device=device, dtype=dtype))
         self.kernels = None  # the C++ CPU kernels (shared.cpu_kernels), set by a packed model for inference
+        self.normalize = None  # (x, weight, eps) -> rms_normalize's result another way (the rows layout's), if set
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.normalize is not None:
+            return self.normalize(x, self.weight, self.eps)
         if self.kernels is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return self.kernels.rms_norm(x, self.weight, self.eps)
         return rms_normalize(x, self.weight, self.eps)

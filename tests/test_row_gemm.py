@@ -99,7 +99,10 @@ def test_the_kernel_is_the_float32_product_and_its_rows_never_depend_on_the_othe
     for rows in (1, 2, 9, 15, 16, 17, 64, 65, 144, 288):
         assert torch.equal(op.row_gemm(x[:rows], weight), full[:rows]), f"{rows} rows"
     assert torch.equal(op.row_gemm(x[7:16], weight), full[7:16])  # a row's place in its tile does not matter either
-    assert torch.equal(op.row_gemm(x[1:17], weight), full[1:17])  # 16 rows at an offset: copied to aligned tiles
+    shifted = torch.empty(300 * k + 8, dtype=dtype, device="cuda")[8:].view(300, k)  # 16 bytes off a 32-byte start
+    shifted.copy_(x)
+    assert shifted.data_ptr() % 32 and torch.equal(op.row_gemm(shifted[:16], weight), full[:16])  # copied to tiles
+    assert torch.equal(op.row_gemm(x.t().contiguous().t()[:16], weight), full[:16])  # a strided view: copied too
     batched = op.row_gemm(x[:18].view(2, 9, k), weight)  # [..., K] inputs keep their leading shape
     assert batched.shape == (2, 9, n) and torch.equal(batched.view(18, n), full[:18])
 
@@ -123,7 +126,8 @@ def test_a_cuda_graph_replays_the_kernel():
     assert torch.equal(captured, op.row_gemm(x, weight)) and not torch.equal(captured, eager)
 
 
-DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not native_cpu_bfloat16(), reason="no native bfloat16")),
+DEVICES = [pytest.param("cpu", marks=pytest.mark.skipif(not native_cpu_bfloat16() or build.host_library() is None,
+                                                        reason="no native bfloat16, or no C++ compiler")),
            pytest.param("cuda", marks=needs_gpu)]
 
 

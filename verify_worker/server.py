@@ -316,10 +316,9 @@ def parse_args(argv):
                              "5%% of the time, re-measures it)")
     parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
     parser.add_argument("--batch-invariant", action="store_true",
-                        help="on a GPU, the target's projections and lm_head through cuda_ext's row GEMM (a row's "
-                             "sums never depend on the batch) and attention through batch_invariant_attention, for "
-                             "greedy speculative output equal to plain decoding (--device cuda, bfloat16/float16, TP "
-                             "1, a Qwen3/Llama target; not yet run on a GPU)")
+                        help="on a GPU, the target's projections, norms and attention through cuda_ext's row kernels "
+                             "(a row's sums never depend on the batch), for greedy speculative output equal to plain "
+                             "decoding (--device cuda, bfloat16, TP 1, a Qwen3/Llama target; not yet run on a GPU)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay decode steps from CUDA graphs, one per shape bucket (rows padded to a power of "
                              "two, a verify step to the block size, keys to a power of two; captured on first use)")

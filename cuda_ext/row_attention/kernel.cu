@@ -1,7 +1,7 @@
 // The row attention kernels (rows.h says what a row computes): chunk_states, a thread block per (batch entry, KV
 // head, key chunk) and a warp per query row of that head's group (group heads x queries), each warp taking its
 // row's keys of the chunk in position order, the lanes splitting every dot product and adding their parts in
-// rows.h's butterfly; then merge_states, a thread block per row and a thread per dim, merging the row's chunk
+// common/warp_rows.h's butterfly; then merge_states, a thread block per row and a thread per dim, merging the row's chunk
 // states in chunk order.
 #include <cuda_runtime.h>
 
@@ -28,11 +28,8 @@ __global__ void __launch_bounds__(kWarps * dflash::kLanes) chunk_states(dflash::
   dflash::LaneSoftmax state;
   dflash::lane_start(state);
   for (int64_t j = begin; j < stop; ++j) {
-    float partial = dflash::lane_dot(query, a.keys + base + j * a.dim, a.dim, lane);
-    for (int offset = dflash::kLanes / 2; offset > 0; offset /= 2) {
-      partial = partial + __shfl_xor_sync(0xffffffffu, partial, offset);
-    }
-    dflash::lane_add(state, partial * a.scale, a.values + base + j * a.dim, a.dim, lane);
+    const float score = dflash::warp_butterfly_sum(dflash::lane_dot(query, a.keys + base + j * a.dim, a.dim, lane));
+    dflash::lane_add(state, score * a.scale, a.values + base + j * a.dim, a.dim, lane);
   }
   dflash::lane_store(a, state, dflash::chunk_state(a, b, h, i, c), lane);
 }

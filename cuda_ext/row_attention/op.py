@@ -1,8 +1,9 @@
 """The row attention as a torch custom op (dflash::row_attention, with a fake implementation) and
 `row_attention`, the target's attention where it is packed for --batch-invariant: causal attention over the
 positional cache whose every row's arithmetic depends on that row alone (rows.h). CUDA tensors run the CUDA build,
-CPU tensors the host build (the same bits). Not a speed path: on CPU the C++ kernels' attention is the default
-(row-invariant too), on a GPU SDPA is, where its rows may depend on the batch."""
+CPU tensors the host build (the same bits). On a GPU it is --batch-invariant's attention (SDPA, the default
+there, rounds a row by the batch); on CPU it only serves tests: the C++ kernels' attention, the default, is
+row-invariant too and much faster."""
 
 import torch
 

@@ -6,18 +6,18 @@
 // - the keys are cut into chunks of kRowChunk positions counted from 0 (never from the batch's longest row), each
 //   chunk's online softmax (top score, total, weighted values) taken key by key in position order;
 // - a dot product is split over 32 lanes (lane l: dims l, l + 32, ...) and their partial sums added in a fixed
-//   butterfly (warp_sum); the host build adds them the same way;
+//   butterfly (common/warp_rows.h); the host build adds them the same way;
 // - the chunks' states are merged in chunk order (merge_chunks); chunks past the row's end are empty and skipped.
 // Both builds run without contraction and with our own exp (common/hd.h), so they give the same bits.
 #pragma once
 
 #include "../common/cache_rows.h"
 #include "../common/hd.h"
+#include "../common/warp_rows.h"
 
 namespace dflash {
 
 constexpr int64_t kRowChunk = 256;         // key positions per chunk
-constexpr int kLanes = 32;                 // a warp
 constexpr int64_t kRowMaxHeadDim = 256;    // a lane holds at most kRowMaxHeadDim / kLanes dims of a row's values
 constexpr int kLaneDims = (int)(kRowMaxHeadDim / kLanes);
 
@@ -59,17 +59,6 @@ DFLASH_HD float lane_dot(const T* x, const T* y, int64_t dim, int lane) {
   float sum = 0.0f;
   for (int64_t d = lane; d < dim; d += kLanes) sum = sum + row_value(x[d]) * row_value(y[d]);
   return sum;
-}
-
-// The host's warp_sum: partial[l] + partial[l ^ offset] for offsets 16, 8, 4, 2, 1 (the CUDA kernel's
-// __shfl_xor_sync steps; every lane ends with the same bits, addition being commutative).
-DFLASH_HD float butterfly_sum(float* partial) {
-  for (int offset = kLanes / 2; offset > 0; offset /= 2) {
-    float next[kLanes];
-    for (int l = 0; l < kLanes; ++l) next[l] = partial[l] + partial[l ^ offset];
-    for (int l = 0; l < kLanes; ++l) partial[l] = next[l];
-  }
-  return partial[0];
 }
 
 // A chunk's running softmax, as one lane holds it: top score, total of exp(score - top), and its dims' weighted

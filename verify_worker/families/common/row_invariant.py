@@ -33,6 +33,15 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     return (out[:1] if alone else out).view(*x.shape[:-1], weight.shape[0])
 
 
+def exact_linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """linear_rows where a fallback is not acceptable (a target packed for --batch-invariant): on a GPU the row GEMM
+    or a RuntimeError naming the product, never the batched matmul whose rows cuBLAS may round by the batch."""
+    if x.device.type == "cuda" and not row_gemm.usable(x, weight):
+        raise RuntimeError(f"the row GEMM cannot take x {tuple(x.shape)} {x.dtype} @ weight {tuple(weight.shape)} "
+                           f"{weight.dtype} on {x.device}: a row-invariant product is not available for it")
+    return linear_rows(x, weight)
+
+
 def elementwise_rows(fn, x: torch.Tensor) -> torch.Tensor:
     """fn(x) for an elementwise fn, with each row of the last dimension padded to whole vector chunks, so that
     every element takes the vectorized path whatever the number of rows."""

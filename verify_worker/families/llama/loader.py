@@ -4,6 +4,7 @@ from pathlib import Path
 
 import torch
 
+from cuda_ext.row_attention.op import MAX_HEAD_DIM as ROW_ATTENTION_MAX_HEAD_DIM
 from cuda_ext.row_gemm import op as row_gemm
 from shared.checkpoint_io import check_tensor_names, load_tensor_slices
 from shared.dtype_choice import kv_cache_dtype, resolve_dtype
@@ -49,6 +50,9 @@ def check_row_kernels_take(model: TargetModel) -> None:
     if model.embed_weight.dtype != torch.bfloat16 or (model.kv_dtype or torch.bfloat16) != torch.bfloat16:
         raise ConfigError(f"--batch-invariant on a GPU needs a bfloat16 model and cache (--dtype bfloat16, or auto on a "
                           f"bfloat16 checkpoint), not {model.embed_weight.dtype}")
+    if model.config.head_dim > ROW_ATTENTION_MAX_HEAD_DIM:
+        raise ConfigError(f"--batch-invariant: the row attention takes head sizes up to {ROW_ATTENTION_MAX_HEAD_DIM}, "
+                          f"not {model.config.head_dim}")
     for name, module in model.named_modules():
         weight = getattr(module, "weight", None)
         if getattr(module, "multiply", None) is None or weight is None:
@@ -56,7 +60,7 @@ def check_row_kernels_take(model: TargetModel) -> None:
         probe = weight.new_zeros(1, weight.shape[1])
         if not row_gemm.usable(probe, weight):
             raise ConfigError(
-                f"--batch-invariant: the row GEMM (cuda_ext/row_gemm) cannot take {name or 'lm_head'} "
+                f"--batch-invariant: the row GEMM (cuda_ext/row_gemm) cannot take {name} "
                 f"({weight.dtype}, [{weight.shape[0]}, {weight.shape[1]}]) on {weight.device}: it needs widths that are "
                 f"multiples of {row_gemm.TILE} and the CUDA build of cuda_ext (nvcc) passing its first-use check (see "
                 f"the log)")

@@ -7,6 +7,7 @@ import torch
 from torch import nn
 
 from cuda_ext.row_attention.op import row_attention
+from cuda_ext.row_norm.op import row_norm
 from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
 from shared.cpu_kernels.layer_step import DenseLayerWeights, StackStepInputs, StackWeights
 from shared.cpu_kernels.library import cpu_kernels
@@ -15,7 +16,7 @@ from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
 from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, common_layout, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.families.common.embedding_head import EmbeddingHead
-from verify_worker.families.common.row_invariant import linear_rows
+from verify_worker.families.common.row_invariant import exact_linear_rows
 from verify_worker.families.interface import StepBatch, TargetOutput
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.families.llama.shard_plan import LocalShapes, local_shapes
@@ -32,13 +33,14 @@ def _reduce_of(linear: nn.Module):
     return linear.tp.all_reduce if isinstance(linear, RowParallelLinear) else None
 
 
-ROWS_LAYOUT = "rows"  # pack(): every projection and the lm_head through linear_rows (--batch-invariant)
+ROWS_LAYOUT = "rows"  # pack(): every product, norm and attention through row-invariant code (--batch-invariant)
 
 
 def invariant_attention(x: torch.Tensor, rows_layout: bool = False) -> bool:
-    """Whether the target attends with batch_invariant_attention: bfloat16 on CPU, where the fused kernel's
-    roundings depend on the block's shape, and a target packed in the rows layout (--batch-invariant: on a GPU
-    SDPA's rows also depend on the row count); float32, float16 and accelerators otherwise keep the fused kernel."""
+    """Whether the target attends with batch_invariant_attention (over a cache: the rows layout attends through
+    cuda_ext's row attention instead): bfloat16 on CPU, where the fused kernel's roundings depend on the block's
+    shape, and the rows layout without a cache (training, scoring); float32, float16 and accelerators otherwise
+    keep the fused kernel."""
     return rows_layout or (x.device.type == "cpu" and x.dtype == torch.bfloat16)
 
 
@@ -83,7 +85,8 @@ class TargetAttention(nn.Module):
             qkv = self.qkv_proj(x)  # [b, s, (heads + 2 kv_heads) * dim]
             qk = qkv[..., : (heads + kv_heads) * dim].view(batch, seq, heads + kv_heads, dim)
             if self.q_norm is not None:
-                qk = rms_normalize(qk, self.qk_norm_weight, self.q_norm.eps)
+                normalize = row_norm if self.row_attention else rms_normalize
+                qk = normalize(qk, self.qk_norm_weight, self.q_norm.eps)
             qk = apply_rotary(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, s, dim]
             v = qkv[..., (heads + kv_heads) * dim:].view(batch, seq, kv_heads, dim)
             return qk[:, :heads], qk[:, heads:], v
@@ -223,7 +226,8 @@ class TargetModel(EmbeddingHead, nn.Module):
         attend = batch_invariant_attention if invariant else cached_attention
         if cache is not None and invariant:  # whole key chunks: see batch_invariant_attention
             kv_len = invariant_key_length(kv_len, cache.capacity)
-        mask = visibility_mask(positions, kv_len)  # [b, 1, s, kv_len]
+        # [b, 1, s, kv_len] (the rows layout's attention over a cache takes positions instead)
+        mask = None if self.rows_layout and cache is not None else visibility_mask(positions, kv_len)
         cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
         if self.kernels is not None and cache is not None and x.dtype == torch.float32 and x.device.type == "cpu":
             return self._forward_fused(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask, tap_layers)
@@ -302,16 +306,20 @@ class TargetModel(EmbeddingHead, nn.Module):
     def pack(self, layout: str | None = "auto", kernel_threads: int = 1) -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
         in `layout` ("auto": the one this device and dtype multiply fastest, see shared.packed_linear; None
-        keeps the loaded modules; "rows": every product through linear_rows and attention through
-        batch_invariant_attention, so that a row's result never depends on the batch: --batch-invariant, for a
-        GPU, where cuBLAS's and SDPA's rows depend on the row count). The loaded tensors are released; the module
+        keeps the loaded modules; "rows": every product through exact_linear_rows (cuda_ext's row GEMM on a GPU),
+        every RMSNorm through cuda_ext's row norm and attention over the cache through its row attention, so that
+        a row's result never depends on the batch: --batch-invariant, for a GPU, where cuBLAS's, SDPA's and
+        PyTorch's reductions round a row by the row count). The loaded tensors are released; the module
         then no longer has the checkpoint's names. kernel_threads: the threads the C++ layer stack and lm_head
         share, where they run (the same bits whatever the count)."""
         if layout == "auto":
             layout = packing_layout(self.embed_weight)
         if layout is not None:
-            multiply = linear_rows if layout == ROWS_LAYOUT else None
+            multiply = exact_linear_rows if layout == ROWS_LAYOUT else None
             self.rows_layout = multiply is not None
+            for norm in self.modules():
+                if isinstance(norm, RMSNorm):
+                    norm.normalize = row_norm if self.rows_layout else None
             self.head = PackedLinear(self.lm_head_weight.detach(), None, layout, multiply=multiply)
             self.kernels = cpu_kernels() if layout in KERNEL_LAYOUTS else None  # their layer ops and attention too
             for layer in self.model.layers:
