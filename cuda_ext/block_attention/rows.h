@@ -32,8 +32,6 @@ struct AttentionArgs {
 constexpr int64_t kMaxHeadDim = 256;
 constexpr int64_t kAttentionMaxRows = 256;  // the CUDA kernel's rows per block: group heads x queries (op.py falls back above)
 
-DFLASH_HD float to_float(float x) { return x; }
-DFLASH_HD float to_float(uint16_t bf16) { return float_from_bits((uint32_t)bf16 << 16); }
 
 template <typename T>
 DFLASH_HD bool attention_row_valid(const AttentionArgs<T>& a, int64_t b) {

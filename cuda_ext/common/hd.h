@@ -41,6 +41,17 @@ DFLASH_HD uint32_t bits_of(float x) {
 
 DFLASH_HD bool is_nan(float x) { return x != x; }
 
+// An element of a float32 or bfloat16 tensor (bfloat16 passed as its bits, uint16_t) as float32.
+DFLASH_HD float to_float(float x) { return x; }
+DFLASH_HD float to_float(uint16_t bf16) { return float_from_bits((uint32_t)bf16 << 16); }
+
+// float32 -> bfloat16 bits, rounding to nearest even (a NaN stays a quiet NaN), as torch converts.
+DFLASH_HD uint16_t bf16_round(float x) {
+  const uint32_t bits = bits_of(x);
+  if (is_nan(x)) return (uint16_t)((bits >> 16) | 0x40u);
+  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
 // exp(x) for x <= 0 (Cephes' polynomial after a power-of-two range reduction), float32 accuracy; -inf and
 // anything below -87.3 give the smallest normal's neighbourhood, i.e. ~0. Plain mul/add, no libm call.
 DFLASH_HD float exp_nonpositive(float x) {

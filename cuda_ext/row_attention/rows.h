@@ -35,8 +35,6 @@ struct RowAttentionArgs {
   float scale;
 };
 
-DFLASH_HD float row_value(float x) { return x; }
-DFLASH_HD float row_value(uint16_t bf16) { return float_from_bits((uint32_t)bf16 << 16); }
 
 template <typename T>
 DFLASH_HD bool row_slot_valid(const RowAttentionArgs<T>& a, int64_t b) {
@@ -57,7 +55,7 @@ DFLASH_HD int64_t row_key_end(const RowAttentionArgs<T>& a, int64_t b, int64_t i
 template <typename T>
 DFLASH_HD float lane_dot(const T* x, const T* y, int64_t dim, int lane) {
   float sum = 0.0f;
-  for (int64_t d = lane; d < dim; d += kLanes) sum = sum + row_value(x[d]) * row_value(y[d]);
+  for (int64_t d = lane; d < dim; d += kLanes) sum = sum + to_float(x[d]) * to_float(y[d]);
   return sum;
 }
 
@@ -84,14 +82,14 @@ DFLASH_HD void lane_add(LaneSoftmax& s, float score, const T* value, int64_t dim
     s.total = 1.0f;
     for (int j = 0; j < kLaneDims; ++j) {
       const int64_t d = lane + (int64_t)j * kLanes;
-      if (d < dim) s.acc[j] = row_value(value[d]);
+      if (d < dim) s.acc[j] = to_float(value[d]);
     }
   } else if (score > s.top) {
     const float shrink = exp_nonpositive(s.top - score);
     s.total = s.total * shrink + 1.0f;
     for (int j = 0; j < kLaneDims; ++j) {
       const int64_t d = lane + (int64_t)j * kLanes;
-      if (d < dim) s.acc[j] = s.acc[j] * shrink + row_value(value[d]);
+      if (d < dim) s.acc[j] = s.acc[j] * shrink + to_float(value[d]);
     }
     s.top = score;
   } else {
@@ -99,7 +97,7 @@ DFLASH_HD void lane_add(LaneSoftmax& s, float score, const T* value, int64_t dim
     s.total = s.total + weight;
     for (int j = 0; j < kLaneDims; ++j) {
       const int64_t d = lane + (int64_t)j * kLanes;
-      if (d < dim) s.acc[j] = s.acc[j] + weight * row_value(value[d]);
+      if (d < dim) s.acc[j] = s.acc[j] + weight * to_float(value[d]);
     }
   }
 }

@@ -23,19 +23,10 @@ struct RowNormArgs {
   float eps;
 };
 
-DFLASH_HD float norm_value(float x) { return x; }
-DFLASH_HD float norm_value(uint16_t bf16) { return float_from_bits((uint32_t)bf16 << 16); }
-
-// float32 -> bfloat16 bits, rounding to nearest even (NaN kept a quiet NaN): torch's conversion.
-DFLASH_HD uint16_t bf16_round(float x) {
-  const uint32_t bits = bits_of(x);
-  if (is_nan(x)) return (uint16_t)((bits >> 16) | 0x40u);
-  return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
 
 DFLASH_HD void norm_store(float* out, float y, float w) { *out = w * y; }
 DFLASH_HD void norm_store(uint16_t* out, float y, float w) {
-  *out = bf16_round(w * norm_value(bf16_round(y)));  // y rounded to bfloat16, then the bfloat16 product
+  *out = bf16_round(w * to_float(bf16_round(y)));  // y rounded to bfloat16, then the bfloat16 product
 }
 
 // One lane's part of row r's sum of squares: elements lane, lane + 32, ... in order.
@@ -44,7 +35,7 @@ DFLASH_HD float lane_squares(const RowNormArgs<T>& a, int64_t r, int lane) {
   float sum = 0.0f;
   const T* x = a.x + r * a.dim;
   for (int64_t d = lane; d < a.dim; d += kLanes) {
-    const float v = norm_value(x[d]);
+    const float v = to_float(x[d]);
     sum = sum + v * v;
   }
   return sum;
@@ -62,7 +53,7 @@ DFLASH_HD void lane_normalize(const RowNormArgs<T>& a, int64_t r, float inverse,
   const T* x = a.x + r * a.dim;
   const T* w = a.weight + (r % a.weight_rows) * a.dim;
   T* out = a.out + r * a.dim;
-  for (int64_t d = lane; d < a.dim; d += kLanes) norm_store(out + d, norm_value(x[d]) * inverse, norm_value(w[d]));
+  for (int64_t d = lane; d < a.dim; d += kLanes) norm_store(out + d, to_float(x[d]) * inverse, to_float(w[d]));
 }
 
 }  // namespace dflash
