@@ -32,6 +32,8 @@ def run(module, *args):
         ("verify_worker.server", ["--target", "t", "--metrics-port", "0", "--batch-invariant"],
          "--batch-invariant is for a CUDA device (--device cuda), not 'cpu'"),
         ("gateway.launcher", ["--batch-invariant"], "--batch-invariant needs --device cuda and --tp 1"),
+        ("verify_worker.generate_cli", ["--batch-invariant", "--prompt-ids", "1,2"],
+         "--batch-invariant is for a CUDA device (--device cuda), not 'cpu'"),
     ],
 )
 def test_bad_settings(module, args, message):

@@ -44,6 +44,9 @@ def parse_args(argv):
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
+    parser.add_argument("--batch-invariant", action="store_true",
+                        help="on a GPU, the target's rows computed independently of the batch, as dflash-serve "
+                             "--batch-invariant does (--device cuda, bfloat16, a Qwen3/Llama target)")
     parser.add_argument("--threads", type=int, default=0,
                         help="PyTorch CPU threads (0: 1 where the C++ CPU kernels run, which use every usable core "
                              "through their own pool, else PyTorch's default)")
@@ -89,7 +92,11 @@ def run(args) -> dict:
     if target_path is None:
         target_path, draft_path, label, _ = default_pair(args.draft)
         print(f"note: no --target given: using {label}", file=sys.stderr)
-    target = load_target(target_path, device=args.device, dtype=args.dtype, kernel_threads=usable_cores())
+    if args.batch_invariant and not str(args.device).startswith("cuda"):
+        raise ConfigError(f"--batch-invariant is for a CUDA device (--device cuda), not {args.device!r}: on CPU the "
+                          f"default path, the C++ kernels, is row-invariant already")
+    target = load_target(target_path, device=args.device, dtype=args.dtype, kernel_threads=usable_cores(),
+                         batch_invariant=args.batch_invariant)
     if not args.threads and getattr(target, "kernels", None) is not None:  # the target's step on the C++ kernels:
         torch.set_num_threads(1)  # idle PyTorch threads spinning beside their pool slow it
     tokenizer = _load_tokenizer(target_path)
