@@ -41,9 +41,22 @@ def _free(port: int) -> bool:
             return False
 
 
+def _ephemeral_ports() -> tuple[int, int]:
+    """The range the kernel hands out for outgoing connections (ZeroMQ, HTTP clients, gloo): a block chosen in it
+    can be taken by one of them between the check and the servers' bind (a TP test failed once with EADDRINUSE)."""
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999
+
+
 def free_port_block(count: int) -> int:
+    low, high = _ephemeral_ports()
+    ranges = [(lo, hi - count) for lo, hi in ((10000, low), (high + 1, 65535)) if hi - count > lo]
     for _ in range(200):
-        base = random.randint(20000, 60000)
+        lo, hi = random.choice(ranges) if ranges else (20000, 60000)
+        base = random.randint(lo, hi)
         if all(_free(base + i) for i in range(count)):
             return base
     raise RuntimeError("no free port block")
