@@ -28,6 +28,7 @@ from torch.nn import functional as F
 from shared.cpu_kernels.library import bf16_exact, cpu_kernels
 
 KERNEL_LAYOUTS = ("bf16", "amx")  # the layouts the C++ kernels multiply (bfloat16 weight tiles)
+ROWS_LAYOUT = "rows"  # multiplied by the owner's row-invariant function (--batch-invariant)
 
 
 def packing_layout(weight: torch.Tensor) -> str | None:
@@ -80,7 +81,7 @@ class PackedLinear(nn.Module):
         """weight [out, in] as nn.Linear holds it; layout as packing_layout names it, or "rows" with `multiply`
         (x [..., in], weight [out, in] -> [..., out])."""
         super().__init__()
-        if (layout == "rows") != (multiply is not None):
+        if (layout == ROWS_LAYOUT) != (multiply is not None):
             raise ValueError("the rows layout, and only it, takes a multiply function")
         self.multiply = multiply
         on_kernels = layout in KERNEL_LAYOUTS

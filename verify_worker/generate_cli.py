@@ -19,7 +19,7 @@ from shared.sampling import SamplingParams
 from shared.target_facts import TargetFacts
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
-from verify_worker.target_loader import load_target
+from verify_worker.target_loader import batch_invariant_refusal, load_target
 
 DEMO_PROMPT = "def fibonacci(n):\n"
 
@@ -92,9 +92,8 @@ def run(args) -> dict:
     if target_path is None:
         target_path, draft_path, label, _ = default_pair(args.draft)
         print(f"note: no --target given: using {label}", file=sys.stderr)
-    if args.batch_invariant and not str(args.device).startswith("cuda"):
-        raise ConfigError(f"--batch-invariant is for a CUDA device (--device cuda), not {args.device!r}: on CPU the "
-                          f"default path, the C++ kernels, is row-invariant already")
+    if args.batch_invariant and batch_invariant_refusal(args.device):
+        raise ConfigError(batch_invariant_refusal(args.device))
     target = load_target(target_path, device=args.device, dtype=args.dtype, kernel_threads=usable_cores(),
                          batch_invariant=args.batch_invariant)
     if not args.threads and getattr(target, "kernels", None) is not None:  # the target's step on the C++ kernels:

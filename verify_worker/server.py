@@ -47,7 +47,7 @@ from verify_worker.parallel.group import GroupSettings, join_group, leave_group
 from verify_worker.remote_proposer import RemoteProposer
 from verify_worker.request import GenerationRequest, StepEvent, StepReport
 from verify_worker.spec_policy import AdaptiveSpeculation
-from verify_worker.target_loader import load_target
+from verify_worker.target_loader import batch_invariant_refusal, load_target
 
 STEP_BUCKETS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5)
 
@@ -402,9 +402,8 @@ def build_server(args, log) -> VerifyServer:
         raise DFlashError(f"--world-size must be >= 1, got {args.world_size}")
     if args.cuda_graphs and not str(args.device).startswith("cuda"):
         raise DFlashError(f"--cuda-graphs needs a CUDA device (--device cuda), not {args.device!r}")
-    if args.batch_invariant and not str(args.device).startswith("cuda"):
-        raise DFlashError(f"--batch-invariant is for a CUDA device (--device cuda), not {args.device!r}: on CPU the "
-                          f"default path, the C++ kernels, is row-invariant already")
+    if args.batch_invariant and batch_invariant_refusal(args.device):
+        raise DFlashError(batch_invariant_refusal(args.device))
     if args.cuda_graphs and args.world_size > 1:
         raise DFlashError("--cuda-graphs needs --world-size 1 (the other ranks mirror each step eagerly)")
     if args.draft_timeout <= 0 or args.draft_deadline_floor <= 0:

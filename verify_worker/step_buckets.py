@@ -90,9 +90,8 @@ class StepBuckets:
     def all_shapes(self, max_rows: int) -> list[StepShape]:
         """Every shape a decode step of at most max_rows rows can take: row buckets x {1, the block size} tokens x
         key buckets up to the cache's capacity."""
-        rows, capacity = [], self.state.capacity
-        while not rows or rows[-1] < row_bucket(max_rows):
-            rows.append(1 << len(rows))
+        capacity = self.state.capacity
+        rows = [1 << i for i in range(row_bucket(max_rows).bit_length())]  # 1, 2, 4, ... row_bucket(max_rows)
         keys = sorted({key_bucket(1 << i, capacity) for i in range(capacity.bit_length() + 1)})
         tokens = sorted({1, self.block_size})
         return [StepShape(b, t, k) for b in rows for t in tokens for k in keys]

@@ -9,6 +9,14 @@ from verify_worker.families.registry import family_for
 from verify_worker.parallel.group import TensorParallel
 
 
+def batch_invariant_refusal(device: str) -> str | None:
+    """Why --batch-invariant is refused on this device (a CLI's message), or None."""
+    if str(device).startswith("cuda"):
+        return None
+    return (f"--batch-invariant is for a CUDA device (--device cuda), not {device!r}: on CPU the default path, the "
+            f"C++ kernels, is row-invariant already")
+
+
 def load_target(folder: str | Path, device: str = "cpu", dtype: str = "auto",
                 tp: TensorParallel = TensorParallel(), pack: bool = True, kernel_threads: int = 1,
                 batch_invariant: bool = False) -> TargetFamily:

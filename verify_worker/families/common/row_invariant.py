@@ -36,10 +36,12 @@ def linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
 def exact_linear_rows(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     """linear_rows where a fallback is not acceptable (a target packed for --batch-invariant): on a GPU the row GEMM
     or a RuntimeError naming the product, never the batched matmul whose rows cuBLAS may round by the batch."""
-    if x.device.type == "cuda" and not row_gemm.usable(x, weight):
+    if x.device.type != "cuda":
+        return linear_rows(x, weight)
+    if not row_gemm.usable(x, weight):
         raise RuntimeError(f"the row GEMM cannot take x {tuple(x.shape)} {x.dtype} @ weight {tuple(weight.shape)} "
                            f"{weight.dtype} on {x.device}: a row-invariant product is not available for it")
-    return linear_rows(x, weight)
+    return row_gemm.row_gemm(x, weight)
 
 
 def elementwise_rows(fn, x: torch.Tensor) -> torch.Tensor:

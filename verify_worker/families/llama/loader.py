@@ -9,10 +9,10 @@ from cuda_ext.row_gemm import op as row_gemm
 from shared.checkpoint_io import check_tensor_names, load_tensor_slices
 from shared.dtype_choice import kv_cache_dtype, resolve_dtype
 from shared.errors import ConfigError
-from shared.packed_linear import float32_kernels_run, kernel_layout
+from shared.packed_linear import ROWS_LAYOUT, float32_kernels_run, kernel_layout
 from shared.rope import inverse_frequencies
 from verify_worker.families.llama.config import TargetConfig
-from verify_worker.families.llama.model import ROWS_LAYOUT, TargetModel
+from verify_worker.families.llama.model import TargetModel
 from verify_worker.families.llama.shard_plan import shard_slices
 from verify_worker.parallel.group import TensorParallel
 

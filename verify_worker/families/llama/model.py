@@ -13,7 +13,7 @@ from shared.cpu_kernels.layer_step import DenseLayerWeights, StackStepInputs, St
 from shared.cpu_kernels.library import cpu_kernels
 from shared.kv_cache import CacheReads, PositionalKVCache
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
-from shared.packed_linear import KERNEL_LAYOUTS, PackedLinear, common_layout, packing_layout
+from shared.packed_linear import KERNEL_LAYOUTS, ROWS_LAYOUT, PackedLinear, common_layout, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.common.row_invariant import exact_linear_rows
@@ -31,9 +31,6 @@ def _row_linear(in_local: int, out: int, tp: TensorParallel, bias: bool) -> nn.L
 def _reduce_of(linear: nn.Module):
     """The all-reduce a packed copy of this layer must apply (a row-parallel layer's), else None."""
     return linear.tp.all_reduce if isinstance(linear, RowParallelLinear) else None
-
-
-ROWS_LAYOUT = "rows"  # pack(): every product, norm and attention through row-invariant code (--batch-invariant)
 
 
 def invariant_attention(x: torch.Tensor, rows_layout: bool = False) -> bool:
@@ -85,7 +82,7 @@ class TargetAttention(nn.Module):
             qkv = self.qkv_proj(x)  # [b, s, (heads + 2 kv_heads) * dim]
             qk = qkv[..., : (heads + kv_heads) * dim].view(batch, seq, heads + kv_heads, dim)
             if self.q_norm is not None:
-                normalize = row_norm if self.row_attention else rms_normalize
+                normalize = self.q_norm.normalize or rms_normalize  # (the rows layout's row norm, if set)
                 qk = normalize(qk, self.qk_norm_weight, self.q_norm.eps)
             qk = apply_rotary(qk.transpose(1, 2), cos, sin)  # [b, heads + kv_heads, s, dim]
             v = qkv[..., (heads + kv_heads) * dim:].view(batch, seq, kv_heads, dim)
