@@ -321,7 +321,8 @@ def parse_args(argv):
                              "decoding (--device cuda, bfloat16, TP 1, a Qwen3/Llama target; not yet run on a GPU)")
     parser.add_argument("--cuda-graphs", action="store_true",
                         help="replay decode steps from CUDA graphs, one per shape bucket (rows padded to a power of "
-                             "two, a verify step to the block size, keys to a power of two; captured on first use)")
+                             "two, a verify step to the block size, keys to a power of two), all captured at "
+                             "start-up before the worker reports ready")
     parser.add_argument("--dtype", default="auto")
     parser.add_argument("--threads", type=int, default=int(env("DFLASH_VERIFY_THREADS", "0")),
                         help="PyTorch's threads (0: half the cores, see shared.role.default_threads)")
