@@ -11,11 +11,13 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.body_limit import body_bytes
 from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.metrics import GatewayMetrics
+from gateway.request_bounds import RequestBounds
 from gateway.request_fields import CHAT, COMPLETIONS, body_schema
 from gateway.schemas import ApiError, GenerationParams, Prompt, choice_seed, parse_chat, parse_completion, parse_json
-from gateway.tokenization import StopMatcher, TextCodec
+from gateway.tokenization import RenderedTooLong, StopMatcher, TextCodec
 from gateway.turn import Turn, event_logprobs, usage
 from gateway.verify_client import UnencodableRequest, VerifyClient
 from shared.channel_gateway import RequestFailed, SubmitRequest
@@ -44,6 +46,7 @@ class GatewaySettings:
     probe_interval_s: float = 2.0
     ready_window_s: float = 10.0
     dead_after_s: float = 2.0
+    max_body_bytes: int | None = None  # None: body_limit.default_body_bytes(max_model_len)
 
 
 @dataclass
@@ -71,8 +74,10 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     client = VerifyClient(settings.requests_addr, settings.events_addr, settings.dead_after_s, log,
                           on_bad_message=lambda: metrics.bad.labels("gateway").inc())
     probe = Probe()
+    bounds = RequestBounds(settings.max_body_bytes or body_bytes(None, settings.max_model_len),
+                           settings.max_model_len, codec.longest_token_bytes, settings.max_pending)
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None)
-    app.state.client, app.state.metrics, app.state.probe = client, metrics, probe
+    app.state.client, app.state.metrics, app.state.probe, app.state.bounds = client, metrics, probe, bounds
 
     @app.on_event("startup")
     async def startup():
@@ -164,7 +169,9 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     @app.post("/v1/completions", openapi_extra=documented_body(COMPLETIONS))
     async def completions(request: Request):
         authorize(request)
-        params = parse_completion(parse_json(await request.body()), settings.model_name, settings.vocab_size)
+        params = parse_completion(parse_json(await bounds.read_body(request)), settings.model_name,
+                                  settings.vocab_size, bounds.max_choices)
+        bounds.check_params(params, codec.normalized_chars)
         for prompt in params.prompts:
             if prompt.text is not None:
                 prompt.ids = codec.encode(prompt.text)
@@ -173,11 +180,19 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     @app.post("/v1/chat/completions", openapi_extra=documented_body(CHAT))
     async def chat_completions(request: Request):
         authorize(request)
-        params = parse_chat(parse_json(await request.body()), settings.model_name, settings.vocab_size)
+        params = parse_chat(parse_json(await bounds.read_body(request)), settings.model_name, settings.vocab_size,
+                            bounds.context_tokens)
+        bounds.check_params(params, codec.normalized_chars)
         try:
-            params.prompts = [Prompt(None, codec.encode(codec.render_chat(params.messages)))]
+            text = codec.render_chat(params.messages, bounds.text_chars)
+        except RenderedTooLong:
+            raise ApiError(400, f"the conversation through the chat template passes {bounds.text_chars} characters, "
+                           f"more than this model's context of {settings.max_model_len} tokens can hold",
+                           param="messages", code="context_length_exceeded") from None
         except Exception as exc:  # jinja raises many types on a template the messages do not fit
             raise ApiError(400, f"cannot apply the chat template to these messages: {exc}", param="messages")
+        bounds.check_text(text, codec.normalized_chars, "messages", "the conversation through the chat template")
+        params.prompts = [Prompt(None, codec.encode(text))]
         return await generate(request, params, chat=True)
 
     def max_tokens_for(params: GenerationParams, prompt: Prompt) -> int:
@@ -205,10 +220,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         """Submit one verify-worker request per choice (n per prompt), all answering on one queue; fail the
         whole request with an HTTP error if any choice is refused before it starts."""
         limits = [max_tokens_for(params, prompt) for prompt in params.prompts]
-        count = len(params.prompts) * params.n
-        if count > settings.max_pending:
-            raise ApiError(400, f"this request asks for {count} choices (prompts x n); the server admits at most "
-                           f"{settings.max_pending} at once", param="n")
+        count = len(params.prompts) * params.n  # at most max_pending: RequestBounds.check_params
         if not client.alive:
             raise ApiError(503, "the verify worker is not available", kind="server_error", code="service_unavailable",
                            headers={"Retry-After": "5"})

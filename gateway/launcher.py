@@ -20,6 +20,7 @@ import time
 import urllib.request
 from pathlib import Path
 
+from gateway.body_limit import MAX_BODY_HELP, positive_mb
 from shared.role import READY_PREFIX
 
 MODULES = {"verify": "verify_worker.server", "draft": "draft_worker.server", "gateway": "gateway.main"}
@@ -137,6 +138,7 @@ def parse_args(argv):
     parser.add_argument("--feature-pair-port", type=int,
                         help="rendezvous port of the feature pair (default: --zmq-base-port + 4)")
     parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--max-body-mb", type=positive_mb, default=None, help=MAX_BODY_HELP)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds the gateway lets requests in flight finish (new connections are "
                              "refused meanwhile) before the workers stop; Ctrl-C stops at once")
@@ -177,6 +179,8 @@ def build_children(args) -> dict[str, Child]:
         gateway += ["--max-model-len", str(args.max_model_len)]
     if args.served_model_name:
         gateway += ["--served-model-name", args.served_model_name]
+    if args.max_body_mb is not None:
+        gateway += ["--max-body-mb", repr(args.max_body_mb)]
     if args.api_key:
         env["DFLASH_API_KEY"] = args.api_key
     if args.feature_transport == "pair":

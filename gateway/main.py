@@ -10,6 +10,7 @@ from pathlib import Path
 import uvicorn
 
 from gateway.app import GatewaySettings, create_app
+from gateway.body_limit import MAX_BODY_HELP, body_bytes, positive_mb
 from gateway.tokenization import TextCodec
 from shared.config_json import read_config
 from shared.errors import ConfigError, DFlashError
@@ -36,6 +37,7 @@ def parse_args(argv):
     parser.add_argument("--max-pending", type=int, default=64, help="requests in flight before 429")
     parser.add_argument("--max-model-len", type=int, default=None)
     parser.add_argument("--default-max-tokens", type=int, default=256)
+    parser.add_argument("--max-body-mb", type=positive_mb, default=None, help=MAX_BODY_HELP)
     parser.add_argument("--no-draft", action="store_true", help="no drafter is configured (affects /ready)")
     parser.add_argument("--shutdown-timeout", type=float, default=float(env("DFLASH_SHUTDOWN_TIMEOUT", "30")),
                         help="on SIGTERM: stop accepting connections and let requests in flight finish for up to "
@@ -53,6 +55,7 @@ async def serve(args, log) -> int:
         requests_addr=args.requests_addr, events_addr=args.events_addr, api_key=args.api_key,
         max_pending=args.max_pending, default_max_tokens=args.default_max_tokens,
         drafter_configured=not args.no_draft,
+        max_body_bytes=body_bytes(args.max_body_mb, max_model_len),
     )
     app = create_app(settings, codec, log)
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",

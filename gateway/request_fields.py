@@ -96,12 +96,15 @@ _NEUTRAL_TOOL_CHOICE = {"type": "string", "enum": ["none", "auto"]}
 FIELDS = (
     shaped("model", "The served model's name (the default); any other name is a 404.", {"type": "string"}),
     shaped("prompt", "A string, a list of token ids (each below the vocabulary size), or a batch: a non-empty "
-           "list of strings or of token-id lists.",
+           "list of strings or of token-id lists (at most as many as the server admits choices at once). Each "
+           "prompt is refused unread past the context: token ids past its length, text past its length times the "
+           "longest token of the vocabulary in bytes.",
            {"anyOf": [{"type": "string"}, _TOKEN_IDS, {"type": "array", "minItems": 1, "items": {"type": "string"}},
                       {"type": "array", "minItems": 1, "items": _TOKEN_IDS}]},
            endpoints=(COMPLETIONS,), required=True, example="def add(a, b):"),
     shaped("messages", "The conversation, rendered with the target's chat template; content is a string or a "
-           "list of text parts.",
+           "list of text parts. At most one message a token of the context; each content, and the rendered "
+           "conversation, within the characters the context can hold (as for a prompt).",
            {"type": "array", "minItems": 1, "items": {
                "type": "object", "required": ["role", "content"], "properties": {
                    "role": {"type": "string"},
@@ -176,7 +179,8 @@ def body_schema(endpoint: str) -> dict:
     fields = fields_of(endpoint).values()
     return {
         "type": "object",
-        "description": "A null field means its default; fields not listed here are ignored.",
+        "description": "A null field means its default; fields not listed here are ignored. A body over the "
+                       "server's --max-body-mb is refused with a 413 before it is read.",
         "required": [spec.name for spec in fields if spec.required],
         "properties": {spec.name: spec.json_schema() for spec in fields},
         "examples": [example_body(endpoint)],

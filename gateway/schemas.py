@@ -1,5 +1,6 @@
 """Request validation for the OpenAI-compatible endpoints, with errors that name the offending field."""
 
+import gc
 import json
 import math
 from dataclasses import dataclass, field
@@ -69,7 +70,9 @@ def parse_json(raw: bytes) -> dict:
         literals.append(literal)
         return float(literal)
 
-    try:
+    collecting = gc.isenabled()
+    gc.disable()  # JSON makes no reference cycles: the collector, run by every 700 new lists, is wasted work
+    try:  # (a body of a million empty lists parsed in 0.86 s with it, in 0.12 s without)
         body = json.loads(raw, parse_constant=non_finite)
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise ApiError(400, f"the request body is not valid JSON: {exc}", code="invalid_json") from None
@@ -79,6 +82,9 @@ def parse_json(raw: bytes) -> dict:
     except RecursionError:
         raise ApiError(400, "the request body is not valid JSON: it is nested too deeply", code="invalid_json") \
             from None
+    finally:
+        if collecting:
+            gc.enable()
     if not isinstance(body, dict):
         raise ApiError(400, "the request body must be a JSON object", code="invalid_json")
     if literals:
@@ -260,14 +266,14 @@ def reject_unsupported(body: dict, fields: dict[str, RequestField]) -> None:
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
 
 
-def parse_completion(body: dict, served_model: str, vocab_size: int) -> GenerationParams:
+def parse_completion(body: dict, served_model: str, vocab_size: int, max_prompts: int) -> GenerationParams:
     params = parse_common(body, served_model, vocab_size, COMPLETIONS)
     fields = fields_of(COMPLETIONS)
     params.logprobs = field_value(body, fields["logprobs"])  # the legacy form: a count of top alternatives
     params.echo = field_value(body, fields["echo"])
     if params.max_tokens == 0 and not params.echo:
         raise ApiError(400, "'max_tokens' must be >= 1 (0 only with echo, to score the prompt)", param="max_tokens")
-    params.prompts = parse_prompts(body["prompt"])
+    params.prompts = parse_prompts(body["prompt"], max_prompts)
     return params
 
 
@@ -276,8 +282,12 @@ def _token_ids(value) -> bool:
                                                            for t in value)
 
 
-def parse_prompts(prompt) -> list[Prompt]:
-    """A string, a list of token ids, or a batch: a non-empty list of strings or of token-id lists."""
+def parse_prompts(prompt, max_prompts: int) -> list[Prompt]:
+    """A string, a list of token ids, or a batch: a non-empty list of at most max_prompts strings or token-id
+    lists (a longer batch is refused before any of it is read)."""
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)) and len(prompt) > max_prompts:
+        raise ApiError(400, f"'prompt' is a batch of {len(prompt)} prompts; the server admits at most {max_prompts} "
+                       "choices at once", param="prompt")
     if isinstance(prompt, str):
         prompts = [Prompt(prompt)]
     elif _token_ids(prompt):
@@ -294,7 +304,7 @@ def parse_prompts(prompt) -> list[Prompt]:
     return prompts
 
 
-def parse_chat(body: dict, served_model: str, vocab_size: int) -> GenerationParams:
+def parse_chat(body: dict, served_model: str, vocab_size: int, max_messages: int) -> GenerationParams:
     params = parse_common(body, served_model, vocab_size, CHAT)
     fields = fields_of(CHAT)
     if field_value(body, fields["echo"]):
@@ -304,15 +314,19 @@ def parse_chat(body: dict, served_model: str, vocab_size: int) -> GenerationPara
         params.logprobs = top or 0
     elif top:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
-    params.messages = parse_messages(body["messages"])
+    params.messages = parse_messages(body["messages"], max_messages)
     return params
 
 
-def parse_messages(messages) -> list[dict]:
-    """A non-empty list of {role, content} objects, content a string or a list of text parts; returns them
-    with string contents."""
+def parse_messages(messages, max_messages: int) -> list[dict]:
+    """A non-empty list of at most max_messages {role, content} objects, content a string or a list of text
+    parts; returns them with string contents."""
     if not isinstance(messages, list) or not messages:
         raise ApiError(400, "'messages' must be a non-empty list", param="messages")
+    if len(messages) > max_messages:
+        raise ApiError(400, f"'messages' has {len(messages)} messages; at most {max_messages} are accepted (every "
+                       "message takes at least one token of the context)", param="messages",
+                       code="context_length_exceeded")
     cleaned = []
     for i, message in enumerate(messages):
         if not isinstance(message, dict) or not isinstance(message.get("role"), str):

@@ -61,14 +61,37 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render_chat(self, messages: list[dict]) -> str:
+    def render_chat(self, messages: list[dict], max_chars: int) -> str:
+        """The conversation through the chat template; RenderedTooLong as soon as the text passes max_chars (a
+        template can expand a small body: it is rendered piece by piece and stopped there)."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
-        return env.from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-            eos_token=self.eos_token or "",
-        )
+        pieces, chars = [], 0
+        for piece in env.from_string(self.chat_template).generate(
+                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
+                eos_token=self.eos_token or ""):
+            chars += len(piece)
+            if chars > max_chars:
+                raise RenderedTooLong(max_chars)
+            pieces.append(piece)
+        return "".join(pieces)
+
+    @cached_property
+    def longest_token_bytes(self) -> int:
+        """The most bytes of text one token of the vocabulary (added tokens included) stands for: a byte-level
+        token's characters are its bytes; any other token's UTF-8 length bounds what it covers (a SentencePiece
+        U+2581 counts 3 bytes for one space: a looser bound, never a tighter one)."""
+        vocabulary = self.tokenizer.get_vocab(with_added_tokens=True)
+        added = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
+        byte_level = self._byte_alphabet is not None
+        return max((len(token) if byte_level and token not in added else len(token.encode("utf-8"))
+                    for token in vocabulary), default=1) or 1
+
+    def normalized_chars(self, text: str) -> int:
+        """The characters of text after the tokenizer's normalizer (the text's own where it has none)."""
+        normalizer = self.tokenizer.normalizer
+        return len(text) if normalizer is None else len(normalizer.normalize_str(text))
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.tokenizer)
@@ -105,6 +128,14 @@ class TextCodec:
             except ValueError:
                 pass
         return token.replace("\u2581", " ").encode()
+
+
+class RenderedTooLong(Exception):
+    """The chat template's output passed the number of characters it may have."""
+
+    def __init__(self, max_chars: int):
+        super().__init__(f"the chat template's output passes {max_chars} characters")
+        self.max_chars = max_chars
 
 
 class IncrementalDetokenizer:

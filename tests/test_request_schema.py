@@ -26,7 +26,7 @@ MINIMAL = {COMPLETIONS: {"prompt": "x"}, CHAT: {"messages": [{"role": "user", "c
 
 def parse(endpoint: str, body: dict):
     parser = parse_completion if endpoint == COMPLETIONS else parse_chat
-    return parser(body, MODEL, VOCAB)
+    return parser(body, MODEL, VOCAB, 64)  # at most 64 prompts of a batch, or messages
 
 
 def refusal(endpoint: str, body: dict) -> ApiError:

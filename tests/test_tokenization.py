@@ -44,13 +44,13 @@ def test_chat_template_from_tokenizer_config(tmp_path):
                          "{% if add_generation_prompt %}[assistant] {% endif %}"}))
     codec = TextCodec.from_folder(tmp_path, config_eos=(5,))
     assert codec.eos_token_ids == (5, 256)
-    assert codec.render_chat([{"role": "user", "content": "hi"}]) == "[user] hi\n[assistant] "
+    assert codec.render_chat([{"role": "user", "content": "hi"}], 1000) == "[user] hi\n[assistant] "
 
 
 def test_fallback_chat_template(tmp_path):
     write_byte_tokenizer(tmp_path)
     codec = TextCodec.from_folder(tmp_path)
-    assert codec.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant: "
+    assert codec.render_chat([{"role": "user", "content": "hi"}], 1000) == "user: hi\nassistant: "
 
 
 def test_logprob_tokens_keep_their_bytes_and_offsets_follow_the_text(tmp_path):
