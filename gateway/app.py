@@ -15,16 +15,19 @@ from gateway.body_limit import body_bytes
 from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.metrics import GatewayMetrics
 from gateway.request_bounds import RequestBounds
-from gateway.request_fields import CHAT, COMPLETIONS, body_schema
+from gateway.request_fields import CHAT, COMPLETIONS, body_schema, unknown_fields
 from gateway.schemas import ApiError, GenerationParams, Prompt, choice_seed, parse_chat, parse_completion, parse_json
 from gateway.tokenization import RenderedTooLong, StopMatcher, TextCodec
 from gateway.turn import Turn, event_logprobs, usage
 from gateway.verify_client import UnencodableRequest, VerifyClient
 from shared.channel_gateway import RequestFailed, SubmitRequest
+from shared.errors import RequestError
+from shared.sampling_params import SamplingParams
 
 FAILURE_STATUS = {"invalid_request": 400, "queue_full": 429, "verify_worker_down": 503}
 # SubmitRequest fields named differently in the request (None: set by the server, not by the client)
-SUBMIT_FIELD_PARAMS = {"prompt_ids": "prompt", "prompt_logprobs": "echo", "stop_token_ids": None, "request_id": None}
+SUBMIT_FIELD_PARAMS = {"prompt_ids": "prompt", "prompt_logprobs": "echo", "request_id": None}
+UNKNOWN_FIELDS_LOGGED = 256  # distinct names logged at most (a client could send endless new ones)
 
 
 def documented_body(endpoint: str) -> dict:
@@ -97,7 +100,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                 probe.detail = "the verify worker is not responding"
                 continue
             request_id = f"probe-{uuid.uuid4().hex}"
-            message = SubmitRequest(request_id, [0], 3, 0.0, 1.0, 0, 0, [], 1)
+            message = SubmitRequest(request_id=request_id, prompt_ids=[0], max_tokens=3,
+                                    sampling=SamplingParams(seed=0), stop_token_ids=[], num_speculative_tokens=1)
             try:
                 queue = await client.submit(message)
                 while True:
@@ -166,11 +170,25 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                         "available": bool(heartbeat and heartbeat.drafter_available)},
         }]}
 
+    unknown_logged: set[str] = set()
+
+    async def read_json(request: Request, endpoint: str) -> dict:
+        """The body, read under its cap and parsed; fields no endpoint field has are logged once per name (they
+        are ignored, as in vLLM: a harness that sends a field this server lacks learns it from the log)."""
+        body = parse_json(await bounds.read_body(request))
+        for name in unknown_fields(body, endpoint):
+            if name not in unknown_logged and len(unknown_logged) < UNKNOWN_FIELDS_LOGGED:
+                unknown_logged.add(name)
+                log.warning("request field %.60r is not supported and is ignored (logged once)%s", name,
+                            "; further unknown fields are not logged" if len(unknown_logged) == UNKNOWN_FIELDS_LOGGED
+                            else "")
+        return body
+
     @app.post("/v1/completions", openapi_extra=documented_body(COMPLETIONS))
     async def completions(request: Request):
         authorize(request)
-        params = parse_completion(parse_json(await bounds.read_body(request)), settings.model_name,
-                                  settings.vocab_size, bounds.max_choices)
+        params = parse_completion(await read_json(request, COMPLETIONS), settings.model_name, settings.vocab_size,
+                                  bounds.max_choices)
         bounds.check_params(params, codec.normalized_chars)
         for prompt in params.prompts:
             if prompt.text is not None:
@@ -180,7 +198,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     @app.post("/v1/chat/completions", openapi_extra=documented_body(CHAT))
     async def chat_completions(request: Request):
         authorize(request)
-        params = parse_chat(parse_json(await bounds.read_body(request)), settings.model_name, settings.vocab_size,
+        params = parse_chat(await read_json(request, CHAT), settings.model_name, settings.vocab_size,
                             bounds.context_tokens)
         bounds.check_params(params, codec.normalized_chars)
         try:
@@ -208,13 +226,16 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         if room < (0 if params.max_tokens == 0 else 1):  # scoring a prompt (echo, max_tokens 0) needs no room
             raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is "
                            f"{settings.max_model_len} tokens", param="prompt", code="context_length_exceeded")
-        if params.max_tokens is None:
-            return min(settings.default_max_tokens, room)
-        if params.max_tokens > room:
+        if params.max_tokens is not None and params.max_tokens > room:
             raise ApiError(400, f"max_tokens ({params.max_tokens}) plus the prompt ({prompt_len} tokens) exceeds "
                            f"this model's context of {settings.max_model_len} tokens", param="max_tokens",
                            code="context_length_exceeded")
-        return params.max_tokens
+        limit = min(settings.default_max_tokens, room) if params.max_tokens is None else params.max_tokens
+        if params.min_tokens > limit:
+            raise ApiError(400, f"min_tokens ({params.min_tokens}) exceeds max_tokens ({limit}"
+                           f"{', the default within the context' if params.max_tokens is None else ''})",
+                           param="min_tokens")
+        return limit
 
     async def generate(request: Request, params: GenerationParams, chat: bool):
         """Submit one verify-worker request per choice (n per prompt), all answering on one queue; fail the
@@ -230,30 +251,23 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             raise ApiError(429, f"the server is at capacity ({settings.max_pending} requests in flight); retry "
                            "shortly", kind="rate_limit_error", code="server_busy", headers={"Retry-After": "1"})
         base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        messages = submit_messages(params, limits, base, count)
         queue: asyncio.Queue = asyncio.Queue()
         turns: dict[str, Turn] = {}
-        for prompt_index, (prompt, limit) in enumerate(zip(params.prompts, limits)):
-            for j in range(params.n):
-                index = prompt_index * params.n + j
-                request_id = base if count == 1 else f"{base}-{index}"
-                seed = choice_seed(params.seed, index, count)
-                turns[request_id] = Turn(request_id, index, prompt, params, codec.detokenizer(),
-                                         StopMatcher(params.stop), time.monotonic())
-                message = SubmitRequest(
-                    request_id, prompt.ids, limit, params.temperature, params.top_p, params.top_k, seed,
-                    list(codec.eos_token_ids), params.num_speculative_tokens, params.logprobs,
-                    params.echo and params.logprobs is not None,
-                )
-                try:
-                    await client.submit(message, queue)
-                except BaseException as exc:  # the choices already sent must not run on with nobody reading them
-                    turns.pop(request_id)
-                    await release(turns)
-                    if isinstance(exc, ConnectionError):
-                        raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
-                    if isinstance(exc, UnencodableRequest):
-                        raise ApiError(400, str(exc), param=SUBMIT_FIELD_PARAMS.get(exc.field, exc.field)) from None
-                    raise
+        for message in messages:
+            request_id, index = message.request_id, len(turns)
+            turns[request_id] = Turn(request_id, index, params.prompts[index // params.n], params,
+                                     codec.detokenizer(), StopMatcher(params.stop), time.monotonic())
+            try:
+                await client.submit(message, queue)
+            except BaseException as exc:  # the choices already sent must not run on with nobody reading them
+                turns.pop(request_id)
+                await release(turns)
+                if isinstance(exc, ConnectionError):
+                    raise ApiError(503, str(exc), kind="server_error", code="service_unavailable") from None
+                if isinstance(exc, UnencodableRequest):
+                    raise ApiError(400, str(exc), param=SUBMIT_FIELD_PARAMS.get(exc.field, exc.field)) from None
+                raise
         metrics.prompt_tokens.inc(sum(len(prompt.ids) for prompt in params.prompts))
         early = await first_events(request, queue, turns)
         if early is None or isinstance(early, RequestFailed):
@@ -270,6 +284,26 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         if params.stream:
             return StreamingResponse(stream(request, queue, turns, early, chat, base), media_type="text/event-stream")
         return await collect(request, queue, turns, early, chat, base)
+
+    def submit_messages(params: GenerationParams, limits: list[int], base: str, count: int) -> list[SubmitRequest]:
+        """One verify-worker request per choice, in choice order (index = prompt index * n + j)."""
+        stop_ids = list(dict.fromkeys(([] if params.ignore_eos else list(codec.eos_token_ids)) +
+                                      params.stop_token_ids))
+        messages = []
+        for prompt_index, (prompt, limit) in enumerate(zip(params.prompts, limits)):
+            for j in range(params.n):
+                index = prompt_index * params.n + j
+                try:
+                    sampling = SamplingParams(params.temperature, params.top_p, params.top_k,
+                                              choice_seed(params.seed, index, count))
+                except RequestError as exc:
+                    raise ApiError(400, str(exc)) from None
+                messages.append(SubmitRequest(
+                    request_id=base if count == 1 else f"{base}-{index}", prompt_ids=prompt.ids, max_tokens=limit,
+                    sampling=sampling, stop_token_ids=stop_ids, min_tokens=params.min_tokens,
+                    num_speculative_tokens=params.num_speculative_tokens, logprobs=params.logprobs,
+                    prompt_logprobs=params.echo and params.logprobs is not None))
+        return messages
 
     def echoed_prompt(prompt: Prompt) -> str:
         if prompt.text is not None:

@@ -11,6 +11,7 @@ from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.request_limits import INT64_MAX, INT64_MIN, MIN_TEMPERATURE
 
 MAX_STOP_STRINGS = 4
+MAX_STOP_TOKEN_IDS = 64
 MAX_CHOICES = 64  # n per prompt
 
 COMPLETIONS, CHAT = "completions", "chat"
@@ -130,6 +131,14 @@ FIELDS = (
            {"anyOf": [{"type": "string"},
                       {"type": "array", "maxItems": MAX_STOP_STRINGS, "items": {"type": "string"}}]},
            example=["\n\n"]),
+    shaped("stop_token_ids", f"Up to {MAX_STOP_TOKEN_IDS} token ids that end a choice besides the end-of-text "
+           "token(s), each below the vocabulary size; the stop token is kept in the token ids (extension, as vLLM).",
+           {"type": "array", "maxItems": MAX_STOP_TOKEN_IDS, "items": {"type": "integer", "minimum": 0}}),
+    boolean("ignore_eos", "Generate past the end-of-text token(s): only max_tokens, stop strings and "
+            "stop_token_ids end a choice (extension, as vLLM; for benchmarks of fixed output lengths)."),
+    integer("min_tokens", "Tokens to generate at least: the end-of-text token(s) and stop_token_ids are masked "
+            "until then, and stop strings act only after that many tokens (extension, as vLLM); at most max_tokens.",
+            default=0, minimum=0),
     integer("n", "Choices per prompt.", default=1, minimum=1, maximum=MAX_CHOICES, example=1),
     boolean("stream", "Send server-sent events in OpenAI chunks, ending with data: [DONE]."),
     shaped("stream_options", "include_usage: a last chunk with the request's usage.",
@@ -172,6 +181,12 @@ def example_body(endpoint: str) -> dict:
     """The documented example body of an endpoint: every field's example."""
     return {spec.name: copy.deepcopy(spec.example) for spec in fields_of(endpoint).values()
             if spec.example is not None}
+
+
+def unknown_fields(body: dict, endpoint: str) -> list[str]:
+    """The names in a body that no field of the endpoint has (they are ignored)."""
+    known = fields_of(endpoint)
+    return [name for name in body if name not in known]
 
 
 def body_schema(endpoint: str) -> dict:

@@ -5,7 +5,8 @@ import json
 import math
 from dataclasses import dataclass, field
 
-from gateway.request_fields import CHAT, COMPLETIONS, MAX_STOP_STRINGS, MIN_TEMPERATURE, RequestField, fields_of
+from gateway.request_fields import (CHAT, COMPLETIONS, MAX_STOP_STRINGS, MAX_STOP_TOKEN_IDS, MIN_TEMPERATURE,
+                                    RequestField, fields_of)
 
 
 def _printable(text: str) -> str:
@@ -56,6 +57,9 @@ class GenerationParams:
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     echo: bool = False  # completions: the prompt leads the text (and the logprobs, when asked for)
     n: int = 1
+    ignore_eos: bool = False  # extension: the end-of-text token(s) do not end a choice
+    min_tokens: int = 0  # extension: no stop token is sampled, and no stop string acts, before this many tokens
+    stop_token_ids: list[int] = field(default_factory=list)  # extension: more token ids that end a choice
     prompts: list[Prompt] = field(default_factory=list)
     messages: list[dict] | None = None
 
@@ -196,6 +200,15 @@ def _stop(body: dict) -> list[str]:
     return stop
 
 
+def _stop_token_ids(body: dict, vocab_size: int) -> list[int]:
+    ids = body.get("stop_token_ids") or []
+    if not isinstance(ids, list) or len(ids) > MAX_STOP_TOKEN_IDS or not all(
+            isinstance(t, int) and not isinstance(t, bool) and 0 <= t < vocab_size for t in ids):
+        raise ApiError(400, f"'stop_token_ids' must be a list of at most {MAX_STOP_TOKEN_IDS} token ids, each from 0 "
+                       f"to {vocab_size - 1} (the vocabulary)", param="stop_token_ids")
+    return list(dict.fromkeys(ids))
+
+
 def _include_usage(body: dict) -> bool:
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -241,6 +254,9 @@ def parse_common(body: dict, served_model: str, vocab_size: int, endpoint: str) 
         num_speculative_tokens=field_value(body, fields["num_speculative_tokens"]),
         return_token_ids=field_value(body, fields["return_token_ids"]),
         n=n,
+        ignore_eos=field_value(body, fields["ignore_eos"]),
+        min_tokens=field_value(body, fields["min_tokens"]),
+        stop_token_ids=_stop_token_ids(body, vocab_size),
     )
 
 

@@ -57,7 +57,10 @@ class Turn:
         delta = self.detokenizer.add(event.token_ids)
         if event.finish_reason is not None:
             delta += self.detokenizer.flush()
-        emitted, stopped = self.stops.feed(delta)
+        if len(self.token_ids) > self.params.min_tokens:  # stop strings act only past min_tokens (as in vLLM)
+            emitted, stopped = self.stops.feed(delta)
+        else:
+            emitted, stopped = delta, False
         if stopped:
             self.finish_reason = "stop"
         elif event.finish_reason is not None:

@@ -50,12 +50,21 @@ def _packable(value) -> bool:
     return True
 
 
+def _fields(record) -> list[tuple[str, object]]:
+    """(name, value) of a record's fields; a nested record's (the sampling parameters) by their own names."""
+    out = []
+    for field in dataclasses.fields(record):
+        value = getattr(record, field.name)
+        out += _fields(value) if dataclasses.is_dataclass(value) else [(field.name, value)]
+    return out
+
+
 def encode_submit(message: SubmitRequest) -> list:
     """The frames of a submit request; raises UnencodableRequest naming the field msgpack refuses."""
     try:
         return encode(message)
     except (OverflowError, ValueError, TypeError) as exc:
-        field = next((f.name for f in dataclasses.fields(message) if not _packable(getattr(message, f.name))), None)
+        field = next((name for name, value in _fields(message) if not _packable(value)), None)
         raise UnencodableRequest(f"the request cannot be sent to the verify worker: "
                                  f"{f'{field!r}: ' if field else ''}{exc}", field) from None
 

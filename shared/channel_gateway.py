@@ -3,23 +3,25 @@ the other. No tensors travel here (the gateway does not import torch)."""
 
 from dataclasses import dataclass
 
+from shared.sampling_params import SamplingParams
 from shared.wire import Message, WireError, channel
 
 MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (the gateway checks, the engine enforces)
 
 
-@dataclass
+@dataclass(kw_only=True)
 class SubmitRequest(Message):
+    """One choice to generate. stop_token_ids end it (the end-of-text ids unless the client asked ignore_eos, and
+    the client's own); none of them is sampled before min_tokens tokens."""
+
     TYPE = "submit"
     request_id: str
     prompt_ids: list[int]
     max_tokens: int
-    temperature: float
-    top_p: float
-    top_k: int
-    seed: int | None
+    sampling: SamplingParams
     stop_token_ids: list[int]
-    num_speculative_tokens: int | None
+    min_tokens: int = 0
+    num_speculative_tokens: int | None = None
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     prompt_logprobs: bool = False  # also for the prompt's tokens after the first
 

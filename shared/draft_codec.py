@@ -5,7 +5,7 @@ import torch
 from shared.channel_draft import DraftReply, DraftRequest
 from shared.feature_transport import Outgoing
 from shared.proposals import DraftItem, DraftResult
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.tensor_frames import from_raw, to_raw
 
 

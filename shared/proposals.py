@@ -9,7 +9,7 @@ from typing import Protocol
 
 import torch
 
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 
 
 @dataclass

@@ -5,7 +5,9 @@ frames 1..k hold raw tensor bytes (dtype and shape in the descriptors), never pi
 import torch (the gateway uses it too); shared/tensor_frames.py turns RawTensor into torch tensors and back.
 
 decode() checks the version, the type (against the channel's registry), the field names and their types,
-and the message's own validate(); anything wrong raises WireError, which receivers log and skip.
+and the message's own validate(); anything wrong raises WireError, which receivers log and skip. A field may be
+a plain dataclass of such fields (a request's sampling parameters): it travels as a map of its fields, checked
+the same way, and is rebuilt (its own __post_init__ checks run; what they raise is a WireError too).
 """
 
 import dataclasses
@@ -16,7 +18,7 @@ from dataclasses import dataclass
 
 import msgpack
 
-SCHEMA_VERSION = 3  # 2: log-probabilities in submit and tokens; 3: token_batch
+SCHEMA_VERSION = 4  # 2: log-probabilities in submit and tokens; 3: token_batch; 4: sampling nested in submit
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
@@ -63,6 +65,8 @@ def encode(message: Message) -> list[bytes | memoryview]:
         if isinstance(value, RawTensor):
             descriptors.append({"field": field.name, "dtype": value.dtype, "shape": list(value.shape)})
             frames.append(value.data)
+        elif dataclasses.is_dataclass(value):
+            body[field.name] = dataclasses.asdict(value)
         else:
             body[field.name] = value
     header = msgpack.packb({"v": SCHEMA_VERSION, "type": message.TYPE, "body": body, "tensors": descriptors})
@@ -89,16 +93,35 @@ def decode(frames: list, registry: dict[str, type]) -> Message:
             values[descriptor["field"]] = RawTensor(descriptor["dtype"], tuple(descriptor["shape"]), frame)
         except (KeyError, TypeError) as exc:
             raise WireError(f"{cls.TYPE}: bad tensor descriptor {descriptor!r}: {exc}") from None
+    return _build(cls, values, cls.TYPE)
+
+
+def _build(cls: type, values: dict, where: str):
+    """cls(**values) once every field is present and of its declared type (nested dataclasses built first);
+    a Message's validate() runs on it."""
     hints, names, checks = _schema(cls)
     if values.keys() != names:
         missing, extra = sorted(names - set(values)), sorted(set(values) - names)
-        raise WireError(f"{cls.TYPE}: missing fields {missing}, unexpected fields {extra}")
+        raise WireError(f"{where}: missing fields {missing}, unexpected fields {extra}")
     for name, value in values.items():
-        if not checks[name](value):
-            raise WireError(f"{cls.TYPE}.{name}: {value!r:.80} is not a {hints[name]}")
-    message = cls(**values)
-    message.validate()
-    return message
+        if _is_record(hints[name]):
+            if not isinstance(value, dict):
+                raise WireError(f"{where}.{name}: {value!r:.80} is not a map of {hints[name].__name__}'s fields")
+            values[name] = _build(hints[name], dict(value), f"{where}.{name}")
+        elif not checks[name](value):
+            raise WireError(f"{where}.{name}: {value!r:.80} is not a {hints[name]}")
+    try:
+        built = cls(**values)
+    except ValueError as exc:  # a nested record's own checks (RequestError is a ValueError)
+        raise WireError(f"{where}: {exc}") from None
+    if isinstance(built, Message):
+        built.validate()
+    return built
+
+
+def _is_record(hint) -> bool:
+    """A field type that travels as a map of its own fields: a dataclass that is not a message or a tensor."""
+    return isinstance(hint, type) and dataclasses.is_dataclass(hint) and not issubclass(hint, (Message, RawTensor))
 
 
 @functools.cache

@@ -19,7 +19,7 @@ from shared.cpu_kernels.library import cpu_kernels
 from shared.draft_config import DFlash2Settings, DraftConfig
 from shared.errors import ConfigError
 from shared.proposals import DraftItem
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from training.masks import block_visibility
 from training.trainer import DrafterTrainer, Example, TrainSettings
 from verify_worker.engine import SpeculativeEngine

@@ -10,7 +10,7 @@ from draft_worker.server import load_target_head
 from shared.cpu_kernels.library import cpu_kernels
 from shared.demo_models import default_pair
 from shared.proposals import DraftItem
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
 

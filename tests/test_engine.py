@@ -6,7 +6,8 @@ from greedy_check import assert_same_or_near_tie
 
 from draft_worker.local_proposer import LocalProposer
 from shared.errors import RequestError
-from shared.sampling import SamplingParams, batch_sampling_probs
+from shared.sampling import batch_sampling_probs
+from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
 

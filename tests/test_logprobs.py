@@ -9,7 +9,7 @@ from test_greedy_identity import ScriptedProposer
 from draft_worker.local_proposer import LocalProposer
 from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import RequestError
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.logprobs import token_logprobs
 from verify_worker.request import GenerationRequest

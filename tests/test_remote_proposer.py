@@ -20,7 +20,7 @@ from shared.channel_draft import TO_DRAFTER, DraftReply, DraftRequest, Ping, Pon
 from shared.draft_codec import reply_message, request_message, stacked_features
 from shared.feature_transport import FrameTransport
 from shared.proposals import DraftItem, DraftResult, ProposerUnavailable
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.wire import decode, encode
 from verify_worker.draft_deadline import DraftDeadline
 from verify_worker.remote_proposer import RemoteProposer

@@ -17,6 +17,8 @@ from gateway.tokenization import TextCodec
 from gateway.verify_client import UnencodableRequest, VerifyClient, encode_submit
 from shared.byte_tokenizer import write_byte_tokenizer
 from shared.channel_gateway import SubmitRequest
+from shared.errors import RequestError
+from shared.sampling_params import SamplingParams
 
 MODEL = "tiny"
 VOCAB = 258  # the byte tokenizer: 256 bytes and 2 special tokens
@@ -303,15 +305,18 @@ def test_an_unknown_model_with_a_lone_surrogate_or_a_long_name_is_a_404(app):
     assert error.message == "bad \\ud800 text"
 
 
-def submit(seed: int) -> SubmitRequest:
-    return SubmitRequest("r1", [1, 2], 4, 0.0, 1.0, 0, seed, [256], None)
+def submit(token: int) -> SubmitRequest:
+    return SubmitRequest(request_id="r1", prompt_ids=[1, token], max_tokens=4, sampling=SamplingParams(seed=7),
+                         stop_token_ids=[256])
 
 
 def test_an_unencodable_request_names_its_field_and_registers_no_queue():
     with pytest.raises(UnencodableRequest) as caught:
         encode_submit(submit(2**64))
-    assert caught.value.field == "seed" and "seed" in str(caught.value)
+    assert caught.value.field == "prompt_ids" and "prompt_ids" in str(caught.value)
     assert isinstance(caught.value, ValueError)
+    with pytest.raises(RequestError):  # a seed past int64 cannot even be built: the sampling parameters check it
+        SamplingParams(seed=2**64)
 
     async def scenario():
         client = VerifyClient("tcp://127.0.0.1:9", "tcp://127.0.0.1:9")

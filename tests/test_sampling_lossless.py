@@ -23,7 +23,8 @@ from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared.cpu_kernels.library import cpu_kernels
 from shared.packed_linear import kernel_layout
-from shared.sampling import SamplingParams, sample_from, sampling_probs
+from shared.sampling import sample_from, sampling_probs
+from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
 from verify_worker.spec_policy import AdaptiveSpeculation
@@ -45,8 +46,9 @@ def tiny_vocab_pair(tmp_path_factory):
     return target, drafter
 
 
-def exact_joint(target, params: SamplingParams) -> torch.Tensor:
-    """P(first TOKENS tokens = t) for every t, flattened [VOCAB ** TOKENS]."""
+def exact_joint(target, params: SamplingParams, stop: int | None = None, least: int = 0) -> torch.Tensor:
+    """P(first TOKENS tokens = t) for every t, flattened [VOCAB ** TOKENS]; with a stop token and min_tokens
+    `least`, the stop token's logit masked for the first `least` tokens."""
     settings = [torch.tensor([v]) for v in (params.temperature, params.top_p, params.top_k)]
     joint = {(): 1.0}
     for _ in range(TOKENS):
@@ -55,17 +57,20 @@ def exact_joint(target, params: SamplingParams) -> torch.Tensor:
             seq = list(PROMPT) + list(prefix)
             cache = target.new_state(1, len(seq))
             out = target(torch.tensor([seq]), torch.arange(len(seq))[None], cache, torch.tensor([0]))
-            probs = sampling_probs(target.logits(out.hidden[:, -1]), *settings)[0]
+            logits = target.logits(out.hidden[:, -1])  # [1, VOCAB]
+            if stop is not None and len(prefix) < least:
+                logits[:, stop] = float("-inf")
+            probs = sampling_probs(logits, *settings)[0]
             for token in range(VOCAB):
                 nxt[prefix + (token,)] = mass * float(probs[token])
         joint = nxt
     return torch.tensor([joint[t] for t in itertools.product(range(VOCAB), repeat=TOKENS)], dtype=torch.float64)
 
 
-def sample_counts(target, proposer, params: SamplingParams, policy=None) -> torch.Tensor:
+def sample_counts(target, proposer, params: SamplingParams, policy=None, **extra) -> torch.Tensor:
     engine = SpeculativeEngine(target, proposer, max_requests=N, max_model_len=16, policy=policy)
-    requests = [GenerationRequest(PROMPT, TOKENS, SamplingParams(params.temperature, params.top_p, params.top_k, seed))
-                for seed in range(N)]
+    requests = [GenerationRequest(PROMPT, TOKENS, SamplingParams(params.temperature, params.top_p, params.top_k, seed),
+                                  **extra) for seed in range(N)]
     counts = torch.zeros(VOCAB**TOKENS, dtype=torch.float64)
     for result in engine.generate(requests):
         index = 0
@@ -102,6 +107,20 @@ def test_first_tokens_follow_the_target_distribution(tiny_vocab_pair, setting, m
     counts = sample_counts(target, proposer, params)
     p_value = chi_square_p_value(counts, exact_joint(target, params))
     assert p_value > ALPHA, f"sampled distribution differs from the target's (p = {p_value:.2e})"
+
+
+@pytest.mark.parametrize("mode", [None, DraftSampling.DENSE])
+def test_min_tokens_follows_the_masked_target_distribution(tiny_vocab_pair, mode):
+    """Stop token 0 and min_tokens 3: the first three tokens follow the target's distribution with token 0
+    masked, the fourth the whole one (token 0 may end the output there, at its full length); drafts of token 0
+    before min_tokens are rejected."""
+    target, drafter = tiny_vocab_pair
+    proposer = None if mode is None else LocalProposer(drafter, target.embed_weight, target.lm_head_weight,
+                                                       max_requests=N, max_model_len=16, draft_sampling=mode)
+    params = SETTINGS["t1"]
+    counts = sample_counts(target, proposer, params, stop_token_ids=(0,), min_tokens=3)
+    p_value = chi_square_p_value(counts, exact_joint(target, params, stop=0, least=3))
+    assert p_value > ALPHA, f"sampled distribution differs from the masked target's (p = {p_value:.2e})"
 
 
 def test_power_a_wrong_residual_is_detected(tiny_vocab_pair, monkeypatch):

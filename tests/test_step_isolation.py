@@ -10,7 +10,7 @@ from greedy_check import assert_same_or_near_tie
 
 from draft_worker.local_proposer import LocalProposer
 from shared.errors import WorkerFault
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
 from verify_worker.request_snapshot import RequestSnapshot

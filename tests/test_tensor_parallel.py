@@ -77,7 +77,7 @@ def test_tp2_engine_greedy_equals_tp1(tmp_path):
     run_ranks(engine_generate, 2, str(tmp_path / "target"), str(tmp_path / "draft"), prompts, str(out))
     got = torch.load(out)["tokens"]
     whole = load_target(tmp_path / "target", dtype="float32")
-    from shared.sampling import SamplingParams
+    from shared.sampling_params import SamplingParams
     from verify_worker.engine import SpeculativeEngine
     from verify_worker.request import GenerationRequest
 

@@ -15,13 +15,14 @@ from shared.draft_codec import (
 )
 from shared.feature_transport import FrameTransport
 from shared.proposals import DraftItem, DraftResult
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.tensor_frames import from_raw, to_raw
 from shared.wire import WireError, decode, encode
 
 
 def submit():
-    return SubmitRequest("r1", [1, 2, 3], 10, 0.7, 0.9, 0, 42, [256], None)
+    return SubmitRequest(request_id="r1", prompt_ids=[1, 2, 3], max_tokens=10, sampling=SamplingParams(0.7, 0.9, 0, 42),
+                         stop_token_ids=[256], min_tokens=2)
 
 
 def frame_message(call_id, items):
@@ -79,8 +80,17 @@ def test_wrong_version_type_and_channel_are_rejected():
 def test_wrong_fields_and_types_are_rejected():
     frames = encode(submit())
     body = msgpack.unpackb(bytes(frames[0]))["body"]
-    with pytest.raises(WireError, match="missing fields \\['top_k'\\]"):
-        decode(tamper(frames, body={k: v for k, v in body.items() if k != "top_k"}), TO_VERIFY)
+    with pytest.raises(WireError, match="missing fields \\['sampling'\\]"):
+        decode(tamper(frames, body={k: v for k, v in body.items() if k != "sampling"}), TO_VERIFY)
+    nested = body["sampling"]  # the sampling parameters travel as a map of their own fields, checked the same way
+    with pytest.raises(WireError, match="submit.sampling: missing fields \\['top_k'\\]"):
+        decode(tamper(frames, body={**body, "sampling": {k: v for k, v in nested.items() if k != "top_k"}}), TO_VERIFY)
+    with pytest.raises(WireError, match="submit.sampling.top_p"):
+        decode(tamper(frames, body={**body, "sampling": {**nested, "top_p": "high"}}), TO_VERIFY)
+    with pytest.raises(WireError, match="temperature must be a finite number"):  # the record's own checks
+        decode(tamper(frames, body={**body, "sampling": {**nested, "temperature": -1.0}}), TO_VERIFY)
+    with pytest.raises(WireError, match="not a map of SamplingParams"):
+        decode(tamper(frames, body={**body, "sampling": [0.7, 0.9, 0, 42]}), TO_VERIFY)
     with pytest.raises(WireError, match="max_tokens"):
         decode(tamper(frames, body={**body, "max_tokens": "ten"}), TO_VERIFY)
     with pytest.raises(WireError, match="prompt_ids"):

@@ -69,7 +69,7 @@ def engine_generate(rank, world_size, port, folder, draft_folder, prompts, out_p
     embedding and lm_head come from a whole copy of the target, as the draft worker loads them)."""
     from draft_worker.draft_checkpoint import load_drafter
     from draft_worker.local_proposer import LocalProposer
-    from shared.sampling import SamplingParams
+    from shared.sampling_params import SamplingParams
     from verify_worker.engine import SpeculativeEngine
     from verify_worker.request import GenerationRequest
 
@@ -98,7 +98,7 @@ def pair_transfer(rank, world_size, port, device, pipe, out_path):
     from shared.draft_codec import items_from_message, request_message, stacked_features
     from shared.feature_transport import PairTransport
     from shared.proposals import DraftItem
-    from shared.sampling import SamplingParams
+    from shared.sampling_params import SamplingParams
     from shared.wire import decode, encode
 
     dev = f"{device}:{rank}" if device == "cuda" else "cpu"

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.families.llama.model import TargetModel
 from verify_worker.request import GenerationRequest

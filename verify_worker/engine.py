@@ -28,7 +28,8 @@ from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.kv_cache import consecutive_range
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.request_limits import is_int64
-from shared.sampling import SamplingParams, batch_sampling_probs
+from shared.sampling import batch_sampling_probs
+from shared.sampling_params import SamplingParams
 from verify_worker.families.interface import StepBatch, TargetFamily
 from verify_worker.logprobs import TokenLogprob, token_logprobs
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
@@ -129,6 +130,10 @@ class SpeculativeEngine:
             raise RequestError(f"num_speculative_tokens must be an integer from 0 to 2**63 - 1, got {spec!r}")
         if not all(is_int64(t) for t in request.stop_token_ids):
             raise RequestError("stop token ids must be 64-bit integers")
+        least = request.min_tokens
+        if not is_int64(least) or not 0 <= least <= request.max_tokens:
+            raise RequestError(f"min_tokens must be an integer from 0 to max_tokens ({request.max_tokens}), "
+                               f"got {least!r}")
         if not isinstance(request.sampling, SamplingParams):
             raise RequestError("sampling must be SamplingParams")
         top = request.logprobs
@@ -520,6 +525,7 @@ class SpeculativeEngine:
         None for a point mass). Returns the accepted counts and next tokens."""
         b, n = drafts.shape
         device = self.device
+        logits = mask_early_stops(states, logits)
         num = torch.tensor(counts, device=device)
         sampled_rows = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
         if not sampled_rows and n == 0:  # greedy plain decoding: the argmax (the kernel's rule, first of ties)
@@ -614,3 +620,26 @@ class SpeculativeEngine:
                 self.proposer.release(state.request_id)
             except ProposerUnavailable:
                 pass  # a restarted drafter holds nothing for this request anyway
+
+
+def mask_early_stops(states: list[RequestState], logits: torch.Tensor) -> torch.Tensor:
+    """logits [b, n+1, vocab] of a verify block (row j of request r predicts its output token len(output) + j)
+    with every stop token at -inf where that output token comes before the request's min_tokens, so that neither
+    the argmax nor the sampled distribution can end it early: the target's own rule, which verification then
+    holds the drafts to. In place, unless a masked request asked for log-probabilities (they are the unmasked
+    logits', as vLLM reports them): then on a copy."""
+    masks = []
+    for row, state in enumerate(states):
+        early = state.request.min_tokens - len(state.output_ids)  # block rows still before min_tokens
+        if early > 0 and state.request.stop_token_ids:
+            masks.append((row, min(early, logits.shape[1]), state.request))
+    if not masks:
+        return logits
+    if any(request.logprobs is not None for _, _, request in masks):
+        logits = logits.clone()
+    vocab = logits.shape[-1]
+    for row, rows, request in masks:
+        ids = torch.tensor([t for t in request.stop_token_ids if 0 <= t < vocab], dtype=torch.long,
+                           device=logits.device)
+        logits[row, :rows, ids] = float("-inf")
+    return logits

@@ -15,7 +15,7 @@ from shared.demo_models import default_pair
 from shared.errors import ConfigError, DFlashError, RequestError
 from shared.packed_linear import kernel_layout
 from shared.role import usable_cores
-from shared.sampling import SamplingParams
+from shared.sampling_params import SamplingParams
 from shared.target_facts import TargetFacts
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest

@@ -7,7 +7,8 @@ from enum import Enum
 
 import torch
 
-from shared.sampling import SamplingParams, request_generator
+from shared.sampling import request_generator
+from shared.sampling_params import SamplingParams
 from verify_worker.logprobs import TokenLogprob
 
 VERIFY_STREAM = 0  # random stream id of the verifier's draws
@@ -23,6 +24,7 @@ class GenerationRequest:
     request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     prompt_logprobs: bool = False  # also for the prompt's tokens after the first
+    min_tokens: int = 0  # no stop token is chosen before this many output tokens (their logits are masked)
 
 
 class Status(Enum):

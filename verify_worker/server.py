@@ -35,7 +35,6 @@ from shared.errors import DFlashError, RequestError
 from shared.feature_transport import add_transport_flags, make_transport
 from shared.packed_linear import kernel_layout
 from shared.role import configure_process, run_worker, usable_cores
-from shared.sampling import SamplingParams
 from shared.target_facts import TargetFacts
 from shared.wire import WireError, decode, encode
 from verify_worker.draft_deadline import DraftDeadline
@@ -201,11 +200,10 @@ class VerifyServer:
         try:
             if len(self.engine.waiting) >= self.max_waiting:
                 raise _Rejected("queue_full", f"the queue is full ({self.max_waiting} requests waiting)")
-            sampling = SamplingParams(message.temperature, message.top_p, message.top_k, message.seed)
             request = GenerationRequest(
-                tuple(message.prompt_ids), message.max_tokens, sampling, tuple(message.stop_token_ids),
+                tuple(message.prompt_ids), message.max_tokens, message.sampling, tuple(message.stop_token_ids),
                 message.num_speculative_tokens, request_id=message.request_id, logprobs=message.logprobs,
-                prompt_logprobs=message.prompt_logprobs,
+                prompt_logprobs=message.prompt_logprobs, min_tokens=message.min_tokens,
             )
             self.engine.add(request)
         except RequestError as exc:
