@@ -68,23 +68,26 @@ class Child:
             self.process.wait()
 
 
-def parse_args(argv):
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="dflash-serve", description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--target", help="target checkpoint folder (default: the embedded demo pair)")
     parser.add_argument("--draft", help="drafter checkpoint folder (default: the demo drafter with the demo target)")
     parser.add_argument("--no-draft", action="store_true", help="serve without a drafter (plain decoding)")
     parser.add_argument("--host", default="127.0.0.1", help="HTTP bind address (default 127.0.0.1)")
-    parser.add_argument("--port", type=int, default=8000)
-    parser.add_argument("--served-model-name")
-    parser.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"))
-    parser.add_argument("--block-size", type=int)
+    parser.add_argument("--port", type=int, default=8000, help="HTTP port of the OpenAI API")
+    parser.add_argument("--served-model-name", help="the model name clients send (default: the target folder's "
+                        "name; dflash-demo for the demo pair)")
+    parser.add_argument("--api-key", default=os.environ.get("DFLASH_API_KEY"),
+                        help="require Authorization: Bearer KEY on the API (default: $DFLASH_API_KEY, else none)")
+    parser.add_argument("--block-size", type=int, help="the drafter's block: draft tokens per step + 1 (default: "
+                        "the drafter's config)")
     parser.add_argument("--tp", type=int, default=1, help="tensor-parallel size of the verify worker (processes)")
     parser.add_argument("--tp-master-port", type=int,
                         help="port of the tensor-parallel group's rendezvous (default: --zmq-base-port + 3)")
     parser.add_argument("--tp-timeout", type=float, default=30.0,
                         help="seconds a tensor-parallel collective may wait before the verify worker fails")
-    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--device", default="cpu", help="cpu or cuda (both workers)")
     parser.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"],
                         help="weights and activations of both workers: float32, bfloat16, float16, or auto (the "
                              "checkpoint's dtype; on CPU float32 where the C++ kernels run, a bfloat16 "
@@ -92,8 +95,9 @@ def parse_args(argv):
                              "else float32)")
     parser.add_argument("--max-running", type=int, default=64,
                         help="requests holding a KV-cache slot at once (the batch's cap; lowered to fit --kv-cache-budget-mb)")
-    parser.add_argument("--max-waiting", type=int, default=64)
-    parser.add_argument("--max-model-len", type=int)
+    parser.add_argument("--max-waiting", type=int, default=64, help="requests queued for a slot; more get 429")
+    parser.add_argument("--max-model-len", type=int, help="the context: prompt plus output tokens (default: the "
+                        "target's max_position_embeddings)")
     parser.add_argument("--max-prefill-tokens", type=int, default=512, help="prompt tokens prefilled per step")
     parser.add_argument("--kv-cache-budget-mb", type=float,
                         help="cap on the memory requests hold in the verify worker (its KV cache and the feature rows "
@@ -137,12 +141,17 @@ def parse_args(argv):
                              "(NCCL when both workers run on CUDA)")
     parser.add_argument("--feature-pair-port", type=int,
                         help="rendezvous port of the feature pair (default: --zmq-base-port + 4)")
-    parser.add_argument("--ready-timeout", type=float, default=600.0)
+    parser.add_argument("--ready-timeout", type=float, default=600.0,
+                        help="seconds the processes together may take to load and report ready")
     parser.add_argument("--max-body-mb", type=positive_mb, default=None, help=MAX_BODY_HELP)
     parser.add_argument("--shutdown-timeout", type=float, default=30.0,
                         help="on SIGTERM, seconds the gateway lets requests in flight finish (new connections are "
                              "refused meanwhile) before the workers stop; Ctrl-C stops at once")
-    return parser.parse_args(argv)
+    return parser
+
+
+def parse_args(argv):
+    return build_parser().parse_args(argv)
 
 
 def build_children(args) -> dict[str, Child]:

@@ -49,8 +49,8 @@ def batch_invariant_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
     tokens and 8 one-token decode steps give different roundings; in bfloat16 those differences flip near-tied
     greedy tokens (7 of 16 demo-pair continuations differed from plain decoding). Its matmuls are bfloat16
     oneDNN GEMMs, whose rows are computed alike whatever the row count in the common case only (a batched
-    matmul of 2 entries rounds differently from one of 4 in rare rows: see Decisions in docs/architecture.md;
-    cuda_ext/row_attention is exact by construction), and the caller passes key lengths rounded up to
+    matmul of 2 entries rounds differently from one of 4 in rare rows: see
+    docs/decisions/0001-bfloat16-on-cpu-bit-for-bit.md; cuda_ext/row_attention is exact by construction), and the caller passes key lengths rounded up to
     KEY_CHUNK, so masked extra keys only add exact zeros.
 
     q [batch, heads, queries, dim]; k, v [batch, kv_heads, keys, dim]; mask [batch, 1, queries, keys].

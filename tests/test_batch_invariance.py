@@ -8,8 +8,8 @@ attention. The setups:
   did not depend on the entry count in any check); tests/test_row_gemm.py runs its GPU path;
 - bfloat16 where the CPU has native bfloat16 (oneDNN GEMMs, batch_invariant_attention): these checks pass on their
   data, but oneDNN's products are row-invariant only in the common case (rare rows round differently between a
-  one-row and a two-row product, or between batch counts: docs/architecture.md, Decisions), so this setup's
-  greedy identity holds up to rare near-ties; the C++ kernels' setups are exact by construction."""
+  one-row and a two-row product, or between batch counts: docs/decisions/0001-bfloat16-on-cpu-bit-for-bit.md), so
+  this setup's greedy identity holds up to rare near-ties; the C++ kernels' setups are exact by construction."""
 
 import json
 

@@ -9,7 +9,7 @@ least 256, at most the cache's capacity). The padding is inert for the real rows
 - keys beyond a row's own positions are masked.
 So a real row is computed as in the unpadded step, up to how the device's kernels round rows of a larger product:
 on CPU the target's kernels are row-invariant and the bits are the same (tests/test_step_buckets.py); on a GPU
-only with --batch-invariant (cuda_ext's row kernels; docs/architecture.md, "On a GPU").
+only with --batch-invariant (cuda_ext's row kernels; docs/gpu.md).
 
 Only for families whose `graphable_steps` is true (a positional KV cache: padding never touches a committed state)
 and for decode steps; a prefill chunk runs unpadded.
