@@ -25,7 +25,8 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from shared.cpu_kernels.library import bf16_exact, cpu_kernels
+from shared.cpu_kernels.arguments import bf16_exact
+from shared.cpu_kernels.library import cpu_kernels
 
 KERNEL_LAYOUTS = ("bf16", "amx")  # the layouts the C++ kernels multiply (bfloat16 weight tiles)
 ROWS_LAYOUT = "rows"  # multiplied by the owner's row-invariant function (--batch-invariant)

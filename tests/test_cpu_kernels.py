@@ -4,7 +4,8 @@ import pytest
 import torch
 
 from shared.cpu_kernels import library
-from shared.cpu_kernels.library import CpuKernels, bf16_exact, cpu_kernels
+from shared.cpu_kernels.arguments import bf16_exact
+from shared.cpu_kernels.library import CpuKernels, cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
 

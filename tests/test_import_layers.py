@@ -108,3 +108,60 @@ def test_the_walk_catches_a_wrong_arrow(tmp_path, source, wrong):
     imported = imports_of(path, "draft_worker.x")
     assert any(f"draft_worker.x imports {i}" == wrong for i in imported
                if i.split(".")[0] not in ALLOWED["draft_worker"] | {"draft_worker"})
+
+
+def import_cycles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """The import circles of a module graph (module -> the project modules it imports), each once, as found by a
+    depth-first walk (Tarjan's strongly connected components of more than one module)."""
+    index, low, stack, on_stack, circles = {}, {}, [], set(), []
+
+    def visit(start: str) -> None:
+        work = [(start, iter(sorted(graph.get(start, ()))))]
+        index[start] = low[start] = len(index)
+        stack.append(start)
+        on_stack.add(start)
+        while work:
+            module, edges = work[-1]
+            for target in edges:
+                if target not in graph:
+                    continue
+                if target not in index:
+                    index[target] = low[target] = len(index)
+                    stack.append(target)
+                    on_stack.add(target)
+                    work.append((target, iter(sorted(graph.get(target, ())))))
+                    break
+                if target in on_stack:
+                    low[module] = min(low[module], index[target])
+            else:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[module])
+                if low[module] == index[module]:
+                    component = []
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.append(member)
+                        if member == module:
+                            break
+                    if len(component) > 1:
+                        circles.append(sorted(component))
+
+    for module in sorted(graph):
+        if module not in index:
+            visit(module)
+    return circles
+
+
+def test_no_module_imports_itself_back():
+    """No circle of imports at module level (type-only imports included): a module that binds something and
+    also holds the helpers of the modules it binds splits in two (shared/cpu_kernels/arguments.py)."""
+    files = module_files()
+    graph = {m: {i for i in imports_of(p, m, on_import=True) if i in files} for m, p in files.items()}
+    assert import_cycles(graph) == []
+
+
+def test_the_circle_walk_finds_a_circle():
+    graph = {"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}, "e": {"e2"}, "e2": set()}
+    assert import_cycles(graph) == [["a", "b", "c"]]

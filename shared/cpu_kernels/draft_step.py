@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_kernels.library import caches_fit, carve, check_arguments, pointer_array, tiles_of
+from shared.cpu_kernels.arguments import caches_fit, carve, check_arguments, pointer_array, tiles_of
 
 _pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 

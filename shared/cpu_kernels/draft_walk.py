@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_kernels.library import check_arguments, tiles_of
+from shared.cpu_kernels.arguments import check_arguments, tiles_of
 
 _pointer, _count = ctypes.c_void_p, ctypes.c_int64
 

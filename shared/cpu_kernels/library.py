@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.attention import cached_attention
+from shared.cpu_kernels.arguments import KV_DTYPES, TILE, check_arguments
 from shared.native_build import cached_library
 
 if TYPE_CHECKING:  # layer_step imports this module
@@ -36,8 +37,6 @@ SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_ge
 HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h",
                                                         "no_contraction.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread"]
-TILE = 16  # output columns per weight tile (kTile in the source)
-KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV cache element types the attention kernels read
 
 
 class CpuKernels:
@@ -391,46 +390,16 @@ def _outside_cache(keys: torch.Tensor, slots: torch.Tensor, positions: torch.Ten
                       f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
 
 
-def caches_fit(keys: list[torch.Tensor], values: list[torch.Tensor], kv_heads: int, dim: int) -> bool:
-    """Each layer's caches [slots, kv_heads, capacity, dim] alike, contiguous, of a dtype the kernels read."""
-    first = keys[0]
-    return first.dtype in KV_DTYPES and all(
-        k.dtype == v.dtype == first.dtype and k.shape == v.shape == first.shape and k.is_contiguous()
-        and v.is_contiguous() and k.dim() == 4 and k.shape[1] == kv_heads and k.shape[3] == dim
-        for k, v in zip(keys, values))
 
 
-def pointer_array(pointers) -> ctypes.Array:
-    """A C array of these addresses (tensors: their data pointers; the caller keeps them alive)."""
-    pointers = [p if isinstance(p, int) else p.data_ptr() for p in pointers]
-    return (ctypes.c_void_p * len(pointers))(*pointers)
 
 
-def carve(rows: int, widths: list[int]) -> tuple[list[int], torch.Tensor]:
-    """Float32 buffers of [rows, width] for each width, carved from one allocation: (their addresses, it)."""
-    buffer = torch.empty(rows * sum(widths), dtype=torch.float32)
-    pointers, offset = [], buffer.data_ptr()
-    for width in widths:
-        pointers.append(offset)
-        offset += rows * width * 4  # bytes
-    return pointers, buffer
 
 
-def check_arguments(ok: bool, kernel: str, *tensors: torch.Tensor) -> None:
-    """The kernels trust their arguments' shapes: a mismatch is a bug, refused before any memory is touched."""
-    if not ok:
-        described = ", ".join(f"{tuple(t.shape)} {t.dtype}" for t in tensors)
-        raise ValueError(f"{kernel}: unexpected arguments ({described})")
 
 
-def tiles_of(tiles: torch.Tensor, in_features: int, out_features: int) -> bool:
-    """Whether tiles is a [in, out] weight in bf16_tiles' layout."""
-    return tiles.dim() == 3 and tiles.shape == (-(-out_features // TILE), in_features, TILE)
 
 
-def bf16_exact(weight: torch.Tensor) -> bool:
-    """Whether every value of a float32 tensor survives a round trip through bfloat16 unchanged."""
-    return bool(torch.equal(weight.to(torch.bfloat16).to(weight.dtype), weight))
 
 
 def _why_unavailable(compiler: str | None) -> str:
