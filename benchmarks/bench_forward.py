@@ -26,6 +26,7 @@ import torch
 from shared.demo_models import default_pair
 from shared.cpu_kernels.library import cpu_kernels
 from shared.packed_linear import packing_layout
+from verify_worker.families.llama.backends import KernelLayers
 from verify_worker.target_loader import load_target
 
 
@@ -64,7 +65,7 @@ def main(argv=None) -> int:
         models[f"packed {layout}"] = load_target(folder, dtype=args.dtype, pack=False).pack(layout)
     if getattr(models[f"packed {layouts[-1]}"], "whole_layers", None) is not None:  # the C++ kernels op by op too
         per_op = load_target(folder, dtype=args.dtype, pack=False).pack(layouts[-1])
-        per_op.whole_layers = None
+        per_op.backend = KernelLayers(per_op.kernels)  # op by op: the same kernels without the one-call stack
         models[f"{layouts[-1]} per-op"] = per_op
         bf16_cache = load_target(folder, dtype=args.dtype, pack=False).pack(layouts[-1])
         bf16_cache.kv_dtype = torch.bfloat16  # what --dtype auto serves a bfloat16 checkpoint with here

@@ -132,7 +132,7 @@ class VerifyClient:
     async def abort(self, request_id: str) -> None:
         self.queues.pop(request_id, None)
         try:
-            self.sender.send_multipart(encode(AbortRequest(request_id)), flags=zmq.NOBLOCK)
+            self.sender.send_multipart(encode(AbortRequest(request_id=request_id)), flags=zmq.NOBLOCK)
         except zmq.Again:
             pass
 
@@ -163,7 +163,8 @@ class VerifyClient:
         if self.was_alive and not alive:
             self.log.error("verify worker %s: failing %d open requests", self.why, len(self.queues))
             for request_id, queue in list(self.queues.items()):
-                queue.put_nowait(RequestFailed(request_id, "verify_worker_down", "the verify worker stopped responding"))
+                queue.put_nowait(RequestFailed(request_id=request_id, code="verify_worker_down",
+                                               message="the verify worker stopped responding"))
             self.queues.clear()
         if alive:
             self.why = f"silent for {self.dead_after_s:.1f} s"

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 from shared.wire import Message, RawTensor, WireError, channel
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DraftRequest(Message):
     TYPE = "draft"
     call_id: int
@@ -39,7 +39,7 @@ class DraftRequest(Message):
             raise WireError("draft: num_drafts must be >= 1 and feature_rows >= 0")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class DraftReply(Message):
     TYPE = "proposals"
     call_id: int
@@ -70,19 +70,19 @@ class DraftReply(Message):
             raise WireError("proposals: sparse q needs q_ids shaped like q_probs")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Release(Message):
     TYPE = "release"
     request_ids: list[str]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Ping(Message):
     TYPE = "ping"
     call_id: int
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Pong(Message):
     TYPE = "pong"
     call_id: int

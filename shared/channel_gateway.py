@@ -30,13 +30,13 @@ class SubmitRequest(Message):
             raise WireError("submit: empty request_id")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class AbortRequest(Message):
     TYPE = "abort"
     request_id: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TokenEvent(Message):
     """New tokens of one request; finish_reason and the stats are set on its last event. When the request asked
     for log-probabilities: one per token, and per token its top alternatives (ids and log-probabilities); the
@@ -75,7 +75,7 @@ def _check_logprobs(what: str, values, top_ids, top_values, count: int | None) -
         raise WireError(f"tokens: {what}alternative ids and log-probabilities differ in length")
 
 
-@dataclass
+@dataclass(kw_only=True)
 class TokenBatch(Message):
     """One step's token events of the requests that asked for no log-probabilities, as parallel lists (one
     message where TokenEvents were one each: at 16 streams their encoding, sending and decoding cost more than
@@ -98,16 +98,18 @@ class TokenBatch(Message):
     @classmethod
     def of(cls, events: list[TokenEvent]) -> "TokenBatch":
         """Events without log-probabilities, in one message."""
-        return cls([e.request_id for e in events], [e.token_ids for e in events], [e.finish_reason for e in events],
-                   [e.verify_steps for e in events], [e.draft_tokens for e in events],
-                   [e.accepted_tokens for e in events])
+        return cls(request_ids=[e.request_id for e in events], token_ids=[e.token_ids for e in events],
+                   finish_reasons=[e.finish_reason for e in events], verify_steps=[e.verify_steps for e in events],
+                   draft_tokens=[e.draft_tokens for e in events], accepted_tokens=[e.accepted_tokens for e in events])
 
     def events(self) -> list[TokenEvent]:
-        return [TokenEvent(*fields) for fields in zip(self.request_ids, self.token_ids, self.finish_reasons,
-                                                      self.verify_steps, self.draft_tokens, self.accepted_tokens)]
+        columns = zip(self.request_ids, self.token_ids, self.finish_reasons, self.verify_steps, self.draft_tokens,
+                      self.accepted_tokens)
+        return [TokenEvent(request_id=r, token_ids=t, finish_reason=f, verify_steps=v, draft_tokens=d,
+                           accepted_tokens=a) for r, t, f, v, d, a in columns]
 
 
-@dataclass
+@dataclass(kw_only=True)
 class RequestFailed(Message):
     """The verify worker refused or lost a request. code: invalid_request, queue_full, internal."""
 
@@ -117,7 +119,7 @@ class RequestFailed(Message):
     message: str
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Heartbeat(Message):
     TYPE = "heartbeat"
     running: int
@@ -126,7 +128,7 @@ class Heartbeat(Message):
     drafter_available: bool
 
 
-@dataclass
+@dataclass(kw_only=True)
 class WorkerStopping(Message):
     """The verify worker is going down (e.g. it lost a tensor-parallel rank): stop routing to it now."""
 

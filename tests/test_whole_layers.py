@@ -8,6 +8,7 @@ import torch
 
 from shared.cpu_kernels.library import cpu_kernels
 from tests.conftest import write_hf_checkpoint
+from verify_worker.families.llama.backends import KernelLayers
 from verify_worker.target_loader import load_target
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="the C++ CPU kernels do not build here")
@@ -23,8 +24,8 @@ def _packed(folder, family: str, layout: str = "bf16", **overrides):
 
 def _run(target, whole: bool, prompt, ids, positions, slots):
     """Prefill then one step, through whole layers or the per-op path; (output, cache)."""
-    saved = target.whole_layers
-    target.whole_layers = saved if whole else None
+    saved = target.backend
+    target.backend = saved if whole else KernelLayers(saved.kernels)
     try:
         cache = target.new_cache(6, 64)
         batch, context = prompt.shape
@@ -32,7 +33,7 @@ def _run(target, whole: bool, prompt, ids, positions, slots):
             target(prompt, torch.arange(context)[None].expand(batch, -1), cache, slots)
             return target(ids, positions, cache, slots, (1, 0)), cache
     finally:
-        target.whole_layers = saved
+        target.backend = saved
 
 
 @pytest.mark.parametrize("layout", ["bf16", pytest.param("amx", marks=needs_amx)])

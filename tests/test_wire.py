@@ -25,6 +25,11 @@ def submit():
                          stop_token_ids=[256], min_tokens=2)
 
 
+def tokens(request_id, token_ids, finish_reason, verify_steps, draft_tokens, accepted_tokens, **rest) -> TokenEvent:
+    return TokenEvent(request_id=request_id, token_ids=token_ids, finish_reason=finish_reason,
+                      verify_steps=verify_steps, draft_tokens=draft_tokens, accepted_tokens=accepted_tokens, **rest)
+
+
 def frame_message(call_id, items):
     return request_message(call_id, items, FrameTransport().outgoing(stacked_features(items, 8)))
 
@@ -95,7 +100,7 @@ def test_wrong_fields_and_types_are_rejected():
         decode(tamper(frames, body={**body, "max_tokens": "ten"}), TO_VERIFY)
     with pytest.raises(WireError, match="prompt_ids"):
         decode(tamper(frames, body={**body, "prompt_ids": [1, "x"]}), TO_VERIFY)
-    event = TokenEvent("r", [1], None, 0, 0, 0)
+    event = tokens("r", [1], None, 0, 0, 0)
     with pytest.raises(WireError, match="unexpected fields \\['extra'\\]"):
         decode(tamper(encode(event), body={**msgpack.unpackb(bytes(encode(event)[0]))["body"], "extra": 1}), TO_GATEWAY)
 
@@ -121,32 +126,33 @@ def test_wrong_tensor_shapes_are_rejected():
 
 
 def test_token_logprobs_travel_and_must_line_up_with_the_tokens():
-    event = TokenEvent("r", [4, 5], None, 1, 2, 1, logprobs=[-0.1, -2.0], top_ids=[[4], [7]],
-                       top_logprobs=[[-0.1], [-0.5]])
+    event = tokens("r", [4, 5], None, 1, 2, 1, logprobs=[-0.1, -2.0], top_ids=[[4], [7]], top_logprobs=[[-0.1], [-0.5]])
     assert decode(encode(event), TO_GATEWAY) == event
     for wrong in ({"logprobs": [-0.1]}, {"top_ids": None}, {"top_logprobs": [[-0.1], []]},
                   {"logprobs": None}):
-        bad = TokenEvent("r", [4, 5], None, 1, 2, 1, **{"logprobs": [-0.1, -2.0], "top_ids": [[4], [7]],
-                                                        "top_logprobs": [[-0.1], [-0.5]], **wrong})
+        bad = tokens("r", [4, 5], None, 1, 2, 1, **{"logprobs": [-0.1, -2.0], "top_ids": [[4], [7]],
+                                                    "top_logprobs": [[-0.1], [-0.5]], **wrong})
         with pytest.raises(WireError, match="tokens:"):
             decode(encode(bad), TO_GATEWAY)
 
-    prompt = TokenEvent("r", [], "length", 1, 0, 0, prompt_logprobs=[-1.0, -0.2], prompt_top_ids=[[3], [4]],
-                        prompt_top_logprobs=[[-0.5], [-0.2]])  # a scored prompt, nothing generated
+    prompt = tokens("r", [], "length", 1, 0, 0, prompt_logprobs=[-1.0, -0.2], prompt_top_ids=[[3], [4]],
+                    prompt_top_logprobs=[[-0.5], [-0.2]])  # a scored prompt, nothing generated
     assert decode(encode(prompt), TO_GATEWAY) == prompt
     with pytest.raises(WireError, match="prompt log-probability"):
-        decode(encode(TokenEvent("r", [], "length", 1, 0, 0, prompt_logprobs=[-1.0], prompt_top_ids=[[3], [4]],
-                                 prompt_top_logprobs=[[-0.5], [-0.2]])), TO_GATEWAY)
+        decode(encode(tokens("r", [], "length", 1, 0, 0, prompt_logprobs=[-1.0], prompt_top_ids=[[3], [4]],
+                             prompt_top_logprobs=[[-0.5], [-0.2]])), TO_GATEWAY)
 
 
 def test_a_token_batch_carries_a_steps_events_and_refuses_ragged_lists():
-    events = [TokenEvent("a", [1, 2, 3], None, 4, 14, 9), TokenEvent("b", [7], "stop", 12, 0, 0),
-              TokenEvent("c", [], "length", 1, 7, 0)]
+    events = [tokens("a", [1, 2, 3], None, 4, 14, 9), tokens("b", [7], "stop", 12, 0, 0),
+              tokens("c", [], "length", 1, 7, 0)]
     batch = decode(encode(TokenBatch.of(events)), TO_GATEWAY)
     assert isinstance(batch, TokenBatch) and batch.events() == events
-    frames = encode(TokenBatch(["a", "b"], [[1], [2]], [None], [1, 1], [0, 0], [0, 0]))
+    frames = encode(TokenBatch(request_ids=["a", "b"], token_ids=[[1], [2]], finish_reasons=[None], verify_steps=[1, 1],
+                               draft_tokens=[0, 0], accepted_tokens=[0, 0]))
     with pytest.raises(WireError, match="token_batch: per-request lists differ in length"):
         decode(frames, TO_GATEWAY)
-    frames = encode(TokenBatch(["a"], [["x"]], [None], [1], [0], [0]))
+    frames = encode(TokenBatch(request_ids=["a"], token_ids=[["x"]], finish_reasons=[None], verify_steps=[1],
+                               draft_tokens=[0], accepted_tokens=[0]))
     with pytest.raises(WireError, match="token_batch.token_ids"):
         decode(frames, TO_GATEWAY)

@@ -160,14 +160,14 @@ class VerifyServer:
             self.heartbeats.stop()  # and joined: no heartbeat may follow WorkerStopping
             self.log.error("%s", exc)
             self._fail_all("internal", "the verify worker lost a tensor-parallel rank")
-            self._send(WorkerStopping(str(exc)))
+            self._send(WorkerStopping(reason=str(exc)))
             time.sleep(0.2)  # let the PUSH socket flush before the process exits (LINGER is 0)
             raise
 
     def _stalled(self, seconds: float) -> None:
         """The heartbeat thread found the loop hung: tell the gateway (its requests fail at once) and exit, so
         that a supervisor restarts the service rather than leaving it silent."""
-        self._send(WorkerStopping(f"the verify loop made no progress for {seconds:.0f} s"))
+        self._send(WorkerStopping(reason=f"the verify loop made no progress for {seconds:.0f} s"))
         time.sleep(0.2)
         os._exit(3)
 
@@ -177,7 +177,7 @@ class VerifyServer:
         queued = engine.prefilling + (engine.waiting if waiting_too else [])
         for request_id in list(engine.running) + [s.request_id for s in queued]:
             engine.abort(request_id)
-            self._send(RequestFailed(request_id, code, message))
+            self._send(RequestFailed(request_id=request_id, code=code, message=message))
 
     def _take_messages(self, block: bool) -> None:
         timeout = int(self.heartbeat_s * 1000) if block else 0
@@ -207,12 +207,13 @@ class VerifyServer:
             )
             self.engine.add(request)
         except RequestError as exc:
-            self._send(RequestFailed(message.request_id, "invalid_request", str(exc)))
+            self._send(RequestFailed(request_id=message.request_id, code="invalid_request", message=str(exc)))
         except _Rejected as exc:
-            self._send(RequestFailed(message.request_id, exc.code, exc.message))
+            self._send(RequestFailed(request_id=message.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop that serves the others
             self.log.error("cannot admit %s:\n%s", message.request_id, traceback.format_exc())
-            self._send(RequestFailed(message.request_id, "invalid_request", f"the request cannot be served: {exc}"))
+            self._send(RequestFailed(request_id=message.request_id, code="invalid_request",
+                                     message=f"the request cannot be served: {exc}"))
 
     def _step(self) -> None:
         try:
@@ -226,17 +227,19 @@ class VerifyServer:
         plain: list[StepEvent] = []  # events without log-probabilities: one TokenBatch for the step
         for event in events:
             if event.error is not None:  # this request failed a step on its own; the others went on
-                self._send(RequestFailed(event.request_id, "internal",
-                                         f"this request failed in the verify worker ({event.error}); the requests "
-                                         "beside it were not affected"))
+                self._send(RequestFailed(request_id=event.request_id, code="internal",
+                                         message=f"this request failed in the verify worker ({event.error}); the "
+                                         "requests beside it were not affected"))
             elif event.logprobs is None and event.prompt_logprobs is None:
                 plain.append(event)
             else:
                 self._send(_token_event(event))
         if plain:  # straight into the batch's lists (64 events: 23 us, 65 us through a TokenEvent each)
             totals = [_totals(event.stats) for event in plain]
-            self._send(TokenBatch([e.request_id for e in plain], [e.new_token_ids for e in plain],
-                                  [e.finish_reason for e in plain], *(list(column) for column in zip(*totals))))
+            verify_steps, draft_tokens, accepted_tokens = (list(column) for column in zip(*totals))
+            self._send(TokenBatch(request_ids=[e.request_id for e in plain], token_ids=[e.new_token_ids for e in plain],
+                                  finish_reasons=[e.finish_reason for e in plain], verify_steps=verify_steps,
+                                  draft_tokens=draft_tokens, accepted_tokens=accepted_tokens))
         for report in self.engine.last_reports:
             self.metrics.record(report)
 

@@ -8,16 +8,17 @@ from torch import nn
 
 from cuda_ext.row_attention.op import row_attention
 from cuda_ext.row_norm.op import row_norm
-from shared.attention import batch_invariant_attention, cached_attention, invariant_key_length, visibility_mask
-from shared.cpu_kernels.layer_step import DenseLayerWeights, StackStepInputs, StackWeights
+from shared.attention import invariant_key_length, visibility_mask
+from shared.cpu_kernels.layer_step import StackWeights
 from shared.cpu_kernels.library import cpu_kernels
 from shared.kv_cache import CacheReads, PositionalKVCache
 from shared.layers import GatedMLP, RMSNorm, project_rows, rms_normalize
-from shared.packed_linear import KERNEL_LAYOUTS, ROWS_LAYOUT, PackedLinear, common_layout, packing_layout
+from shared.packed_linear import KERNEL_LAYOUTS, ROWS_LAYOUT, PackedLinear, packing_layout
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.common.row_invariant import exact_linear_rows
 from verify_worker.families.interface import StepBatch, TargetOutput
+from verify_worker.families.llama.backends import EagerLayers, KernelLayers, WholeStack
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.families.llama.shard_plan import LocalShapes, local_shapes
 from verify_worker.parallel.group import TensorParallel
@@ -31,14 +32,6 @@ def _row_linear(in_local: int, out: int, tp: TensorParallel, bias: bool) -> nn.L
 def _reduce_of(linear: nn.Module):
     """The all-reduce a packed copy of this layer must apply (a row-parallel layer's), else None."""
     return linear.tp.all_reduce if isinstance(linear, RowParallelLinear) else None
-
-
-def invariant_attention(x: torch.Tensor, rows_layout: bool = False) -> bool:
-    """Whether the target attends with batch_invariant_attention (over a cache: the rows layout attends through
-    cuda_ext's row attention instead): bfloat16 on CPU, where the fused kernel's roundings depend on the block's
-    shape, and the rows layout without a cache (training, scoring); float32, float16 and accelerators otherwise
-    keep the fused kernel."""
-    return rows_layout or (x.device.type == "cpu" and x.dtype == torch.bfloat16)
 
 
 class TargetAttention(nn.Module):
@@ -110,18 +103,6 @@ class TargetAttention(nn.Module):
         out = attend(q, keys, values, mask, self.head_dim**-0.5)  # [b, s, heads * dim]
         return self.o_proj(out)
 
-    def forward_fused(self, x, cos, sin, cache: PositionalKVCache, slots, read_slots, positions, kv_len, mask,
-                      kernels):
-        """forward() of a packed layer with a cache, through the C++ CPU kernels (shared.cpu_kernels)."""
-        qkv = self.qkv_proj(x)  # [b, s, (heads + 2 kv_heads) * dim]
-        norm = getattr(self, "qk_norm_weight", None)
-        eps = self.q_norm.eps if self.q_norm is not None else 0.0
-        q = kernels.qk_rotary_cache(qkv, self.num_heads, self.num_kv_heads, self.head_dim, norm, eps, cos, sin,
-                                    cache.keys[self.layer_index], cache.values[self.layer_index], slots, positions)
-        keys, values = cache.read(self.layer_index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
-        return self.o_proj(kernels.attention(q, keys, values, mask, self.head_dim**-0.5))  # [b, s, hidden]
-
-
 class TargetDecoderLayer(nn.Module):
     def __init__(self, cfg: TargetConfig, layer_index: int, local: LocalShapes, tp: TensorParallel):
         super().__init__()
@@ -159,10 +140,15 @@ class TargetModel(EmbeddingHead, nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(cfg.rope, cfg.head_dim), persistent=False)
         self.head = None  # the lm_head packed for inference (set by pack())
         self.kernels = None  # the C++ CPU kernels, with their layouts ("bf16", "amx"; set by pack())
-        self.whole_layers: StackWeights | None = None  # every layer in one kernel call (set by pack())
-        self.pool = None  # the threads the layer stack and the lm_head share (set by pack(), with whole_layers)
+        self.backend: KernelLayers | None = None  # the C++ kernels' backend, where they run (set by pack())
+        self.pool = None  # the threads the layer stack and the lm_head share (set by pack(), with WholeStack)
         self.kv_dtype: torch.dtype | None = None  # the KV cache's element type; None: the weights' (set by the loader)
         self.rows_layout = False  # packed in the rows layout: every row's result independent of the batch
+
+    @property
+    def whole_layers(self) -> StackWeights | None:
+        """Every layer as one kernel call takes them, where the backend is WholeStack."""
+        return self.backend.weights if isinstance(self.backend, WholeStack) else None
 
     commits_state = False  # a positional KV cache: rollback is the committed length alone
     graphable_steps = True  # padded rows and tokens leave committed entries alone (verify_worker/step_buckets.py)
@@ -219,86 +205,13 @@ class TargetModel(EmbeddingHead, nn.Module):
             reads = CacheReads.of(slots, key_length, slot_range, positions)
             kv_len, read_slots = min(reads.length, cache.capacity), reads.slots
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
-        invariant = invariant_attention(x, self.rows_layout)
-        attend = batch_invariant_attention if invariant else cached_attention
-        if cache is not None and invariant:  # whole key chunks: see batch_invariant_attention
+        backend = self.backend if cache is not None and self.backend is not None and self.backend.accepts(x) \
+            else EagerLayers.of(x, self.rows_layout, cache is not None)
+        if cache is not None and backend.invariant_keys:  # whole key chunks: see batch_invariant_attention
             kv_len = invariant_key_length(kv_len, cache.capacity)
-        # [b, 1, s, kv_len] (the rows layout's attention over a cache takes positions instead)
-        mask = None if self.rows_layout and cache is not None else visibility_mask(positions, kv_len)
-        cos, sin = rotary_cos_sin(self.inv_freq, positions, x.dtype)
-        if self.kernels is not None and cache is not None and x.dtype == torch.float32 and x.device.type == "cpu":
-            return self._forward_fused(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask, tap_layers)
-        taps = {}
-        for index, layer in enumerate(self.model.layers):
-            x = layer(x, cos, sin, cache, slots, read_slots, positions, kv_len, mask, attend)
-            if index in tap_layers:
-                taps[index] = x
-        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None  # in the drafter's order
-        return TargetOutput(hidden=self.model.norm(x), taps=tapped)
-
-    def _forward_fused(self, x, cos, sin, cache, slots, read_slots, positions, kv_len, mask,
-                       tap_layers) -> TargetOutput:
-        """The same layers through the C++ CPU kernels (float32, a cache): each residual add fused with the
-        next norm, q/k norms + rotary + cache write in one call, row-by-row attention."""
-        if self.whole_layers is not None:
-            return self._forward_whole_layers(x, cos, sin, cache, slots, positions, mask, tap_layers)
-        kernels, layers = self.kernels, self.model.layers
-        h = kernels.rms_norm(x, layers[0].input_layernorm.weight, layers[0].input_layernorm.eps)  # [b, s, hidden]
-        taps = {}
-        for index, layer in enumerate(layers):
-            attention = layer.self_attn.forward_fused(h, cos, sin, cache, slots, read_slots, positions, kv_len, mask,
-                                                      kernels)
-            post = layer.post_attention_layernorm
-            x, h = kernels.add_rms_norm(x, attention, post.weight, post.eps)
-            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
-            x, h = kernels.add_rms_norm(x, layer.mlp(h), following.weight, following.eps)
-            if index in tap_layers:
-                taps[index] = x
-        tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
-        return TargetOutput(hidden=h, taps=tapped)
-
-    def _forward_whole_layers(self, x, cos, sin, cache, slots, positions, mask, tap_layers) -> TargetOutput:
-        """_forward_fused with every layer in one kernel call (shared/cpu_kernels/decoder_layer.cpp): the same
-        kernels on the same values in the same order, so the same bits, without the per-layer calls and PyTorch
-        ops between them (the demo target's step is bound by them)."""
-        batch, seq, hidden = x.shape
-        step = StackStepInputs.build(cos, sin, slots, positions, mask, cache.keys, cache.values, self.whole_layers,
-                                     tap_layers)
-        _, h = self.kernels.decoder_stack(x.reshape(batch * seq, hidden), self.whole_layers, step, self.pool)
-        tapped = None if step.taps is None else step.taps.view(batch, seq, -1)  # in the drafter's order
-        return TargetOutput(hidden=h.view(batch, seq, hidden), taps=tapped)
-
-    def _whole_layer_weights(self) -> StackWeights | None:
-        """The packed layers as decoder_layer.cpp takes them, or None where a layer is not a plain dense one on
-        the bfloat16 tiles (a bias, a tensor-parallel all-reduce, weights that are not exact in bfloat16, head
-        sizes the attention kernel does not take, layers of different shapes): those keep the per-op path."""
-        result, layers = [], self.model.layers
-        for index, layer in enumerate(layers):
-            attention, mlp = layer.self_attn, layer.mlp
-            linears = (attention.qkv_proj, attention.o_proj, mlp.gate_up_proj, mlp.down_proj)
-            if any(linear is None or linear.kernels is None or linear.bias is not None or linear.reduce is not None
-                   for linear in linears):
-                return None
-            dim = attention.head_dim
-            if dim % 8 or dim > 256 or attention.num_heads % attention.num_kv_heads:
-                return None
-            norm = getattr(attention, "qk_norm_weight", None)
-            post = layer.post_attention_layernorm
-            following = layers[index + 1].input_layernorm if index + 1 < len(layers) else self.model.norm
-            result.append(DenseLayerWeights(
-                hidden=self.config.hidden_size, heads=attention.num_heads,
-                kv_heads=attention.num_kv_heads, dim=dim, qkv=attention.qkv_proj.weight,
-                qk_norm=None if norm is None else norm.float().contiguous(),
-                qk_eps=attention.q_norm.eps if attention.q_norm is not None else 0.0, o=attention.o_proj.weight,
-                post_norm=post.weight.detach().float().contiguous(), post_eps=post.eps, gate_up=mlp.gate_up_proj.weight,
-                gate_up_width=mlp.gate_up_proj.out_features, down=mlp.down_proj.weight,
-                next_norm=following.weight.detach().float().contiguous(), next_eps=following.eps,
-            ))
-        first = layers[0].input_layernorm
-        layout = common_layout(layers.modules())
-        if layout is None:
-            return None
-        return StackWeights.of(result, first.weight.detach().float().contiguous(), first.eps, amx=layout == "amx")
+        mask = visibility_mask(positions, kv_len) if backend.needs_mask else None  # [b, 1, s, kv_len]
+        rope = rotary_cos_sin(self.inv_freq, positions, x.dtype)
+        return backend.run(self, x, rope, cache, slots, read_slots, positions, kv_len, mask, tap_layers)
 
     def pack(self, layout: str | None = "auto", kernel_threads: int = 1) -> "TargetModel":
         """For inference: fuse q/k/v and gate/up into one GEMM each and store the projections (and the lm_head)
@@ -322,10 +235,18 @@ class TargetModel(EmbeddingHead, nn.Module):
             for layer in self.model.layers:
                 layer.self_attn.pack(layout, multiply)
                 layer.mlp.pack(layout, _reduce_of(layer.mlp.down_proj), multiply)
-            if self.kernels is not None and not self.tp.parallel:
-                self.whole_layers = self._whole_layer_weights()
+            self.backend = self._backend()
             self.share_kernel_threads(kernel_threads)
         return self
+
+    def _backend(self) -> KernelLayers | None:
+        """The packed model's backend for steps over a cache: the C++ kernels' where they run (every layer in one
+        call unless tensor parallel or a layer it does not take); None: PyTorch's ops, as the input's dtype and
+        device call for (EagerLayers.of)."""
+        if self.kernels is None:
+            return None
+        whole = None if self.tp.parallel else WholeStack.of(self, self.kernels)
+        return whole or KernelLayers(self.kernels)
 
     def share_kernel_threads(self, threads: int) -> None:
         """Run the C++ layer stack and lm_head on `threads` threads (the caller's included; 1: the caller's
