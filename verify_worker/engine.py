@@ -20,15 +20,12 @@ import time
 
 import torch
 
-from cuda_ext.verify.op import verify_block, verify_greedy
-from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.cpu_kernels.library import WorkerPool, pool_awake
 from shared.errors import ConfigError, RequestError, WorkerFault
 from shared.kv_cache import consecutive_range
 from shared.proposals import DraftItem, Proposer, ProposerUnavailable
 from shared.request_limits import is_int64
-from shared.sampling import batch_sampling_probs
 from shared.sampling_params import SamplingParams
 from verify_worker.families.interface import StepBatch, TargetFamily
 from verify_worker.logprobs import TokenLogprob, token_logprobs
@@ -37,6 +34,7 @@ from verify_worker.request_snapshot import RequestSnapshot
 from verify_worker.scheduler import num_drafts, padding_groups, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.step_buckets import StepBuckets
+from verify_worker.verify_inputs import verify_block_rows
 
 
 class SpeculativeEngine:
@@ -326,8 +324,8 @@ class SpeculativeEngine:
             last = torch.tensor([chunks[row][1] - 1 for row in done], device=self.device)
             logits = self.target.logits(out.hidden[torch.tensor(done, device=self.device), last])  # [d, vocab]
             none = torch.zeros(len(done), 0, dtype=torch.long)  # the first token: a verify step with no drafts
-            first = self._verify([chunks[row][0] for row in done], none, [0] * len(done), [None] * len(done),
-                                 logits[:, None])[1]
+            first = verify_block_rows([chunks[row][0] for row in done], none, [0] * len(done), [None] * len(done),
+                                      logits[:, None], self.device)[1]
         report.prefill_tokens += sum(n for _, n in chunks)
         for row, (state, n) in enumerate(chunks):
             if state.request.prompt_logprobs:
@@ -377,7 +375,7 @@ class SpeculativeEngine:
         else:
             out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
         logits = self.target.logits(out.hidden)  # [b, n+1, vocab]
-        accepted, next_tokens = self._verify(states, drafts, counts, proposals, logits)
+        accepted, next_tokens = verify_block_rows(states, drafts, counts, proposals, logits, self.device)
         report.seconds["verify"] += time.perf_counter() - started
         report.decode_requests = len(states)
         report.drafted_at, report.accepted_at = [0] * n, [0] * n
@@ -519,47 +517,6 @@ class SpeculativeEngine:
         width = len(self.tap_layers) * self.target.config.hidden_size
         return torch.zeros(0, width, dtype=self.target.embed_weight.dtype, device=self.device)
 
-    def _verify(self, states, drafts, counts: list[int], proposals, logits) -> tuple[list[int], list[int]]:
-        """Greedy rows by prefix match, sampled rows by rejection sampling, in one call of the verify kernel (or its
-        reference: cuda_ext/verify). drafts [b, n]; proposals[r]: (q_probs, q_ids) of a sampled row's drafts (None,
-        None for a point mass). Returns the accepted counts and next tokens."""
-        b, n = drafts.shape
-        device = self.device
-        logits = mask_early_stops(states, logits)
-        num = torch.tensor(counts, device=device)
-        sampled_rows = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
-        if not sampled_rows and n == 0:  # greedy plain decoding: the argmax (the kernel's rule, first of ties)
-            return [0] * b, logits[:, 0].argmax(-1).tolist()
-        if not sampled_rows:
-            return verify_greedy(logits, drafts.to(device), num)
-        index = torch.tensor(sampled_rows, device=device)
-        probs = batch_sampling_probs(logits[sampled_rows], [states[r].request.sampling for r in sampled_rows])
-        scores = logits.float().index_copy(0, index, probs)  # [b, n+1, V]: logits, or p for sampled rows
-        vocab = scores.shape[-1]
-        forms, sparse, dense = torch.zeros(b, dtype=torch.int32), {}, {}
-        accept_u, sample_u = torch.ones(b, n, dtype=torch.float64), torch.zeros(b, dtype=torch.float64)
-        for r in sampled_rows:
-            k = counts[r]
-            q_probs, q_ids = proposals[r] if proposals[r] is not None else (None, None)
-            if k and q_probs is not None:
-                forms[r] = SPARSE if q_ids is not None else DENSE
-                (sparse if q_ids is not None else dense)[r] = (q_probs[:k], None if q_ids is None else q_ids[:k])
-            draws = states[r].uniforms(k + 1)  # k acceptance tests, then one draw
-            accept_u[r, :k], sample_u[r] = draws[:k], draws[k]
-        width = max((q.shape[-1] for q, _ in sparse.values()), default=0)
-        q_ids = torch.zeros(b, n, width, dtype=torch.long, device=device)  # padding: id 0 with probability 0
-        q_probs = torch.zeros(b, n, width, device=device)
-        for r, (q, ids) in sparse.items():
-            q_ids[r, : len(q), : ids.shape[-1]], q_probs[r, : len(q), : q.shape[-1]] = ids, q
-        q_dense = torch.zeros(b, n, vocab, device=device) if dense else torch.zeros(0, device=device)
-        for r, (q, _) in dense.items():
-            q_dense[r, : len(q)] = q
-        sampled = torch.zeros(b, dtype=torch.bool)
-        sampled[sampled_rows] = True
-        out = verify_block(scores, drafts.to(device), num, sampled.to(device), forms.to(device), q_dense, q_ids,
-                           q_probs, accept_u.to(device), sample_u.to(device))
-        return out[:, 0].tolist(), out[:, 1].tolist()
-
     def _score_prompt(self, state: RequestState, hidden: torch.Tensor, floats_at_once: int = 1 << 24) -> None:
         """Log-probabilities of the prompt tokens that this chunk's rows (hidden [n, H], from position
         state.prefilled) predict, in slices of [rows, vocab] float32 logits of at most 64 MB (110 rows of a
@@ -620,26 +577,3 @@ class SpeculativeEngine:
                 self.proposer.release(state.request_id)
             except ProposerUnavailable:
                 pass  # a restarted drafter holds nothing for this request anyway
-
-
-def mask_early_stops(states: list[RequestState], logits: torch.Tensor) -> torch.Tensor:
-    """logits [b, n+1, vocab] of a verify block (row j of request r predicts its output token len(output) + j)
-    with every stop token at -inf where that output token comes before the request's min_tokens, so that neither
-    the argmax nor the sampled distribution can end it early: the target's own rule, which verification then
-    holds the drafts to. In place, unless a masked request asked for log-probabilities (they are the unmasked
-    logits', as vLLM reports them): then on a copy."""
-    masks = []
-    for row, state in enumerate(states):
-        early = state.request.min_tokens - len(state.output_ids)  # block rows still before min_tokens
-        if early > 0 and state.request.stop_token_ids:
-            masks.append((row, min(early, logits.shape[1]), state.request))
-    if not masks:
-        return logits
-    if any(request.logprobs is not None for _, _, request in masks):
-        logits = logits.clone()
-    vocab = logits.shape[-1]
-    for row, rows, request in masks:
-        ids = torch.tensor([t for t in request.stop_token_ids if 0 <= t < vocab], dtype=torch.long,
-                           device=logits.device)
-        logits[row, :rows, ids] = float("-inf")
-    return logits
