@@ -7,7 +7,7 @@ import torch
 from cuda_ext.verify.op import verify_block, verify_greedy
 from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.sampling import batch_sampling_probs
-from verify_worker.early_stops import mask_early_stops
+from verify_worker.engine.early_stops import mask_early_stops
 from verify_worker.request import RequestState
 
 

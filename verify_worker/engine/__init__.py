@@ -1,0 +1,5 @@
+"""The speculative engine (core.py) and its parts."""
+
+from verify_worker.engine.core import SpeculativeEngine
+
+__all__ = ["SpeculativeEngine"]

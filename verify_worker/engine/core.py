@@ -1,0 +1,272 @@
+"""The speculative engine: prefill, draft, verify, commit and roll back for a batch of requests.
+
+One engine serves both placements: dflash-generate drives it with an in-process proposer, the verify worker
+with a remote one. Without a proposer, with num_speculative_tokens 0, or while the proposer is unavailable,
+a step is plain decoding: the same code path with zero drafts.
+
+Continuous batching: requests may be added or aborted between steps. Each step prefills prompt chunks (at
+most max_prefill_tokens in all, so a long prompt does not stall running streams) in one target forward, then
+decodes every running request in one more.
+
+Its parts, one job each: admission.py (validation, queues, slots), isolation.py (undoing a failed step and
+bisecting its batch), speculation.py (drafting and the policy's measurements), verify_inputs.py (the verify
+call), early_stops.py (min_tokens), output.py (commits, log-probabilities, freeing).
+"""
+
+import logging
+import time
+
+import torch
+
+from shared.cpu_kernels.library import WorkerPool, pool_awake
+from shared.errors import ConfigError
+from shared.kv_cache import consecutive_range
+from shared.proposals import Proposer
+from verify_worker.engine.admission import Admission
+from verify_worker.engine.isolation import Isolation
+from verify_worker.engine.output import Output
+from verify_worker.engine.speculation import Speculation
+from verify_worker.engine.verify_inputs import verify_block_rows
+from verify_worker.families.interface import StepBatch, TargetFamily
+from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
+from verify_worker.scheduler import num_drafts, padding_groups, plan_prefill
+from verify_worker.spec_policy import AdaptiveSpeculation
+from verify_worker.step_buckets import StepBuckets
+
+
+class SpeculativeEngine(Admission, Isolation, Speculation, Output):
+    """A batch of requests stepped together; the step, prefill and decode are here, each part's methods in its
+    own file (the parts share the engine's fields: the queues, the slots, the target's state, the policy)."""
+
+    def __init__(
+        self,
+        target: TargetFamily,
+        proposer: Proposer | None = None,
+        max_requests: int = 16,
+        max_model_len: int | None = None,
+        max_prefill_tokens: int = 2048,
+        policy: AdaptiveSpeculation | None = None,
+        step_buckets: str | None = None,
+    ):
+        """step_buckets: None runs each decode step at its own shape; "eager" pads it to a bucket
+        (verify_worker/step_buckets.py), "cuda-graphs" too and replays one CUDA graph per bucket (a CUDA target
+        whose family takes padded steps)."""
+        cfg = target.config
+        self.target = target
+        self.proposer = proposer
+        self.block_size = proposer.block_size if proposer else 1
+        if proposer is not None:
+            if proposer.num_target_layers != cfg.num_layers:
+                raise ConfigError(
+                    f"the drafter was built for a target of {proposer.num_target_layers} layers; "
+                    f"this target has {cfg.num_layers}"
+                )
+            if self.block_size < 2:
+                raise ConfigError(f"block size must be >= 2, got {self.block_size}")
+        if max_prefill_tokens < 1:
+            raise ConfigError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.tap_layers = tuple(proposer.target_layer_ids) if proposer else ()
+        self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+        self.max_prefill_tokens = max_prefill_tokens
+        self.max_requests = max_requests
+        if step_buckets not in (None, "eager", "cuda-graphs"):
+            raise ConfigError(f"step buckets must be None, 'eager' or 'cuda-graphs', got {step_buckets!r}")
+        if step_buckets is not None and not getattr(target, "graphable_steps", False):
+            raise ConfigError(f"{type(target).__name__} does not take padded steps (CUDA graphs): its state commits "
+                              f"tokens, or its step is mirrored on other ranks")
+        # a padded step's extra rows write into one more slot, which no request holds
+        self.state = target.new_state(max_requests + (step_buckets is not None),
+                                      self.max_model_len + max(self.block_size, 1))
+        self.free_slots = list(range(max_requests))  # a heap (see _take_slot)
+        self.buckets = None if step_buckets is None else StepBuckets(
+            target, self.state, max_requests, max(self.block_size, 1), self.tap_layers,
+            graphs=step_buckets == "cuda-graphs")
+        self.waiting: list[RequestState] = []
+        self.prefilling: list[RequestState] = []
+        self.running: dict[str, RequestState] = {}  # request id -> decoding state, in admission order
+        self.device = target.embed_weight.device
+        self.last_report = StepReport()
+        self.last_reports: list[StepReport] = []  # one per ordinary step of the last step() (more after a fault)
+        self.policy = policy if proposer is not None else None  # None: every step drafts what it may
+        self.shadow_drafts: dict[str, tuple[int, list[int]]] = {}  # request -> (output index, drafts) of a probe
+        self.log = logging.getLogger("dflash.engine")
+
+    def warm_up(self, progress=None) -> int:
+        """Before any request: every decode step shape run once, or captured as a CUDA graph (step_buckets
+        "cuda-graphs"), so no request waits for a capture. Returns the shapes done (0 without step buckets)."""
+        if self.buckets is None:
+            return 0
+        if self.running or self.waiting or self.prefilling:
+            raise RuntimeError("warm_up writes slots no request may hold: call it before the first request")
+        return self.buckets.warm_up(self.max_requests, progress)
+
+    # ------------------------------------------------------------------ stepping
+    @torch.inference_mode()
+    def step(self) -> list[StepEvent]:
+        """Admit what fits, then one step of every admitted request. A step that raises is undone and retried in
+        halves of its batch; a request that fails on its own ends with finish reason "error" (its event carries
+        the error), and the others advance as if nothing had happened."""
+        while self.waiting and self.free_slots:
+            state = self.waiting.pop(0)
+            state.slot, state.status = self._take_slot(), Status.PREFILLING
+            self.target.reset(self.state, state.slot)
+            self.prefilling.append(state)
+        groups = [[s.request_id for s in self.prefilling] + list(self.running)]
+        events, self.last_reports = [], []
+        # its helpers spin between the step's calls (a gap of over 2 ms without one, as the bookkeeping of a large
+        # batch can take, lets them sleep: the gateway needs the cores then)
+        with pool_awake(self._target_pool()):
+            self._step_groups(groups, events)
+        return events
+
+    def _target_pool(self):
+        """The C++ kernels' worker pool the target computes on (an optional `pool` of the family), or None."""
+        pool = getattr(self.target, "pool", None)
+        return pool if isinstance(pool, WorkerPool) else None
+
+    def observe_loop(self, seconds: float) -> None:
+        """The caller's loop took `seconds` around the last step() without waiting for work: what that step cost
+        beyond its decode time goes to the policy (a step with a prefill chunk says nothing about decode steps)."""
+        reports = self.last_reports
+        if self.policy is None or not reports or any(r.prefill_tokens or not r.decode_requests for r in reports):
+            return
+        self.policy.observe_overhead(seconds - sum(r.decode_seconds() for r in reports))
+
+    def _step_group(self, group: set[str]) -> list[StepEvent]:
+        """One ordinary step of the admitted requests in group: their next prompt chunks, then their decode."""
+        report = StepReport(seconds={"draft": 0.0, "transfer": 0.0, "verify": 0.0, "prefill": 0.0, "cache": 0.0})
+        started = time.perf_counter()
+        events: dict[str, StepEvent] = {}
+        kept: dict[int, int] = {}  # slot -> tokens of this step the target keeps (committed once the step is done)
+        chunks = plan_prefill([s for s in self.prefilling if s.request_id in group], self.max_prefill_tokens)
+        for similar in padding_groups(chunks):  # one forward per group of similar lengths (padding costs rows)
+            self._prefill(similar, events, report, kept)
+        decoding = sorted((s for s in self.running.values() if s.request_id in group), key=lambda s: s.slot)
+        if decoding:
+            self._decode(decoding, events, report, kept)
+        if kept and self.target.commits_state:  # a positional cache needs no commit: nothing to build per step
+            slots = torch.tensor(list(kept), device=self.device)
+            self.target.commit(self.state, slots, torch.tensor(list(kept.values()), device=self.device))
+        measured = sum(report.seconds.values())
+        report.seconds["scheduling"] = max(0.0, time.perf_counter() - started - measured)
+        self.last_report = report
+        return list(events.values())
+
+    def generate(self, requests: list[GenerationRequest]) -> list[GenerationResult]:
+        states = [self.add(r) for r in requests]
+        while self.has_work():
+            self.step()
+        failed = next((s for s in states if s.error is not None), None)
+        if failed is not None:
+            raise RuntimeError(f"request {failed.request_id} failed: {failed.error}")
+        return [GenerationResult(s.request_id, s.output_ids, s.finish_reason, s.stats,
+                                 s.logprobs if s.request.logprobs is not None else None,
+                                 s.prompt_logprobs if s.request.prompt_logprobs else None) for s in states]
+
+    def _prefill(self, chunks: list[tuple[RequestState, int]], events: dict, report: StepReport,
+                 kept: dict[int, int]) -> None:
+        """One forward over the next prompt chunk of each prefilling request; requests whose prompt is now
+        complete sample their first token and start decoding."""
+        started = time.perf_counter()
+        width = max(n for _, n in chunks)
+        ids = torch.zeros(len(chunks), width, dtype=torch.long)
+        for row, (state, n) in enumerate(chunks):
+            ids[row, :n] = torch.tensor(state.request.prompt_ids[state.prefilled: state.prefilled + n])
+        starts = torch.tensor([state.prefilled for state, _ in chunks])
+        # [b, width]; padding sits past each chunk, never past the cache (real positions stay < max_model_len)
+        positions = (starts[:, None] + torch.arange(width)).clamp(max=self.state.capacity - 1)
+        out = self._forward(ids, positions, [state.slot for state, _ in chunks], [n for _, n in chunks])
+        done = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.request.prompt_ids)]
+        first = None
+        if done:
+            last = torch.tensor([chunks[row][1] - 1 for row in done], device=self.device)
+            logits = self.target.logits(out.hidden[torch.tensor(done, device=self.device), last])  # [d, vocab]
+            none = torch.zeros(len(done), 0, dtype=torch.long)  # the first token: a verify step with no drafts
+            first = verify_block_rows([chunks[row][0] for row in done], none, [0] * len(done), [None] * len(done),
+                                      logits[:, None], self.device)[1]
+        report.prefill_tokens += sum(n for _, n in chunks)
+        for row, (state, n) in enumerate(chunks):
+            if state.request.prompt_logprobs:
+                self._score_prompt(state, out.hidden[row, :n])
+            if self.proposer is not None:
+                state.feature_chunks.append(out.taps[row, :n].clone())  # a copy: a view would pin the batch
+            state.cache_len += n
+            kept[state.slot] = kept.get(state.slot, 0) + n
+        report.seconds["prefill"] += time.perf_counter() - started
+        for i, row in enumerate(done):
+            state = chunks[row][0]
+            self.prefilling.remove(state)
+            state.status = Status.RUNNING
+            self.running[state.request_id] = state
+            token = int(first[i])
+            self._commit(state, [token], events, self._logprobs(state, logits[i, None], [token]))
+            if state.request.prompt_logprobs:
+                events[state.request_id].prompt_logprobs = state.prompt_logprobs
+
+    def _decode(self, states: list[RequestState], events: dict, report: StepReport, kept: dict[int, int]) -> None:
+        pinned = [self._pins_drafts(s) for s in states]
+        # the policy decides for the rows that leave it the choice (not pinned, not asking for 0 drafts); a
+        # pinned row drafts whatever it says (without a policy every row is pinned, so `free` implies one)
+        free = any(not pin and s.request.num_speculative_tokens != 0 for s, pin in zip(states, pinned))
+        speculate = self.policy is None or (self.policy.speculate([s.request_id for s in states]) if free
+                                            else any(pinned))
+        report.policy_plain = free and not speculate
+        asked = [num_drafts(s, self.block_size, self.proposer is not None and (speculate or pin))
+                 for s, pin in zip(states, pinned)]
+        scored = free and speculate and self.policy.probing is not None and all(
+            s.request.sampling.greedy for s, pin in zip(states, pinned) if not pin)
+        if scored:  # a probe of greedy requests: only the rows it measures draft (see AdaptiveSpeculation.probe_rows)
+            measured = set(self.policy.probing)
+            asked = [a if pin or s.request_id in measured else 0 for a, s, pin in zip(asked, states, pinned)]
+        drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
+        if scored:  # the free rows' drafts are kept and scored later, not verified
+            self._remember_shadow_drafts(states, drafts, [0 if pin else c for c, pin in zip(counts, pinned)])
+            counts = [c if pin else 0 for c, pin in zip(counts, pinned)]
+            drafts = drafts[:, : max(counts, default=0)]
+            report.policy_plain = True
+        started = time.perf_counter()
+        n = drafts.shape[1]
+        block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
+        positions = torch.tensor([s.cache_len for s in states])[:, None] + torch.arange(n + 1)  # [b, n+1]
+        if self.buckets is not None:
+            out = self.buckets.step(block, positions, [s.slot for s in states], int(positions.max()) + 1)
+        else:
+            out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
+        logits = self.target.logits(out.hidden)  # [b, n+1, vocab]
+        accepted, next_tokens = verify_block_rows(states, drafts, counts, proposals, logits, self.device)
+        report.seconds["verify"] += time.perf_counter() - started
+        report.decode_requests = len(states)
+        report.drafted_at, report.accepted_at = [0] * n, [0] * n
+        committed_in_step = []
+        started = time.perf_counter()  # cache work: lengths (rollback), drafter context features, commits, frees
+        for row, state in enumerate(states):
+            a = accepted[row]
+            state.cache_len += a + 1  # the rest of the block is rolled back (by length, or by the family's commit)
+            kept[state.slot] = kept.get(state.slot, 0) + a + 1  # after this step's prompt chunk, if any
+            if self.proposer is not None:
+                state.feature_chunks.append(out.taps[row, : a + 1].clone())
+            tokens = drafts[row, :a].tolist() + [next_tokens[row]]
+            committed = self._commit(state, tokens, events, self._logprobs(state, logits[row, : a + 1], tokens))
+            committed_in_step.append(committed)
+            state.stats.record(counts[row], min(a, committed), committed)
+            report.draft_tokens += counts[row]
+            report.accepted_tokens += min(a, committed)
+            for i in range(counts[row]):
+                report.drafted_at[i] += 1
+                report.accepted_at[i] += i < min(a, committed)
+        report.seconds["cache"] += time.perf_counter() - started
+        if self.policy is not None:
+            self._observe(states, speculate, asked, counts, committed_in_step, report)
+            self._score_shadow_drafts(states)
+
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
+        batch = StepBatch(ids.to(self.device), positions.to(self.device), torch.tensor(slots, device=self.device),
+                          torch.tensor(lengths, device=self.device), key_length=int(positions.max()) + 1,
+                          slot_range=consecutive_range(slots))
+        return self.target.step(batch, self.state, self.tap_layers)
+
+
+
+
+
+

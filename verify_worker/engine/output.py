@@ -1,0 +1,74 @@
+"""Output: committed tokens up to a stop token or max_tokens, their log-probabilities and the prompt's, and a
+finished request's slot and drafter context freed."""
+
+import heapq
+
+import torch
+
+from shared.proposals import ProposerUnavailable
+from verify_worker.logprobs import TokenLogprob, token_logprobs
+from verify_worker.request import RequestState, Status, StepEvent
+
+
+class Output:
+    """The engine's commits (a part of SpeculativeEngine)."""
+
+    def _score_prompt(self, state: RequestState, hidden: torch.Tensor, floats_at_once: int = 1 << 24) -> None:
+        """Log-probabilities of the prompt tokens that this chunk's rows (hidden [n, H], from position
+        state.prefilled) predict, in slices of [rows, vocab] float32 logits of at most 64 MB (110 rows of a
+        152k vocabulary, 4096 of the demo's)."""
+        rows_at_once = max(1, floats_at_once // self.target.config.vocab_size)
+        start, prompt = state.prefilled, state.request.prompt_ids
+        rows = min(len(hidden), len(prompt) - 1 - start)  # the last prompt row predicts the first output token
+        for first in range(0, rows, rows_at_once):
+            last = min(rows, first + rows_at_once)
+            tokens = list(prompt[start + first + 1: start + last + 1])
+            state.prompt_logprobs += token_logprobs(self.target.logits(hidden[first:last]), tokens,
+                                                    state.request.logprobs)
+
+    @staticmethod
+    def _logprobs(state: RequestState, logits: torch.Tensor, tokens: list[int]) -> list[TokenLogprob] | None:
+        """The tokens' log-probabilities from their target logits [len(tokens), vocab], if the request asked."""
+        top = state.request.logprobs
+        return None if top is None else token_logprobs(logits, tokens, top)
+
+    def _commit(self, state: RequestState, tokens: list[int], events: dict,
+                logprobs: list[TokenLogprob] | None = None) -> int:
+        """Append tokens up to a stop token or max_tokens (and their log-probabilities, when asked for); finish
+        the request if it ended. Returns the count kept."""
+        kept = []
+        for token in tokens[: state.remaining]:
+            kept.append(token)
+            if token in state.request.stop_token_ids:
+                state.finish_reason = "stop"
+                break
+        state.output_ids.extend(kept)
+        if state.finish_reason is None and state.remaining == 0:
+            state.finish_reason = "length"
+        event = events.setdefault(state.request_id, StepEvent(state.request_id, [], None))
+        event.new_token_ids.extend(kept)
+        event.stats = state.stats
+        if logprobs is not None:
+            state.logprobs.extend(logprobs[: len(kept)])
+            event.logprobs = (event.logprobs or []) + logprobs[: len(kept)]
+        if state.finish_reason is not None:
+            event.finish_reason = state.finish_reason
+            del self.running[state.request_id]
+            self._free(state, state.finish_reason)
+        return len(kept)
+
+    def _free(self, state: RequestState, reason: str) -> None:
+        state.status = Status.FINISHED
+        state.finish_reason = state.finish_reason or reason
+        state.feature_chunks = []
+        if state.slot >= 0:
+            heapq.heappush(self.free_slots, state.slot)
+            state.slot = -1
+        if self.policy is not None:
+            self.policy.forget(state.request_id)
+            self.shadow_drafts.pop(state.request_id, None)
+        if self.proposer is not None:
+            try:
+                self.proposer.release(state.request_id)
+            except ProposerUnavailable:
+                pass  # a restarted drafter holds nothing for this request anyway
