@@ -47,6 +47,7 @@ VALID_COMPLEX = {
                                                 "content": TEXT}), min_size=1, max_size=3),
     "stop": st.one_of(TEXT, st.lists(TEXT, max_size=4)),
     "stream_options": st.fixed_dictionaries({"include_usage": st.booleans()}),
+    "stop_token_ids": st.lists(st.integers(0, 257), max_size=3),
 }
 ADVERSARIAL = st.one_of(
     st.sampled_from(EDGE_INTEGERS), st.sampled_from(EDGE_FLOATS), JUNK,
