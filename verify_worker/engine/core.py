@@ -29,7 +29,7 @@ from verify_worker.engine.speculation import Speculation
 from verify_worker.engine.verify_inputs import verify_block_rows
 from verify_worker.families.interface import StepBatch, TargetFamily
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
-from verify_worker.scheduler import num_drafts, padding_groups, plan_prefill
+from verify_worker.scheduler import padding_groups, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.step_buckets import StepBuckets
 
@@ -204,27 +204,21 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
                 events[state.request_id].prompt_logprobs = state.prompt_logprobs
 
     def _decode(self, states: list[RequestState], events: dict, report: StepReport, kept: dict[int, int]) -> None:
-        pinned = [self._pins_drafts(s) for s in states]
-        # the policy decides for the rows that leave it the choice (not pinned, not asking for 0 drafts); a
-        # pinned row drafts whatever it says (without a policy every row is pinned, so `free` implies one)
-        free = any(not pin and s.request.num_speculative_tokens != 0 for s, pin in zip(states, pinned))
-        speculate = self.policy is None or (self.policy.speculate([s.request_id for s in states]) if free
-                                            else any(pinned))
-        report.policy_plain = free and not speculate
-        asked = [num_drafts(s, self.block_size, self.proposer is not None and (speculate or pin))
-                 for s, pin in zip(states, pinned)]
-        scored = free and speculate and self.policy.probing is not None and all(
-            s.request.sampling.greedy for s, pin in zip(states, pinned) if not pin)
-        if scored:  # a probe of greedy requests: only the rows it measures draft (see AdaptiveSpeculation.probe_rows)
-            measured = set(self.policy.probing)
-            asked = [a if pin or s.request_id in measured else 0 for a, s, pin in zip(asked, states, pinned)]
-        drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
-        if scored:  # the free rows' drafts are kept and scored later, not verified
-            self._remember_shadow_drafts(states, drafts, [0 if pin else c for c, pin in zip(counts, pinned)])
-            counts = [c if pin else 0 for c, pin in zip(counts, pinned)]
-            drafts = drafts[:, : max(counts, default=0)]
-            report.policy_plain = True
+        """One decode step of the running batch: plan (the policy asked once), draft, forward the block, verify,
+        commit, and tell the policy what the step did."""
+        plan = self._plan(states, report)
+        drafts, proposals, counts = self._draft(states, plan.asked, report)  # drafts [b, n]
+        drafts, counts = self._keep_probe_drafts(plan, states, drafts, counts, report)
         started = time.perf_counter()
+        out, logits = self._forward_block(states, drafts, counts)  # logits [b, n+1, vocab]
+        accepted, next_tokens = verify_block_rows(states, drafts, counts, proposals, logits, self.device)
+        report.seconds["verify"] += time.perf_counter() - started
+        committed = self._commit_block(states, drafts, counts, out, logits, accepted, next_tokens, events, report,
+                                       kept)
+        self._record(plan, states, counts, committed, report)
+
+    def _forward_block(self, states: list[RequestState], drafts: torch.Tensor, counts: list[int]):
+        """The target over [last token, drafts] of every row, at each row's next positions: (output, logits)."""
         n = drafts.shape[1]
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
         positions = torch.tensor([s.cache_len for s in states])[:, None] + torch.arange(n + 1)  # [b, n+1]
@@ -232,32 +226,7 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
             out = self.buckets.step(block, positions, [s.slot for s in states], int(positions.max()) + 1)
         else:
             out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
-        logits = self.target.logits(out.hidden)  # [b, n+1, vocab]
-        accepted, next_tokens = verify_block_rows(states, drafts, counts, proposals, logits, self.device)
-        report.seconds["verify"] += time.perf_counter() - started
-        report.decode_requests = len(states)
-        report.drafted_at, report.accepted_at = [0] * n, [0] * n
-        committed_in_step = []
-        started = time.perf_counter()  # cache work: lengths (rollback), drafter context features, commits, frees
-        for row, state in enumerate(states):
-            a = accepted[row]
-            state.cache_len += a + 1  # the rest of the block is rolled back (by length, or by the family's commit)
-            kept[state.slot] = kept.get(state.slot, 0) + a + 1  # after this step's prompt chunk, if any
-            if self.proposer is not None:
-                state.feature_chunks.append(out.taps[row, : a + 1].clone())
-            tokens = drafts[row, :a].tolist() + [next_tokens[row]]
-            committed = self._commit(state, tokens, events, self._logprobs(state, logits[row, : a + 1], tokens))
-            committed_in_step.append(committed)
-            state.stats.record(counts[row], min(a, committed), committed)
-            report.draft_tokens += counts[row]
-            report.accepted_tokens += min(a, committed)
-            for i in range(counts[row]):
-                report.drafted_at[i] += 1
-                report.accepted_at[i] += i < min(a, committed)
-        report.seconds["cache"] += time.perf_counter() - started
-        if self.policy is not None:
-            self._observe(states, speculate, asked, counts, committed_in_step, report)
-            self._score_shadow_drafts(states)
+        return out, self.target.logits(out.hidden)
 
     def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
         batch = StepBatch(ids.to(self.device), positions.to(self.device), torch.tensor(slots, device=self.device),

@@ -2,12 +2,13 @@
 finished request's slot and drafter context freed."""
 
 import heapq
+import time
 
 import torch
 
 from shared.proposals import ProposerUnavailable
 from verify_worker.logprobs import TokenLogprob, token_logprobs
-from verify_worker.request import RequestState, Status, StepEvent
+from verify_worker.request import RequestState, Status, StepEvent, StepReport
 
 
 class Output:
@@ -31,6 +32,33 @@ class Output:
         """The tokens' log-probabilities from their target logits [len(tokens), vocab], if the request asked."""
         top = state.request.logprobs
         return None if top is None else token_logprobs(logits, tokens, top)
+
+    def _commit_block(self, states, drafts, counts, out, logits, accepted, next_tokens, events: dict,
+                      report: StepReport, kept: dict[int, int]) -> list[int]:
+        """Each row keeps its accepted drafts and the next token (the rest of its block is rolled back by length,
+        or by the family's commit); returns the tokens each row committed."""
+        n = drafts.shape[1]
+        report.decode_requests = len(states)
+        report.drafted_at, report.accepted_at = [0] * n, [0] * n
+        committed_in_step = []
+        started = time.perf_counter()  # cache work: lengths (rollback), drafter context features, commits, frees
+        for row, state in enumerate(states):
+            a = accepted[row]
+            state.cache_len += a + 1
+            kept[state.slot] = kept.get(state.slot, 0) + a + 1  # after this step's prompt chunk, if any
+            if self.proposer is not None:
+                state.feature_chunks.append(out.taps[row, : a + 1].clone())
+            tokens = drafts[row, :a].tolist() + [next_tokens[row]]
+            committed = self._commit(state, tokens, events, self._logprobs(state, logits[row, : a + 1], tokens))
+            committed_in_step.append(committed)
+            state.stats.record(counts[row], min(a, committed), committed)
+            report.draft_tokens += counts[row]
+            report.accepted_tokens += min(a, committed)
+            for i in range(counts[row]):
+                report.drafted_at[i] += 1
+                report.accepted_at[i] += i < min(a, committed)
+        report.seconds["cache"] += time.perf_counter() - started
+        return committed_in_step
 
     def _commit(self, state: RequestState, tokens: list[int], events: dict,
                 logprobs: list[TokenLogprob] | None = None) -> int:

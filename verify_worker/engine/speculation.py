@@ -3,12 +3,25 @@ the shadow drafts of a greedy probe scored against what was committed, and what 
 
 import contextlib
 import time
+from dataclasses import dataclass
 
 import torch
 
 from shared.cpu_kernels.library import pool_awake
 from shared.proposals import DraftItem, ProposerUnavailable
 from verify_worker.request import RequestState, Status, StepReport
+from verify_worker.scheduler import num_drafts
+
+
+@dataclass(frozen=True)
+class StepPlan:
+    """What a decode step does, as planned before drafting: whether it speculates, which rows are pinned to
+    drafting, the drafts each row asks for, and whether it is a scored probe (drafts kept, not verified)."""
+
+    speculate: bool
+    pinned: list[bool]
+    asked: list[int]
+    scored: bool
 
 
 class Speculation:
@@ -26,6 +39,44 @@ class Speculation:
         request = state.request
         seeded = request.sampling.seed is not None and not request.sampling.greedy
         return (request.num_speculative_tokens or 0) > 0 or (seeded and self.policy.pin_seeded)
+
+    def _plan(self, states: list[RequestState], report: StepReport) -> StepPlan:
+        """The policy asked once for the step: whether it speculates, and how many drafts each row asks for. It
+        decides for the rows that leave it the choice (not pinned, not asking for 0 drafts); a pinned row drafts
+        whatever it says (without a policy every row is pinned, so `free` implies one). A probe of greedy
+        requests drafts only the rows it measures (see AdaptiveSpeculation.probe_rows)."""
+        pinned = [self._pins_drafts(s) for s in states]
+        free = any(not pin and s.request.num_speculative_tokens != 0 for s, pin in zip(states, pinned))
+        speculate = self.policy is None or (self.policy.speculate([s.request_id for s in states]) if free
+                                            else any(pinned))
+        report.policy_plain = free and not speculate
+        asked = [num_drafts(s, self.block_size, self.proposer is not None and (speculate or pin))
+                 for s, pin in zip(states, pinned)]
+        scored = free and speculate and self.policy.probing is not None and all(
+            s.request.sampling.greedy for s, pin in zip(states, pinned) if not pin)
+        if scored:
+            measured = set(self.policy.probing)
+            asked = [a if pin or s.request_id in measured else 0 for a, s, pin in zip(asked, states, pinned)]
+        return StepPlan(speculate, pinned, asked, scored)
+
+    def _keep_probe_drafts(self, plan: StepPlan, states: list[RequestState], drafts: torch.Tensor,
+                           counts: list[int], report: StepReport) -> tuple[torch.Tensor, list[int]]:
+        """A scored probe's free rows keep their drafts to be scored later, not verified: (the drafts and counts
+        left to verify, the pinned rows')."""
+        if not plan.scored:
+            return drafts, counts
+        self._remember_shadow_drafts(states, drafts, [0 if pin else c for c, pin in zip(counts, plan.pinned)])
+        counts = [c if pin else 0 for c, pin in zip(counts, plan.pinned)]
+        report.policy_plain = True
+        return drafts[:, : max(counts, default=0)], counts
+
+    def _record(self, plan: StepPlan, states: list[RequestState], counts: list[int], committed: list[int],
+                report: StepReport) -> None:
+        """What the step did, told to the policy once: its time and commits, and the acceptance of the probes'
+        drafts whose positions are now committed."""
+        if self.policy is not None:
+            self._observe(states, plan.speculate, plan.asked, counts, committed, report)
+            self._score_shadow_drafts(states)
 
     def _remember_shadow_drafts(self, states: list[RequestState], drafts: torch.Tensor, counts: list[int]) -> None:
         """A probe while plain decoding is preferred, of greedy requests only, is a plain step: its drafts are
