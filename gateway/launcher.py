@@ -115,8 +115,10 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--draft-kernel-threads", type=int, default=0,
                         help="threads of the drafter's C++ CPU projections (0: every core it may use)")
     parser.add_argument("--draft-timeout", type=float, default=5.0,
-                        help="the longest wait for a draft (a fresh drafter, a call catching up on a prompt); steady "
-                             "calls wait 8x their recent median, at least 0.25 s; a drafter that dies is noticed at once")
+                        help="the longest wait for a draft (a fresh drafter waits it until 4 calls are answered); "
+                             "other calls wait 8x their recent median plus their extra context rows at the measured "
+                             "cost of a row, at least 0.25 s (the verify worker's --draft-deadline-floor); a drafter "
+                             "that closes its connection is noticed at once")
     parser.add_argument("--stall-timeout", type=float, default=300.0,
                         help="a verify worker whose loop makes no progress for this long is hung: it exits (0 = never)")
     parser.add_argument("--spec-policy", choices=["always", "adaptive"], default="adaptive",
