@@ -60,12 +60,13 @@ def channel(*classes: type) -> dict[str, type]:
 
 def encode(message: Message) -> list[bytes | memoryview]:
     body, descriptors, frames = {}, [], []
+    records = _schema(type(message))[3]
     for field in dataclasses.fields(message):
         value = getattr(message, field.name)
         if isinstance(value, RawTensor):
             descriptors.append({"field": field.name, "dtype": value.dtype, "shape": list(value.shape)})
             frames.append(value.data)
-        elif dataclasses.is_dataclass(value):
+        elif field.name in records:
             body[field.name] = dataclasses.asdict(value)
         else:
             body[field.name] = value
@@ -99,15 +100,15 @@ def decode(frames: list, registry: dict[str, type]) -> Message:
 def _build(cls: type, values: dict, where: str):
     """cls(**values) once every field is present and of its declared type (nested dataclasses built first);
     a Message's validate() runs on it."""
-    hints, names, checks = _schema(cls)
+    hints, names, checks, records = _schema(cls)
     if values.keys() != names:
         missing, extra = sorted(names - set(values)), sorted(set(values) - names)
         raise WireError(f"{where}: missing fields {missing}, unexpected fields {extra}")
     for name, value in values.items():
-        if _is_record(hints[name]):
+        if name in records:
             if not isinstance(value, dict):
-                raise WireError(f"{where}.{name}: {value!r:.80} is not a map of {hints[name].__name__}'s fields")
-            values[name] = _build(hints[name], dict(value), f"{where}.{name}")
+                raise WireError(f"{where}.{name}: {value!r:.80} is not a map of {records[name].__name__}'s fields")
+            values[name] = _build(records[name], dict(value), f"{where}.{name}")
         elif not checks[name](value):
             raise WireError(f"{where}.{name}: {value!r:.80} is not a {hints[name]}")
     try:
@@ -125,12 +126,13 @@ def _is_record(hint) -> bool:
 
 
 @functools.cache
-def _schema(cls: type) -> tuple[dict, frozenset, dict]:
-    """A message class's field types, names and a check per field (resolving the annotations, and reading them
-    for every value, cost more than the rest of decode)."""
+def _schema(cls: type) -> tuple[dict, frozenset, dict, dict]:
+    """A message class's field types, names, a check per field and its record fields (name -> dataclass), once
+    per class (resolving the annotations, and reading them for every value, cost more than the rest of decode)."""
     hints = typing.get_type_hints(cls)
     names = frozenset(f.name for f in dataclasses.fields(cls))
-    return hints, names, {name: _check(hints[name]) for name in names}
+    records = {name: hints[name] for name in names if _is_record(hints[name])}
+    return hints, names, {name: _check(hints[name]) for name in names if name not in records}, records
 
 
 @functools.cache
