@@ -25,7 +25,7 @@ import httpx
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT / "tests"))  # the test suite's helpers: process lookup
 
-from processes import child_pid, stop_process  # noqa: E402
+from processes import child_pid, resident_kb, stop_process  # noqa: E402
 
 MB = 10**6
 CHUNK = 1 << 20
@@ -45,23 +45,16 @@ def body_of(kind: str, size: int) -> bytes:
     return head + unit * max(1, (size - len(head) - len(tail)) // len(unit)) + tail
 
 
-def rss_kb(pid: int) -> int:
-    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
-            return int(line.split()[1])
-    raise LookupError("VmRSS")
-
-
 class PeakRss(threading.Thread):
     """Samples a process's resident memory every 10 ms until stopped; .peak in kB."""
 
     def __init__(self, pid: int):
         super().__init__(daemon=True)
-        self.pid, self.peak, self.stopped = pid, rss_kb(pid), threading.Event()
+        self.pid, self.peak, self.stopped = pid, resident_kb(pid), threading.Event()
 
     def run(self):
         while not self.stopped.wait(0.01):
-            self.peak = max(self.peak, rss_kb(self.pid))
+            self.peak = max(self.peak, resident_kb(self.pid))
 
     def stop(self) -> int:
         self.stopped.set()
@@ -156,7 +149,7 @@ def main() -> int:
                            ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}], "max_tokens": 2})):
             httpx.post(url + path, json={"model": model, **body}, timeout=60).raise_for_status()  # warm-up
         time.sleep(0.5)
-        idle = rss_kb(gateway)
+        idle = resident_kb(gateway)
         print(f"gateway idle RSS after warm-up: {idle / 1024:.1f} MiB; framing: "
               f"{'chunked' if args.chunked else 'Content-Length'}")
         print("| body | size | status | answer (s) | RSS after (MiB) | over idle (MiB) | peak over idle (MiB) | "
@@ -177,7 +170,7 @@ def main() -> int:
                 top = peak.stop()
                 del body
                 time.sleep(0.5)
-                after = rss_kb(gateway)
+                after = resident_kb(gateway)
                 try:
                     message = json.loads(answer)["error"]["message"]
                 except (ValueError, KeyError, TypeError):

@@ -25,6 +25,14 @@ def child_pid(parent_pid: int, role: str, rank: int = 0) -> int:
     raise LookupError(role)
 
 
+def resident_kb(pid: int) -> int:
+    """A process's resident memory (VmRSS), in kB."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1])
+    raise LookupError(f"no VmRSS for process {pid}")
+
+
 def process_alive(pid: int) -> bool:
     try:
         os.kill(pid, 0)

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import pytest
+from processes import resident_kb
 from request_fuzz import fuzz
 from server_harness import Server, write_server_models
 
@@ -121,11 +122,6 @@ def test_fuzzed_bodies_beside_running_streams(server):
           f"{victims} victim streams beside them, all complete and identical")
     assert outcome["sent"] >= 700 and outcome["server_errors"] == 0 and outcome["connection_errors"] == 0
     assert outcome["codes"].get(200, 0) > 20  # valid bodies were served too, not only refused
-
-
-def resident_kb(pid: int) -> int:
-    status = open(f"/proc/{pid}/status").read()
-    return int(status.split("VmRSS:")[1].split()[0])
 
 
 def oversized_body(path: str, streamed: bool, size: int) -> bytes:
