@@ -3,9 +3,7 @@
 It loads the drafter and only the target's embedding and lm_head tensors, never the whole target.
 """
 
-import argparse
 import logging
-import os
 import sys
 import time
 
@@ -23,10 +21,12 @@ from shared.cpu_kernels.library import pool_awake
 from shared.draft_codec import items_from_message, reply_message
 from shared.dtype_choice import resolve_dtype
 from shared.errors import DFlashError
-from shared.feature_transport import FrameTransport, add_transport_flags, make_transport
+from shared.feature_transport import FrameTransport, make_transport
 from shared.packed_linear import float32_kernels_run, kernel_layout
 from shared.proposals import DraftResult
 from shared.role import configure_process, run_worker, usable_cores
+from shared.settings.commands import DraftCommand
+from shared.settings.options import build_parser, parse_command
 from shared.target_facts import TargetFacts
 from shared.wire import WireError, decode, encode
 
@@ -133,60 +133,43 @@ class DraftServer:
             return DraftResult(tokens=None)
 
 
-def parse_args(argv):
-    env = os.environ.get
-    parser = argparse.ArgumentParser(prog="dflash-draft-worker", description="The DFlash draft worker role.")
-    parser.add_argument("--role", default="draft", choices=["draft"], help=argparse.SUPPRESS)
-    parser.add_argument("--target", default=env("DFLASH_TARGET"), help="target checkpoint (embedding and lm_head only)")
-    parser.add_argument("--draft", default=env("DFLASH_DRAFT"), help="DFlash drafter checkpoint")
-    parser.add_argument("--draft-addr", default=env("DFLASH_DRAFT_ADDR", "tcp://127.0.0.1:5557"),
-                        help="ZeroMQ address to bind for draft calls")
-    parser.add_argument("--metrics-port", type=int, default=int(env("DFLASH_DRAFT_METRICS_PORT", "9102")),
-                        help="Prometheus port (0 = none)")
-    parser.add_argument("--metrics-host", default=env("DFLASH_METRICS_HOST", "127.0.0.1"))
-    parser.add_argument("--block-size", type=int, default=None)
-    parser.add_argument("--max-requests", type=int, default=64, help="requests with a cached context at once")
-    parser.add_argument("--max-model-len", type=int, default=None)
-    parser.add_argument("--draft-sampling", choices=[m.value for m in DraftSampling], default="dense")
-    parser.add_argument("--device", default=env("DFLASH_DEVICE", "cpu"))
-    parser.add_argument("--dtype", default="auto")
-    parser.add_argument("--threads", type=int, default=int(env("DFLASH_DRAFT_THREADS", "0")),
-                        help="PyTorch's threads (0: a quarter of the cores, see shared.role.default_threads)")
-    parser.add_argument("--kernel-threads", type=int, default=int(env("DFLASH_DRAFT_KERNEL_THREADS", "0")),
-                        help="threads of the drafter's C++ CPU projections, where they run (0: every core this "
-                             "process may use)")
-    add_transport_flags(parser, env)
-    return parser.parse_args(argv)
+def parse_args(argv) -> DraftCommand:
+    """The draft worker's settings (shared.settings: DraftCommand), from flags, $DFLASH_* or the launcher."""
+    parser = build_parser(DraftCommand, "dflash-draft-worker", "The DFlash draft worker role.")
+    return parse_command(DraftCommand, parser, argv)[0]
 
 
-def build_server(args, log: logging.Logger) -> DraftServer:
-    if not args.target or not args.draft:
+def build_server(settings: DraftCommand, log: logging.Logger) -> DraftServer:
+    model = settings.model
+    if not model.target or not model.draft:
         raise DFlashError("--target and --draft are required")
-    target_cfg = TargetFacts.from_config(read_config(args.target))
-    kernels = float32_kernels_run(args.device)  # the drafter packs like a llama target
-    dtype = resolve_dtype(args.dtype, target_cfg.checkpoint_dtype, args.device, kernels)
-    drafter = load_drafter(args.draft, dtype=dtype, device=args.device)
-    embed, head = load_target_head(args.target, dtype, args.device)
+    target_cfg = TargetFacts.from_config(read_config(model.target))
+    kernels = float32_kernels_run(model.device)  # the drafter packs like a llama target
+    dtype = resolve_dtype(model.dtype, target_cfg.checkpoint_dtype, model.device, kernels)
+    drafter = load_drafter(model.draft, dtype=dtype, device=model.device)
+    embed, head = load_target_head(model.target, dtype, model.device)
     proposer = LocalProposer(
-        drafter, embed, head, block_size=args.block_size, max_requests=args.max_requests,
-        max_model_len=args.max_model_len or target_cfg.max_position_embeddings,
-        draft_sampling=DraftSampling(args.draft_sampling),
-        layout=kernel_layout(args.dtype, target_cfg.checkpoint_dtype, args.device),
+        drafter, embed, head, block_size=model.block_size, max_requests=settings.worker.max_requests,
+        max_model_len=model.max_model_len or target_cfg.max_position_embeddings,
+        draft_sampling=DraftSampling(settings.speculation.draft_sampling),
+        layout=kernel_layout(model.dtype, target_cfg.checkpoint_dtype, model.device),
     )
-    proposer.share_kernel_threads(args.kernel_threads or usable_cores())
+    proposer.share_kernel_threads(settings.threads.kernel_threads or usable_cores())
     metrics = DraftMetrics()
-    transport = make_transport(args.feature_transport, args.feature_pair_addr, sender=False, device=args.device,
-                               backend=args.feature_pair_backend, timeout_s=args.feature_pair_timeout)
-    server = DraftServer(proposer, args.draft_addr, metrics, log, transport)
-    if args.metrics_port:
-        start_http_server(args.metrics_port, addr=args.metrics_host, registry=metrics.registry)
+    wire = settings.transport
+    transport = make_transport(wire.feature_transport, wire.feature_pair_addr, sender=False, device=model.device,
+                               backend=wire.feature_pair_backend, timeout_s=wire.feature_pair_timeout)
+    server = DraftServer(proposer, settings.channels.draft_addr, metrics, log, transport)
+    if settings.metrics.metrics_port:
+        start_http_server(settings.metrics.metrics_port, addr=settings.metrics.metrics_host, registry=metrics.registry)
     return server
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
-    log = configure_process("draft", args.threads)
-    return run_worker("draft", "dflash-draft-worker", lambda: build_server(args, log), lambda _: args.draft_addr)
+    settings = parse_args(argv)
+    log = configure_process("draft", settings.threads.threads)
+    return run_worker("draft", "dflash-draft-worker", lambda: build_server(settings, log),
+                      lambda _: settings.channels.draft_addr)
 
 
 if __name__ == "__main__":

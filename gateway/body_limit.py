@@ -1,7 +1,4 @@
-"""The request-body cap: its default, derived from the context, and its flag (no third-party imports: the
-launcher declares the flag too)."""
-
-import argparse
+"""The request-body cap: its default, derived from the context (the flag is --max-body-mb, in shared.settings)."""
 
 MIB = 1 << 20
 BODY_FLOOR_BYTES = 4 * MIB
@@ -9,8 +6,6 @@ BODY_FLOOR_BYTES = 4 * MIB
 # text averages 4-5 bytes a token, CJK text escaped as \uXXXX about 8, code with its \n and \" escapes 8-10, a
 # token id 8 ("151643, "). 32 leaves room for three times that and for the rest of the body.
 BODY_BYTES_PER_TOKEN = 32
-MAX_BODY_HELP = (f"the largest request body accepted, in MiB (a larger one gets a 413 before it is read; default: "
-                 f"{BODY_BYTES_PER_TOKEN} bytes a token of the context, at least {BODY_FLOOR_BYTES // MIB} MiB)")
 
 
 def default_body_bytes(max_model_len: int) -> int:
@@ -26,14 +21,3 @@ def body_bytes(megabytes: float | None, max_model_len: int) -> int:
 
 def mebibytes(count: int) -> str:
     return f"{count / MIB:g} MiB"
-
-
-def positive_mb(text: str) -> float:
-    """A size in MiB, for argparse: a finite number above 0."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number: {text!r}") from None
-    if not 0 < value < float("inf"):
-        raise argparse.ArgumentTypeError(f"must be above 0 MiB, got {text}")
-    return value

@@ -167,16 +167,3 @@ def make_transport(kind: str, address: str | None, sender: bool, device: str, ba
     if not address:
         raise DFlashError("--feature-transport pair needs --feature-pair-addr HOST:PORT")
     return PairTransport(address, sender, device, backend, timeout_s)
-
-
-def add_transport_flags(parser, env) -> None:
-    """The same four flags on the verify worker and the draft worker (both ends must agree)."""
-    group = parser.add_argument_group("feature transport (verify rank 0 -> draft worker)")
-    group.add_argument("--feature-transport", choices=["frames", "pair"],
-                       default=env("DFLASH_FEATURE_TRANSPORT", "frames"),
-                       help="frames: in the ZeroMQ message; pair: a torch.distributed pair (NCCL on CUDA)")
-    group.add_argument("--feature-pair-addr", default=env("DFLASH_FEATURE_PAIR_ADDR"),
-                       help="HOST:PORT of the pair's rendezvous store, hosted by the verify worker")
-    group.add_argument("--feature-pair-backend", choices=["auto", "gloo", "nccl"], default="auto")
-    group.add_argument("--feature-pair-timeout", type=float, default=5.0,
-                       help="seconds a pair rendezvous or transfer may take before the drafter counts as down")

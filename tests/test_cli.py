@@ -173,7 +173,7 @@ def test_hidden_size_mismatch_between_target_and_drafter(checkpoints, tmp_path, 
         (["--prompt-ids", "1,999"], "prompt token id 999 is outside the vocabulary"),
         (["--prompt-ids", ""], "the prompt is empty"),
         (["--max-tokens", "100000"], "exceeds the maximum model length"),
-        (["--dtype", "int8"], "dtype 'int8' is not supported"),
+        (["--dtype", "int8"], "argument --dtype: invalid choice: 'int8'"),
         (["--logprobs", "21"], "logprobs must be an integer from 0 to 20"),
     ],
 )

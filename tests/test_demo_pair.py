@@ -79,22 +79,18 @@ def test_demo_drafters_speculate_losslessly_on_held_out_code(drafter_name):
     assert committed / steps > 1.5  # a trained drafter: drafts are accepted on held-out code
 
 
-def _flag(argv: list[str], name: str) -> str:
-    return argv[argv.index(name) + 1]
-
-
 def test_dflash_serve_without_arguments_wires_the_demo_target_and_its_dflash2_drafter():
-    args = launcher.parse_args([])
-    children = launcher.build_children(args)
-    assert args.served_model_name == "dflash-demo"
+    children = launcher.build_children(launcher.parse_args([]))
+    assert children["gateway"].settings.http.served_model_name == "dflash-demo"
     for role in ("verify", "draft"):
-        argv = children[role].argv
-        assert _flag(argv, "--target") == str(DEMO_DIR / "target")
-        assert _flag(argv, "--draft") == str(DEMO_DIR / "draft2")
+        model = children[role].settings.model
+        assert model.target == str(DEMO_DIR / "target")
+        assert model.draft == str(DEMO_DIR / "draft2")
     mine = launcher.build_children(launcher.parse_args(["--draft", str(DEMO_DIR / "draft")]))
-    assert _flag(mine["draft"].argv, "--draft") == str(DEMO_DIR / "draft")
+    assert mine["draft"].settings.model.draft == str(DEMO_DIR / "draft")
     plain = launcher.build_children(launcher.parse_args(["--no-draft"]))
-    assert "draft" not in plain and "--no-draft" in plain["verify"].argv
+    assert "draft" not in plain and plain["verify"].settings.model.no_draft
+    assert not plain["verify"].settings.drafting and plain["gateway"].settings.model.no_draft
 
 
 def test_other_engines_tokenize_the_demo_target_as_we_do():

@@ -21,7 +21,7 @@ from draft_worker.server import DraftMetrics
 from gateway.metrics import GatewayMetrics
 from shared import metric_names
 from verify_worker.request import StepReport
-from verify_worker.server import VerifyMetrics
+from verify_worker.worker_metrics import VerifyMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
@@ -81,7 +81,7 @@ def command_argv(service, where) -> list[str]:
 
 
 def parse_with_script(argv: list[str], monkeypatch):
-    """Run the console script's own parse_args on argv[1:]; return (its parser, the parsed namespace)."""
+    """Run the console script's own parse_args on argv[1:]; return (its parser, the parsed settings)."""
     script, args = argv[0], argv[1:]
     scripts = console_scripts()
     assert script in scripts, f"{script!r} is not a console script of pyproject.toml ({sorted(scripts)})"
@@ -262,15 +262,16 @@ def test_tensor_parallel_ranks_agree(monkeypatch):
         argv = command_argv(service, name)
         _, ns = parse_with_script(argv, monkeypatch)
         if argv[0] == "dflash-verify-worker":
-            by_rank[ns.rank] = (path.name, ns)
-            if ns.rank == 0:
-                verify_draft = ns.draft_addr
+            by_rank[ns.parallel.rank] = (path.name, ns)
+            if ns.parallel.rank == 0:
+                verify_draft = ns.channels.draft_addr
         elif argv[0] == "dflash-draft-worker":
-            draft_bind = ns.draft_addr
+            draft_bind = ns.channels.draft_addr
     rank0, rank1 = by_rank[0][1], by_rank[1][1]
     assert by_rank[0][0] != by_rank[1][0], "the two ranks belong on the two hosts"
-    assert (rank1.master_addr, rank1.master_port) == (rank0.master_addr, rank0.master_port)
-    assert rank1.world_size == 2 and rank1.metrics_port == 0
+    assert (rank1.parallel.master_addr, rank1.parallel.master_port) == (rank0.parallel.master_addr,
+                                                                        rank0.parallel.master_port)
+    assert rank1.parallel.world_size == 2 and rank1.metrics.metrics_port == 0
     assert draft_bind.rsplit(":", 1)[1] == verify_draft.rsplit(":", 1)[1], (draft_bind, verify_draft)
     assert not verify_draft.startswith(("tcp://127.", "tcp://localhost")), "the draft worker runs on the other host"
 
@@ -290,11 +291,11 @@ def test_healthchecks_and_scrape_targets_use_the_real_ports(monkeypatch):
         host = "dflash-host-a" if "host-a" in path.name else "dflash-host-b"
         check = " ".join(interpolate(x, name) for x in service.get("healthcheck", {}).get("test", []))
         if argv[0] == "dflash-gateway":
-            port = ns.port
+            port = ns.http.port
             assert re.search(rf"127\.0\.0\.1:{port}/health(?![\w/])", check), f"{name}: healthcheck {check!r}"
-        elif ns.metrics_port:
-            port = ns.metrics_port
-            assert ns.metrics_host == "0.0.0.0", f"{name}: Prometheus on the other host cannot reach 127.0.0.1"
+        elif ns.metrics.metrics_port:
+            port = ns.metrics.metrics_port
+            assert ns.metrics.metrics_host == "0.0.0.0", f"{name}: Prometheus on the other host cannot reach 127.0.0.1"
             assert re.search(rf"127\.0\.0\.1:{port}/metrics(?![\w/])", check), f"{name}: healthcheck {check!r}"
         else:
             continue  # a TP follower: no port at all
@@ -326,9 +327,10 @@ def test_dockerfile_copies_real_paths_and_runs_a_declared_script(monkeypatch):
     cmd = json.loads(next(line for line in lines if line.startswith("CMD"))[len("CMD"):])
     _, ns = parse_with_script(cmd, monkeypatch)
     copy = next(line.split() for line in lines if line.startswith("COPY models/demo "))
-    assert ns.target.startswith(copy[-1] + "/") and ns.draft.startswith(copy[-1] + "/"), (ns.target, copy)
-    assert (ROOT / "models/demo" / Path(ns.target).name / "config.json").exists()
-    assert (ROOT / "models/demo" / Path(ns.draft).name / "config.json").exists()
+    model = ns.model
+    assert model.target.startswith(copy[-1] + "/") and model.draft.startswith(copy[-1] + "/"), (model.target, copy)
+    assert (ROOT / "models/demo" / Path(model.target).name / "config.json").exists()
+    assert (ROOT / "models/demo" / Path(model.draft).name / "config.json").exists()
     ignore = (DOCKER / "Dockerfile.dockerignore").read_text().split()
     assert "runs" in ignore and ".git" in ignore
     # every package the distribution installs is copied into the image (and not filtered out of the context)

@@ -14,7 +14,7 @@ LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)]*)?\)")
 def test_the_flag_table_is_the_parsers():
     text = (ROOT / "docs" / "serving.md").read_text()
     documented = text.split("<!-- flags:begin -->\n", 1)[1].split("\n<!-- flags:end -->", 1)[0]
-    assert documented == flag_table(build_parser()), \
+    assert documented == flag_table(build_parser(environ={})), \
         "docs/serving.md's flag table differs from dflash-serve's flags: python -m gateway.flag_table prints it"
 
 

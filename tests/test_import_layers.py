@@ -23,7 +23,7 @@ ALLOWED = {
 FAMILY_ALLOWED = ("verify_worker.families", "verify_worker.parallel.group", "verify_worker.parallel.layers")
 TORCH_FREE = ("gateway", "client", "shared.target_facts", "shared.config_json", "shared.draft_config",
               "shared.rope_settings", "shared.checkpoint_shapes", "shared.demo_models",
-              "shared.config_values", "shared.sampling_params")
+              "shared.config_values", "shared.sampling_params", "shared.settings")
 
 
 def module_files() -> dict[str, Path]:

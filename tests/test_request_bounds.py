@@ -4,7 +4,6 @@ it refuses fits the context); the chat template's output stopped at the bound. I
 every refusal here comes before one is needed. tests/test_server_poison.py sends oversized bodies to a real
 server beside running streams."""
 
-import argparse
 import asyncio
 import json
 import random
@@ -16,11 +15,12 @@ from tokenizers import Tokenizer, models, normalizers, pre_tokenizers
 
 from gateway import launcher, main
 from gateway.app import GatewaySettings, create_app
-from gateway.body_limit import MIB, body_bytes, default_body_bytes, positive_mb
+from gateway.body_limit import MIB, body_bytes, default_body_bytes
 from gateway.request_bounds import RequestBounds
 from gateway.schemas import ApiError, GenerationParams, Prompt
 from gateway.tokenization import RenderedTooLong, TextCodec
 from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
+from shared.settings.options import SETTINGS_ENV, to_json
 
 ROOT = Path(__file__).resolve().parents[1]
 DEMO_TARGET = ROOT / "models" / "demo" / "target"
@@ -37,21 +37,20 @@ def test_the_default_cap_follows_the_context_with_a_floor():
 @pytest.mark.parametrize("parse", [main.parse_args, launcher.parse_args])
 def test_the_flag_takes_a_positive_size_and_refuses_others(parse, capsys):
     extra = ["--target", "x"] if parse is main.parse_args else []
-    assert parse([*extra, "--max-body-mb", "16"]).max_body_mb == 16.0
-    assert parse(extra).max_body_mb is None
-    for bad in ("0", "-1", "inf", "nan", "lots"):
+    assert parse([*extra, "--max-body-mb", "16"]).http.max_body_mb == 16.0
+    assert parse(extra).http.max_body_mb is None
+    for bad in ("0", "-0.0", "-1", "inf", "nan", "lots"):
         with pytest.raises(SystemExit) as stopped:
             parse([*extra, "--max-body-mb", bad])
         assert stopped.value.code == 2 and "--max-body-mb" in capsys.readouterr().err
-    with pytest.raises(argparse.ArgumentTypeError):
-        positive_mb("-0.0")
 
 
-def test_the_launcher_hands_the_cap_to_the_gateway(tmp_path):
+def test_the_launcher_hands_the_cap_to_the_gateway(tmp_path, monkeypatch):
     args = launcher.parse_args(["--target", str(tmp_path), "--no-draft", "--max-body-mb", "2.5"])
-    gateway = launcher.build_children(args)["gateway"].argv
-    assert gateway[gateway.index("--max-body-mb") + 1] == "2.5"
-    assert main.parse_args(gateway).max_body_mb == 2.5
+    gateway = launcher.build_children(args)["gateway"]
+    assert gateway.settings.http.max_body_mb == 2.5
+    monkeypatch.setenv(SETTINGS_ENV, to_json(gateway.settings))  # as the gateway process receives them
+    assert main.parse_args([]).http.max_body_mb == 2.5
 
 
 def test_the_longest_token_bounds_every_token_of_the_vocabulary(tmp_path):

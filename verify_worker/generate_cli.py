@@ -16,6 +16,8 @@ from shared.errors import ConfigError, DFlashError, RequestError
 from shared.packed_linear import kernel_layout
 from shared.role import usable_cores
 from shared.sampling_params import SamplingParams
+from shared.settings.commands import GenerateCommand
+from shared.settings.options import build_parser, parse_command
 from shared.target_facts import TargetFacts
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.request import GenerationRequest
@@ -24,12 +26,10 @@ from verify_worker.target_loader import batch_invariant_refusal, load_target
 DEMO_PROMPT = "def fibonacci(n):\n"
 
 
-def parse_args(argv):
-    parser = argparse.ArgumentParser(prog="dflash-generate", description=__doc__)
-    parser.add_argument("--target", help="target checkpoint folder (default: the embedded demo pair)")
-    parser.add_argument("--draft", help="DFlash drafter checkpoint folder (default: the demo drafter when "
-                        "--target is not given; otherwise none, i.e. plain decoding)")
-    prompt = parser.add_mutually_exclusive_group()
+def parse_args(argv) -> argparse.Namespace:
+    """The model and compute flags come from the settings (shared.settings: GenerateCommand), checked there."""
+    parser = build_parser(GenerateCommand, "dflash-generate", __doc__)
+    prompt = parser.add_argument_group("prompt and sampling").add_mutually_exclusive_group()
     prompt.add_argument("--prompt", help="prompt text (needs tokenizer.json in the target folder)")
     prompt.add_argument("--prompt-ids", help="comma-separated prompt token ids, e.g. 1,2,3")
     parser.add_argument("--max-tokens", type=int, default=64)
@@ -37,24 +37,13 @@ def parse_args(argv):
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--top-k", type=int, default=0)
     parser.add_argument("--seed", type=int, default=None)
-    parser.add_argument("--block-size", type=int, default=None, help="tokens per verify block (default: the drafter's)")
-    parser.add_argument("--draft-sampling", choices=[m.value for m in DraftSampling], default="dense",
-                        help="how the drafter proposes when sampling (dense q, sparse top-K q, or greedy point mass)")
     parser.add_argument("--no-spec", action="store_true", help="plain decoding: one target forward per token")
     parser.add_argument("--ignore-eos", action="store_true", help="do not stop at the end-of-text token")
-    parser.add_argument("--device", default="cpu")
-    parser.add_argument("--dtype", default="auto", help="float32, bfloat16, float16 or auto")
-    parser.add_argument("--batch-invariant", action="store_true",
-                        help="on a GPU, the target's rows computed independently of the batch, as dflash-serve "
-                             "--batch-invariant does (--device cuda, bfloat16, a Qwen3/Llama target)")
-    parser.add_argument("--threads", type=int, default=0,
-                        help="PyTorch CPU threads (0: 1 where the C++ CPU kernels run, which use every usable core "
-                             "through their own pool, else PyTorch's default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object as the last line of stdout")
     parser.add_argument("--logprobs", type=int, default=None, metavar="K",
                         help="with --json: each token's log-probability under the target (before temperature, "
                              "top-p, top-k) and its K most likely alternatives (0-20)")
-    return parser.parse_args(argv)
+    return parse_command(GenerateCommand, parser, argv)[1]
 
 
 def _prompt_ids(args, tokenizer) -> list[int]:
@@ -86,8 +75,6 @@ def run(args) -> dict:
         torch.set_num_threads(args.threads)
     if args.max_tokens < 1:
         raise RequestError(f"--max-tokens must be >= 1, got {args.max_tokens}")
-    if args.block_size is not None and args.block_size < 2:
-        raise ConfigError(f"--block-size must be >= 2 (one anchor plus at least one draft), got {args.block_size}")
     target_path, draft_path = (Path(args.target), Path(args.draft) if args.draft else None) if args.target else (None, None)
     if target_path is None:
         target_path, draft_path, label, _ = default_pair(args.draft)
@@ -130,7 +117,10 @@ def run(args) -> dict:
 
 
 def main(argv=None) -> int:
-    args = parse_args(argv)
+    try:
+        args = parse_args(argv)
+    except SystemExit as exc:  # argparse has printed what is wrong
+        return exc.code
     try:
         report = run(args)
     except DFlashError as exc:
