@@ -330,7 +330,7 @@ def test_a_greedy_probe_is_a_plain_step_whose_drafts_are_scored_like_a_verify(tm
     while engine.has_work():
         engine.step()
         report = engine.last_report
-        probes += report.catch_up or any(engine.shadow_drafts)
+        probes += report.catch_up or any(engine.policy.shadow_drafts)
         assert report.draft_tokens == 0 and report.policy_plain  # nothing verified: plain steps only
         scored += [policy.acceptance[s.request_id] for s in states if s.request_id in policy.acceptance]
     assert probes >= 3 and scored and all(a == pytest.approx(3.0) for a in scored)
@@ -387,11 +387,48 @@ def test_adaptive_greedy_decoding_gives_the_plain_tokens_and_uses_both_modes(tmp
     assert not policy.acceptance  # every finished request was forgotten
 
 
+class _CountingPolicy:
+    """The engine's view of a policy: every attribute it reaches is logged."""
+
+    def __init__(self, policy: AdaptiveSpeculation):
+        self.policy, self.calls = policy, []
+
+    def __getattr__(self, name):
+        self.calls.append(name)
+        return getattr(self.policy, name)
+
+
+def test_a_decode_step_asks_the_policy_once_and_records_once(tmp_path):
+    """One plan before drafting, one record after committing (a request that ends is also forgotten), whatever
+    the step is: speculative, plain, a scored probe; and the output stays the plain one."""
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4)
+    target = load_target(tmp_path)
+    requests = [GenerationRequest((5, 6, 7, i), 30) for i in range(2)]
+    plain, sequences = _plain_runs(target, requests)
+    proposer = _TwoRightThenWrong(sequences, 8, target.config.num_layers, error_rate=0.0)
+    policy = AdaptiveSpeculation(probe_every=3, refresh_every=3, probe_budget=None)
+    counting = _CountingPolicy(policy)
+    engine = SpeculativeEngine(target, proposer, max_requests=2, policy=counting)
+    states = [engine.add(r) for r in requests]
+    decode_steps, modes = 0, set()
+    while engine.has_work():
+        counting.calls.clear()
+        engine.step()
+        if engine.last_report.decode_requests:
+            decode_steps += 1
+            modes.add(engine.last_report.policy_plain)
+            assert counting.calls.count("plan") == 1 and counting.calls.count("record") == 1, counting.calls
+            assert set(counting.calls) <= {"plan", "record", "forget"}, counting.calls
+    assert decode_steps >= 5 and modes == {True, False}
+    for state, want in zip(states, plain):
+        assert state.output_ids == want.token_ids
+
+
 def test_dflash_serve_passes_the_policy_to_the_verify_worker():
-    default = launcher.build_children(launcher.parse_args([]))["verify"].argv
-    assert default[default.index("--spec-policy") + 1] == "adaptive"  # the default: drafting where it pays
-    always = launcher.build_children(launcher.parse_args(["--spec-policy", "always"]))["verify"].argv
-    assert always[always.index("--spec-policy") + 1] == "always"
+    default = launcher.build_children(launcher.parse_args([]))["verify"].settings
+    assert default.speculation.spec_policy == "adaptive"  # the default: drafting where it pays
+    always = launcher.build_children(launcher.parse_args(["--spec-policy", "always"]))["verify"].settings
+    assert always.speculation.spec_policy == "always"
 
 
 def test_new_requests_start_from_the_past_requests_mean_not_the_mean_over_steps():

@@ -7,56 +7,41 @@ real mode of the same engine (every request drafts 0 tokens), not a fallback.
 The model: a speculative step of the batch costs Ts seconds and commits, per request, its acceptance length A
 (tokens per speculative step); a plain step costs Tp and commits one token per request; either step costs O
 besides (the server loop around it and the engine's bookkeeping: `observe_overhead`). Speculate when the
-batch's mean A times (Tp + O) is at least Ts + O: plain decoding pays O once per token, speculation once per
-A tokens (served at concurrency 1 with the drafter in process, O of about 0.3 ms against Tp of 1.5 ms tipped
-the choice to speculation, which was the faster there by 10%). Step times are measured per batch-size bucket
-(they barely vary from step to step); A is measured per request (it varies a lot between requests: prompts,
-greedy or sampled, and along a request: code turns repetitive), a mean of its samples that forgets by the
-tokens of text since each (`record_acceptance`), and starts at the mean of the requests measured so far
-(running and the last 64 finished, each once), which its first samples then move; that mean also keeps one
-step's weight in the figure the policy decides by, so that while a request decodes plainly and its samples age,
-its figure drifts back toward the mean until a speculative step measures it again (`_figure`). Step times are
-the median of the last `window` steps of a mode, since a step that builds new kernels or catches up on context
-can take ten times the usual. After
-`probe_every` plain steps in a row one step drafts, to re-measure the requests' A (for a batch of greedy
-requests the engine makes such a probe a plain step whose drafts it scores later against the tokens the plain
-steps commit: the acceptance a verify would give, without the verify); after `refresh_every`
-speculative steps in a row one step is plain, to re-measure Tp. Until a mode is measured for a batch size the
-same schedule applies, speculation first, unless a smaller batch size measured in both modes already prefers
-plain decoding for the batch: then it decodes plainly from the start (`_decision_times`).
+batch's mean A times (Tp + O) is at least Ts + O. Step times are the median of the last `window` steps of a
+mode per batch-size bucket. A is measured per request, a mean of its samples that forgets by the tokens of text
+since each (`record_acceptance`), started at the mean of the requests measured so far (running and the last 64
+finished), which keeps one step's weight in the figure (`_figure`), so a request decoding plainly drifts back
+toward the mean until it is measured again. Until a mode is measured for a batch size, speculation comes first,
+unless a smaller batch size measured in both modes already prefers plain decoding (`_decision_times`).
 
-Probes keep within a budget: at most `probe_budget` (5%) of the plain decoding time goes to what probes cost
-beyond the plain steps they replace (their measured median). At concurrency 1 on the demo pair with the draft
-worker a probe costs 10-16 ms against 1.4 ms plain steps (it catches up on the context of every step since the
-last draft call, with a drafter idle long enough for its weights to drop out of the caches), so a probe comes
-every 120-170 plain steps; the schedule below alone probed every 8-64 and cost the default about 12% against
-plain decoding.
+Probes: after `probe_every` plain steps in a row one step drafts, to re-measure A; for a batch of greedy
+requests it is a scored probe, a plain step whose drafts are scored later against the tokens the plain steps
+commit (the acceptance a verify would give, without the verify). After `refresh_every` speculative steps one
+step is plain, to re-measure Tp. A probe that leaves plain decoding preferred doubles the spacing at that batch
+size (up to `max_probe_every`, 64: a probe is also when a drafter that stopped answering is noticed); a probe
+that makes speculation preferred, or a batch with unmeasured requests that could tip it (their plausible mean:
+an upper confidence bound from the recent requests' A), restarts at `probe_every`. Probes cost at most
+`probe_budget` of the plain decoding time (`budget_spacing`). A probe measures at most `probe_rows` requests,
+those never measured first, then those probed longest ago.
 
-A probe that leaves plain decoding preferred doubles the plain steps before the next one at that batch size
-(up to `max_probe_every`): where speculation clearly loses (16 demo streams: a speculative step takes 5.6
-plain steps and commits 3.4 tokens a request) a probe every 8 steps cost 15% of the throughput. A probe that
-makes speculation preferred, or a batch with requests whose A was never measured and could tip it (were their
-mean A as high as it plausibly is: an upper confidence bound from the recent requests' A), starts again at
-`probe_every`. The cap is 64, not more: a probe is also when a drafter that stopped answering is noticed (at 16
-demo streams 64 plain steps take about 1.3 s), and its call carries every drafted request's context rows of
-the plain steps before it (its deadline grows with them: `DraftDeadline`). A probe measures at most
-`probe_rows` requests (a scored probe drafts only theirs): those never measured first, then those probed
-longest ago, so successive probes go round the batch; the drafter's intake of each drafted request's context
-is most of a probe's cost, and the batch's choice needs the mean acceptance, which a few requests estimate.
-
-Some requests pin their own rows to speculation (the engine drafts for them whatever `speculate` says for the
-others, `SpeculativeEngine._pins_drafts`; `speculate` also takes the same two flags for a step of its own):
+The engine asks once per decode step (`plan`: which rows draft, whether the step is a scored probe) and tells
+once what the step did (`record`: its time, each row's commits, a probe's drafts, scored here as plain steps
+commit the tokens they guessed). Some requests pin their own rows to speculation (their rows draft whatever
+`speculate` says for the others; `speculate` also takes the same two flags for a step of its own):
 - a request that asks for drafts itself (num_speculative_tokens > 0): the policy is for requests that leave the
   choice to the server (the gateway's readiness probe and dflash-bench's speculative waves ask);
-- a seeded sampled request (unless pin_seeded is off): its draws depend on the schedule (a speculative step
-  consumes its uniforms differently from a plain one), and a schedule chosen from measured times differs run
-  to run, so this keeps seeded sampling reproducible run to run. Greedy output does not depend on the schedule.
+- a seeded sampled request (unless pin_seeded is off): its draws depend on the schedule, and a schedule chosen
+  from measured times differs run to run, so this keeps seeded sampling reproducible. Greedy output does not
+  depend on the schedule.
+The measurements behind these choices: docs/decisions/0012-the-default-speculation-policy-is-adaptive.md.
 """
 
 import math
 import statistics
 from collections import deque
 from dataclasses import dataclass, field
+
+from verify_worker.spec_step import RowNeed, StepOutcome, StepPlan
 
 
 def batch_bucket(batch_size: int) -> int:
@@ -99,6 +84,43 @@ class AdaptiveSpeculation:
     max_budget_spacing: int = 1024  # the longest the budget stretches the plain steps between probes
     probe_costs: dict[int, deque] = field(default_factory=dict)  # bucket -> seconds a probe took over a plain step
     overhead_samples: deque = field(default_factory=lambda: deque(maxlen=63))  # seconds a step costs outside decode
+    # request -> (a scored probe's drafts, the tokens committed since): scored once they cover the drafts
+    shadow_drafts: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+
+    def plan(self, rows: list[RowNeed]) -> StepPlan:
+        """The step's plan, decided once: the policy chooses for the rows that leave it the choice (not pinned,
+        not refusing drafts); a pinned row drafts whatever it says. A probe of greedy requests drafts only the
+        rows it measures (`probe_rows`), and is scored, not verified."""
+        pinned = [row.asks_drafts or (row.seeded_sampled and self.pin_seeded) for row in rows]
+        free = any(not pin and not row.refuses_drafts for row, pin in zip(rows, pinned))
+        speculate = self.speculate([row.request_id for row in rows]) if free else any(pinned)
+        drafting = [speculate or pin for pin in pinned]
+        scored = free and speculate and self.probing is not None and all(
+            row.greedy for row, pin in zip(rows, pinned) if not pin)
+        if scored:
+            measured = set(self.probing)
+            drafting = [pin or row.request_id in measured for row, pin in zip(rows, pinned)]
+        return StepPlan(speculate=speculate, pinned=pinned, drafting=drafting, scored=scored,
+                        policy_plain=free and not speculate)
+
+    def record(self, plan: StepPlan, outcome: StepOutcome) -> None:
+        """What the step did, taken once: its time and commits (`observe`), finished requests forgotten, and the
+        probe drafts now covered by committed tokens scored as the acceptance a verify would have given."""
+        ids = outcome.request_ids
+        self.observe(ids, plan.speculate, outcome.timed, outcome.seconds, outcome.committed,
+                     [count > 0 for count in outcome.counts])
+        for request_id, drafts in outcome.probe_drafts.items():
+            self.shadow_drafts[request_id] = (drafts, [])
+        for request_id, tokens, finished in zip(ids, outcome.new_tokens, outcome.finished):
+            if finished:
+                self.forget(request_id)  # again: the step's own measurement re-added it
+            elif request_id in self.shadow_drafts:
+                drafted, seen = self.shadow_drafts[request_id]
+                seen.extend(tokens)
+                if len(seen) >= len(drafted):
+                    del self.shadow_drafts[request_id]
+                    accepted = next((i for i, (d, t) in enumerate(zip(drafted, seen)) if d != t), len(drafted))
+                    self.record_acceptance(request_id, accepted + 1)
 
     def speculate(self, request_ids: list[str], asked: bool = False, seeded_sampling: bool = False) -> bool:
         """Whether the next decode step of these running requests drafts: always when one asked for drafts, or
@@ -303,6 +325,7 @@ class AdaptiveSpeculation:
         self.mean_acceptance = _decayed(self.mean_acceptance, tokens, 0.95)
 
     def forget(self, request_id: str) -> None:
+        self.shadow_drafts.pop(request_id, None)
         self.measuring.pop(request_id, None)
         self.last_probed.pop(request_id, None)
         self.tokens_since.pop(request_id, None)

@@ -88,7 +88,6 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         self.last_report = StepReport()
         self.last_reports: list[StepReport] = []  # one per ordinary step of the last step() (more after a fault)
         self.policy = policy if proposer is not None else None  # None: every step drafts what it may
-        self.shadow_drafts: dict[str, tuple[int, list[int]]] = {}  # request -> (output index, drafts) of a probe
         self.log = logging.getLogger("dflash.engine")
 
     def warm_up(self, progress=None) -> int:
@@ -206,16 +205,16 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
     def _decode(self, states: list[RequestState], events: dict, report: StepReport, kept: dict[int, int]) -> None:
         """One decode step of the running batch: plan (the policy asked once), draft, forward the block, verify,
         commit, and tell the policy what the step did."""
-        plan = self._plan(states, report)
-        drafts, proposals, counts = self._draft(states, plan.asked, report)  # drafts [b, n]
-        drafts, counts = self._keep_probe_drafts(plan, states, drafts, counts, report)
+        plan, asked = self._plan(states, report)
+        drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
+        drafts, counts, probe_drafts = self._keep_probe_drafts(plan, states, drafts, counts, report)
         started = time.perf_counter()
         out, logits = self._forward_block(states, drafts, counts)  # logits [b, n+1, vocab]
         accepted, next_tokens = verify_block_rows(states, drafts, counts, proposals, logits, self.device)
         report.seconds["verify"] += time.perf_counter() - started
         committed = self._commit_block(states, drafts, counts, out, logits, accepted, next_tokens, events, report,
                                        kept)
-        self._record(plan, states, counts, committed, report)
+        self._record(plan, states, asked, counts, committed, probe_drafts, report)
 
     def _forward_block(self, states: list[RequestState], drafts: torch.Tensor, counts: list[int]):
         """The target over [last token, drafts] of every row, at each row's next positions: (output, logits)."""

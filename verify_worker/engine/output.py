@@ -94,7 +94,6 @@ class Output:
             state.slot = -1
         if self.policy is not None:
             self.policy.forget(state.request_id)
-            self.shadow_drafts.pop(state.request_id, None)
         if self.proposer is not None:
             try:
                 self.proposer.release(state.request_id)

@@ -1,9 +1,8 @@
-"""Speculation in a step: which rows must draft, the draft call (features, anchors, counts) and its proposals,
-the shadow drafts of a greedy probe scored against what was committed, and what the policy is told."""
+"""Speculation in a step: the policy's plan (asked once), the draft call (features, anchors, counts) and its
+proposals, a scored probe's drafts set aside, and the step's outcome (told once)."""
 
 import contextlib
 import time
-from dataclasses import dataclass
 
 import torch
 
@@ -11,113 +10,57 @@ from shared.cpu_kernels.library import pool_awake
 from shared.proposals import DraftItem, ProposerUnavailable
 from verify_worker.request import RequestState, Status, StepReport
 from verify_worker.scheduler import num_drafts
-
-
-@dataclass(frozen=True)
-class StepPlan:
-    """What a decode step does, as planned before drafting: whether it speculates, which rows are pinned to
-    drafting, the drafts each row asks for, and whether it is a scored probe (drafts kept, not verified)."""
-
-    speculate: bool
-    pinned: list[bool]
-    asked: list[int]
-    scored: bool
+from verify_worker.spec_step import RowNeed, StepOutcome, StepPlan
 
 
 class Speculation:
-    """The engine's drafting and its policy's measurements (a part of SpeculativeEngine)."""
+    """The engine's drafting, and its one question and one report to the policy per decode step (a part of
+    SpeculativeEngine)."""
 
-    def _pins_drafts(self, state: RequestState) -> bool:
-        """Whether this request drafts in every step, whatever the policy prefers for the others: it asks for
-        drafts itself (num_speculative_tokens > 0: the gateway's readiness probe, dflash-bench's speculative
-        waves), or it is a seeded sampled request and the policy pins those (its draws depend on its schedule).
-        Only its own row drafts: before, one such request made the whole batch speculate, and the readiness
-        probe (a 3-token request every 2 s) turned two steps of 16 plainly decoding streams into 8-token verify
-        blocks each time."""
+    def _plan(self, states: list[RequestState], report: StepReport) -> tuple[StepPlan, list[int]]:
+        """The step's plan, the policy asked once (without a policy every row drafts), and the drafts each row
+        asks for."""
         if self.policy is None:
-            return True
-        request = state.request
-        seeded = request.sampling.seed is not None and not request.sampling.greedy
-        return (request.num_speculative_tokens or 0) > 0 or (seeded and self.policy.pin_seeded)
-
-    def _plan(self, states: list[RequestState], report: StepReport) -> StepPlan:
-        """The policy asked once for the step: whether it speculates, and how many drafts each row asks for. It
-        decides for the rows that leave it the choice (not pinned, not asking for 0 drafts); a pinned row drafts
-        whatever it says (without a policy every row is pinned, so `free` implies one). A probe of greedy
-        requests drafts only the rows it measures (see AdaptiveSpeculation.probe_rows)."""
-        pinned = [self._pins_drafts(s) for s in states]
-        free = any(not pin and s.request.num_speculative_tokens != 0 for s, pin in zip(states, pinned))
-        speculate = self.policy is None or (self.policy.speculate([s.request_id for s in states]) if free
-                                            else any(pinned))
-        report.policy_plain = free and not speculate
-        asked = [num_drafts(s, self.block_size, self.proposer is not None and (speculate or pin))
-                 for s, pin in zip(states, pinned)]
-        scored = free and speculate and self.policy.probing is not None and all(
-            s.request.sampling.greedy for s, pin in zip(states, pinned) if not pin)
-        if scored:
-            measured = set(self.policy.probing)
-            asked = [a if pin or s.request_id in measured else 0 for a, s, pin in zip(asked, states, pinned)]
-        return StepPlan(speculate, pinned, asked, scored)
+            plan = StepPlan.every_row(len(states))
+        else:
+            plan = self.policy.plan([RowNeed(
+                request_id=s.request_id, asks_drafts=(s.request.num_speculative_tokens or 0) > 0,
+                refuses_drafts=s.request.num_speculative_tokens == 0, greedy=s.request.sampling.greedy,
+                seeded_sampled=s.request.sampling.seed is not None and not s.request.sampling.greedy,
+            ) for s in states])
+        report.policy_plain = plan.policy_plain
+        asked = [num_drafts(s, self.block_size, self.proposer is not None and drafts)
+                 for s, drafts in zip(states, plan.drafting)]
+        return plan, asked
 
     def _keep_probe_drafts(self, plan: StepPlan, states: list[RequestState], drafts: torch.Tensor,
-                           counts: list[int], report: StepReport) -> tuple[torch.Tensor, list[int]]:
+                           counts: list[int], report: StepReport) -> tuple[torch.Tensor, list[int], dict]:
         """A scored probe's free rows keep their drafts to be scored later, not verified: (the drafts and counts
-        left to verify, the pinned rows')."""
+        left to verify, the pinned rows'; the kept drafts by request). Greedy verification accepts exactly the
+        drafts that match the target's own next tokens, so scoring them against what the plain steps commit
+        measures a request's acceptance as a verify would, at the cost of the draft call alone."""
         if not plan.scored:
-            return drafts, counts
-        self._remember_shadow_drafts(states, drafts, [0 if pin else c for c, pin in zip(counts, plan.pinned)])
+            return drafts, counts, {}
+        kept = {s.request_id: drafts[row, :c].tolist() for row, (s, c, pin) in
+                enumerate(zip(states, counts, plan.pinned)) if c and not pin}
         counts = [c if pin else 0 for c, pin in zip(counts, plan.pinned)]
         report.policy_plain = True
-        return drafts[:, : max(counts, default=0)], counts
+        return drafts[:, : max(counts, default=0)], counts, kept
 
-    def _record(self, plan: StepPlan, states: list[RequestState], counts: list[int], committed: list[int],
-                report: StepReport) -> None:
-        """What the step did, told to the policy once: its time and commits, and the acceptance of the probes'
-        drafts whose positions are now committed."""
-        if self.policy is not None:
-            self._observe(states, plan.speculate, plan.asked, counts, committed, report)
-            self._score_shadow_drafts(states)
-
-    def _remember_shadow_drafts(self, states: list[RequestState], drafts: torch.Tensor, counts: list[int]) -> None:
-        """A probe while plain decoding is preferred, of greedy requests only, is a plain step: its drafts are
-        kept, not verified, and scored against the tokens the plain steps then commit (_score_shadow_drafts).
-        Greedy verification accepts exactly the drafts that match the target's own next tokens, so this
-        measures each request's acceptance length as a speculative step would, at the cost of the draft call
-        alone: no 9-token verify for every row, and the requests' lengths stay in step (a verified probe
-        commits different counts per request, and a wave of them then ends in small batches)."""
-        for row, state in enumerate(states):
-            if counts[row]:
-                self.shadow_drafts[state.request_id] = (len(state.output_ids), drafts[row, : counts[row]].tolist())
-
-    def _score_shadow_drafts(self, states: list[RequestState]) -> None:
-        """Each remembered draft whose positions are all committed now (or whose request finished): its matching
-        prefix a gives the request's acceptance as a verify would, a + 1 tokens for the step."""
-        for state in states:
-            remembered = self.shadow_drafts.get(state.request_id)
-            if remembered is None:
-                continue
-            start, drafted = remembered
-            committed = state.output_ids[start: start + len(drafted)]
-            if len(committed) < len(drafted) and state.finish_reason is None:
-                continue
-            del self.shadow_drafts[state.request_id]
-            if state.finish_reason is None:
-                accepted = next((i for i, (d, t) in enumerate(zip(drafted, committed)) if d != t), len(drafted))
-                self.policy.record_acceptance(state.request_id, accepted + 1)
-
-    def _observe(self, states: list[RequestState], chosen: bool, asked: list[int], counts: list[int],
-                 committed: list[int], report: StepReport) -> None:
-        """Feed the policy the step. Its time measures a mode only if the step is pure: every row drafted or
-        none, as asked (no fallback, no resync), no prefill in it, no draft call catching up on a prompt or on
-        plain steps; those say nothing about either mode's usual cost."""
+    def _record(self, plan: StepPlan, states: list[RequestState], asked: list[int], counts: list[int],
+                committed: list[int], probe_drafts: dict, report: StepReport) -> None:
+        """What the step did, told to the policy once. Its time measures a mode only if the step is pure: every
+        row drafted or none, as asked (no fallback, no resync), no prefill in it, no draft call catching up on a
+        prompt or on plain steps; those say nothing about either mode's usual cost."""
+        if self.policy is None:
+            return
         pure = (counts == asked and not (report.fallback or report.catch_up or report.prefill_tokens)
                 and (all(counts) or not any(counts)))
-        seconds = report.decode_seconds()
-        self.policy.observe([s.request_id for s in states], chosen, any(counts) if pure else None, seconds,
-                            committed, [c > 0 for c in counts])
-        for state in states:
-            if state.status == Status.FINISHED:
-                self.policy.forget(state.request_id)  # again: the step's own measurement re-added it
+        self.policy.record(plan, StepOutcome(
+            request_ids=[s.request_id for s in states], asked=asked, counts=counts, committed=committed,
+            new_tokens=[s.output_ids[len(s.output_ids) - n:] if n else [] for s, n in zip(states, committed)],
+            finished=[s.status == Status.FINISHED for s in states], seconds=report.decode_seconds(),
+            timed=any(counts) if pure else None, probe_drafts=probe_drafts))
 
     def _draft(self, states: list[RequestState], counts: list[int], report: StepReport):
         """Ask the proposer for drafts. Returns drafts [b, n] (zero-padded), per-row proposals for sampled rows
