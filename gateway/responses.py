@@ -1,0 +1,143 @@
+"""A request's answer from its choices' events: one JSON body (collect) or a stream of SSE chunks (stream), in
+OpenAI's completion and chat shapes, with text, token ids, log-probabilities and usage as asked."""
+
+import json
+import logging
+import time
+
+from fastapi.responses import Response
+
+from gateway.choices import ChoiceSet, Disconnected, Failed
+from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
+from gateway.schemas import ApiError, Prompt
+from gateway.tokenization import TextCodec
+from gateway.turn import Turn, event_logprobs, usage
+
+
+class Responses:
+    """Writes the answers of one served model."""
+
+    def __init__(self, codec: TextCodec, model_name: str, log: logging.Logger):
+        self.codec, self.model_name, self.log = codec, model_name, log
+
+    def echoed_prompt(self, prompt: Prompt) -> str:
+        if prompt.text is not None:
+            return prompt.text
+        return self.codec.tokenizer.decode(prompt.ids, skip_special_tokens=True)
+
+    def choice_of(self, turn: Turn, chat: bool) -> dict:
+        codec = self.codec
+        choice = {"index": turn.index, "finish_reason": turn.finish_reason, "logprobs": None}
+        if chat and turn.logprobs is not None:
+            choice["logprobs"] = chat_logprobs(turn.logprobs, codec)
+        elif turn.params.logprobs is not None and not chat:
+            offsets = TextOffsets(codec)
+            parts = [prompt_logprobs(turn.prompt.ids, turn.prompt_logprobs, codec, offsets,
+                                     turn.prompt.text is not None)] if turn.params.echo else []
+            if turn.logprobs is not None:
+                parts.append(completion_logprobs(turn.logprobs, codec, offsets))
+            choice["logprobs"] = joined(*parts) if parts else None
+        if turn.params.return_token_ids:
+            choice["token_ids"] = turn.token_ids
+        if chat:
+            choice["message"] = {"role": "assistant", "content": turn.text}
+        else:
+            choice["text"] = (self.echoed_prompt(turn.prompt) if turn.params.echo else "") + turn.text
+        return choice
+
+    async def collect(self, choices: ChoiceSet, early: list, chat: bool, response_id: str):
+        """The whole answer once every choice has ended (499 if the client went away; a choice's failure is an
+        HTTP error)."""
+        try:
+            async for _ in choices.events(early):
+                pass
+        except Failed as failed:
+            await choices.abort_unfinished()
+            choices.finish("error")
+            raise ApiError(503 if failed.event.code == "verify_worker_down" else 500, failed.event.message,
+                           kind="server_error", code=failed.event.code) from None
+        except Disconnected:
+            await choices.release()
+            return Response(status_code=499)
+        ordered = choices.ordered
+        choices.finish("success")
+        return {
+            "id": response_id,
+            "object": "chat.completion" if chat else "text_completion", "created": int(time.time()),
+            "model": self.model_name, "choices": [self.choice_of(t, chat) for t in ordered],
+            "usage": usage(ordered),
+        }
+
+    async def stream(self, choices: ChoiceSet, early: list, chat: bool, response_id: str):
+        """SSE chunks as the choices' events arrive; a failure or a bug ends the stream with an error event and
+        [DONE], never a reset connection; a client that goes away releases the choices."""
+        codec, created = self.codec, int(time.time())
+        kind = "chat.completion.chunk" if chat else "text_completion"
+        ordered = choices.ordered
+        offsets = {turn.request_id: TextOffsets(codec) for turn in ordered}  # legacy text_offset, per choice
+        params = choices.params
+
+        def chunk(turn: Turn, delta: str | None, finish: str | None, role: bool = False, token_ids=None,
+                  logprobs: dict | None = None) -> str:
+            if chat:
+                body = {} if delta is None else {"content": delta}
+                if role:
+                    body["role"] = "assistant"
+                choice = {"index": turn.index, "delta": body, "finish_reason": finish, "logprobs": logprobs}
+            else:
+                choice = {"index": turn.index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
+            if params.return_token_ids:
+                choice["token_ids"] = token_ids or []
+            payload = {"id": response_id, "object": kind, "created": created, "model": self.model_name,
+                       "choices": [choice]}
+            if params.include_usage:
+                payload["usage"] = None
+            return f"data: {json.dumps(payload)}\n\n"
+
+        finished = False
+        try:
+            wants_logprobs = params.logprobs is not None
+            for turn in ordered:  # every choice was heard from: its prompt's log-probabilities are in
+                if chat:
+                    yield chunk(turn, "", None, role=True)
+                elif params.echo:  # the prompt first, with its log-probabilities when asked for
+                    yield chunk(turn, self.echoed_prompt(turn.prompt), None, logprobs=prompt_logprobs(
+                        turn.prompt.ids, turn.prompt_logprobs, codec, offsets[turn.request_id],
+                        turn.prompt.text is not None) if wants_logprobs else None)
+            async for turn, delta, event in choices.events(early):
+                if delta or (event.token_ids and (params.return_token_ids or wants_logprobs)):
+                    run = event_logprobs(event) if wants_logprobs else None
+                    logprobs = None if run is None else chat_logprobs(run, codec) if chat else \
+                        completion_logprobs(run, codec, offsets[turn.request_id])
+                    yield chunk(turn, delta, None, token_ids=event.token_ids, logprobs=logprobs)
+                if turn.finish_reason is not None:
+                    yield chunk(turn, None if chat else "", turn.finish_reason)
+            if params.include_usage:
+                body = {"id": response_id, "object": kind, "created": created, "model": self.model_name,
+                        "choices": [], "usage": usage(ordered)}
+                yield f"data: {json.dumps(body)}\n\n"
+            yield "data: [DONE]\n\n"
+            finished = True
+            choices.finish("success")
+        except Failed as failed:
+            finished = True
+            await choices.abort_unfinished()
+            choices.finish("error")
+            error = ApiError(503, failed.event.message, kind="server_error", code=failed.event.code).body()
+            yield f"data: {json.dumps(error)}\n\n"
+            yield "data: [DONE]\n\n"
+        except Disconnected:
+            finished = True
+            await choices.release()
+        except Exception:  # a bug here must end this stream with an error event, not a reset connection
+            finished = True
+            self.log.exception("stream %s failed", response_id)
+            await choices.release()
+            choices.finish("error")
+            error = ApiError(500, "internal server error", kind="server_error", code="internal").body()
+            yield f"data: {json.dumps(error)}\n\n"
+            yield "data: [DONE]\n\n"
+        finally:
+            if not finished:  # the client went away while we were sending
+                await choices.release()
+                choices.metrics.requests.labels("aborted").inc()
