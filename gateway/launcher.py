@@ -24,15 +24,9 @@ from pathlib import Path
 
 from shared.role import READY_PREFIX
 from shared.settings.commands import DraftCommand, GatewayCommand, ServeCommand, VerifyCommand
-from shared.settings.options import SETTINGS_ENV, parse_command, to_json
+from shared.settings.options import SETTINGS_ENV, environment_defaults, overlay, parse_command, to_json
 from shared.settings.options import build_parser as settings_parser
-from shared.settings.topics import (
-    ChannelSettings,
-    DraftWorkerSettings,
-    MetricsSettings,
-    ParallelSettings,
-    TransportSettings,
-)
+from shared.settings.topics import ChannelSettings
 
 MODULES = {"verify": "verify_worker.server", "draft": "draft_worker.server", "gateway": "gateway.main"}
 
@@ -110,7 +104,8 @@ def _with_demo_pair(settings: ServeCommand) -> ServeCommand:
 
 def build_children(settings: ServeCommand) -> dict[str, Child]:
     """Each child's settings, made from dflash-serve's: the addresses from --zmq-base-port, the metrics ports
-    from --metrics-base-port, the gateway's queue from --max-running + --max-waiting."""
+    from --metrics-base-port, the gateway's queue from --max-running + --max-waiting; what dflash-serve does not
+    set comes from the environment, as the child would read it itself."""
     settings = _with_demo_pair(settings)
     model, serve, engine = settings.model, settings.serve, settings.engine
     if model.no_draft or not model.draft:
@@ -119,27 +114,38 @@ def build_children(settings: ServeCommand) -> dict[str, Child]:
     channels = ChannelSettings(requests_addr=f"tcp://127.0.0.1:{base}", events_addr=f"tcp://127.0.0.1:{base + 1}",
                                draft_addr=f"tcp://127.0.0.1:{base + 2}")
     kind = settings.transport.feature_transport
-    transport = TransportSettings(feature_transport=kind, feature_pair_addr=(
-        f"127.0.0.1:{serve.feature_pair_port or base + 4}" if kind == "pair" else None))
-    parallel = ParallelSettings(world_size=settings.parallel.world_size, master_port=serve.tp_master_port or base + 3,
-                                collective_timeout=settings.parallel.collective_timeout)
+    pair_addr = f"127.0.0.1:{serve.feature_pair_port or base + 4}" if kind == "pair" else None
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     env.setdefault("OMP_WAIT_POLICY", "PASSIVE")
     env.pop(SETTINGS_ENV, None)
-    verify = VerifyCommand(model=model, engine=engine, speculation=settings.speculation, transport=transport,
-                           channels=channels, metrics=MetricsSettings(metrics_port=serve.metrics_base_port),
-                           threads=settings.verify_threads, parallel=parallel)
+    own = environment_defaults(VerifyCommand, env)
+    parallel = replace(own.parallel, world_size=settings.parallel.world_size, rank=0,
+                       master_port=serve.tp_master_port or base + 3,
+                       collective_timeout=settings.parallel.collective_timeout)
+    verify = replace(own, model=model, engine=engine, channels=channels, threads=settings.verify_threads,
+                     parallel=parallel,
+                     speculation=overlay(own.speculation, settings.speculation, ServeCommand, "speculation"),
+                     transport=replace(own.transport, feature_transport=kind, feature_pair_addr=pair_addr),
+                     metrics=replace(own.metrics, metrics_port=serve.metrics_base_port,
+                                     metrics_host=settings.metrics.metrics_host))
     children = {"verify": Child("verify", verify, env)}
     for rank in range(1, parallel.world_size):  # rank 0 reports the metrics for the worker
-        follower = replace(verify, metrics=MetricsSettings(metrics_port=0), parallel=replace(parallel, rank=rank))
+        follower = replace(verify, metrics=replace(verify.metrics, metrics_port=0),
+                           parallel=replace(parallel, rank=rank))
         children[f"verify.{rank}"] = Child("verify", follower, env)
     if model.draft and settings.speculation.draft_placement == "worker":
-        children["draft"] = Child("draft", DraftCommand(
-            model=model, speculation=settings.speculation, worker=DraftWorkerSettings(max_requests=engine.max_running),
-            transport=transport, channels=channels, metrics=MetricsSettings(metrics_port=serve.metrics_base_port + 1),
-            threads=settings.draft_threads), env)
-    http = replace(settings.http, max_pending=engine.max_running + engine.max_waiting)
-    children["gateway"] = Child("gateway", GatewayCommand(model=model, http=http, channels=channels), env)
+        own = environment_defaults(DraftCommand, env)
+        children["draft"] = Child("draft", replace(
+            own, model=model, channels=channels, threads=settings.draft_threads,
+            speculation=overlay(own.speculation, settings.speculation, ServeCommand, "speculation"),
+            worker=replace(own.worker, max_requests=engine.max_running),
+            transport=replace(own.transport, feature_transport=kind, feature_pair_addr=pair_addr),
+            metrics=replace(own.metrics, metrics_port=serve.metrics_base_port + 1,
+                            metrics_host=settings.metrics.metrics_host)), env)
+    own = environment_defaults(GatewayCommand, env)
+    http = replace(overlay(own.http, settings.http, ServeCommand, "http"),
+                   max_pending=engine.max_running + engine.max_waiting)
+    children["gateway"] = Child("gateway", replace(own, model=model, http=http, channels=channels), env)
     return children
 
 

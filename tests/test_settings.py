@@ -157,3 +157,18 @@ def test_flags_beside_handed_settings_win_and_bad_handed_settings_exit_2(monkeyp
     with pytest.raises(SystemExit):
         verify_server.parse_args([])
     assert re.search(r"unknown settings for engine: max_runing", capsys.readouterr().err)
+
+
+def test_what_dflash_serve_does_not_set_reaches_its_children_from_the_environment(monkeypatch):
+    """As when each child read its own variables: the worker's metrics bind address (the image sets
+    DFLASH_METRICS_HOST=0.0.0.0), the TP backend and master address, the draft deadline floor's default."""
+    monkeypatch.setenv("DFLASH_METRICS_HOST", "0.0.0.0")
+    monkeypatch.setenv("DFLASH_TP_BACKEND", "gloo")
+    monkeypatch.setenv("DFLASH_TP_MASTER_ADDR", "10.0.0.1")
+    children = launcher.build_children(launcher.parse_args(["--tp", "2"]))
+    for key in ("verify", "verify.1"):
+        verify = children[key].settings
+        assert verify.metrics.metrics_host == "0.0.0.0" and verify.parallel.tp_backend == "gloo"
+        assert verify.parallel.master_addr == "10.0.0.1" and verify.speculation.draft_deadline_floor == 0.25
+    assert children["draft"].settings.metrics.metrics_host == "0.0.0.0"
+    assert launcher.parse_args(["--metrics-host", "10.1.1.1"]).metrics.metrics_host == "10.1.1.1"

@@ -106,6 +106,7 @@ class ServeCommand:
     http: HttpSettings = topic(only=("host", "port", "served_model_name", "api_key", "default_max_tokens",
                                      "max_body_mb", "shutdown_timeout"))
     parallel: ParallelSettings = topic(only=("world_size", "collective_timeout"))
+    metrics: MetricsSettings = topic(only=("metrics_host",))
     verify_threads: ThreadSettings = topic(prefix="verify-", env_role="VERIFY")
     draft_threads: ThreadSettings = topic(prefix="draft-", env_role="DRAFT")
     serve: ServeSettings = topic()

@@ -202,6 +202,24 @@ def build(command: type, values: Mapping[str, Mapping[str, Any]]):
     return settings
 
 
+def environment_defaults(command: type, environ: Mapping[str, str] | None = None):
+    """The settings a command would take with no flags: each option's default, or its environment variable's
+    value where one is set (what a launcher starts a child's settings from, so that the variables it does not
+    set reach the child as if the child had read them)."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(command)}
+    for slot in slots(command):
+        text = environ.get(slot.env) if slot.env else None
+        values[slot.topic_name][slot.field.name] = slot.convert(text) if text not in (None, "") else slot.default
+    return build(command, values)
+
+
+def overlay(base, settings, command: type, topic_name: str):
+    """`base` (a topic) with the options `command` offers of its topic `topic_name` taken from `settings`."""
+    names = [slot.field.name for slot in slots(command) if slot.topic_name == topic_name]
+    return dataclasses.replace(base, **{name: getattr(settings, name) for name in names})
+
+
 def to_json(settings) -> str:
     """A command's settings as JSON, for a child process's $DFLASH_SETTINGS or --settings."""
     return json.dumps(dataclasses.asdict(settings), separators=(",", ":"))
