@@ -134,11 +134,20 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                             else "")
         return body
 
+    def needs_text(what: str, param: str) -> None:
+        if not codec.has_tokenizer:
+            raise ApiError(400, f"{what} needs a tokenizer, and this server has none (the target folder has no "
+                           "tokenizer.json): send the prompt as token ids, without stop strings", param=param)
+
     @app.post("/v1/completions", openapi_extra=documented_body(COMPLETIONS))
     async def completions(request: Request):
         authorize(request)
         params = parse_completion(await read_json(request, COMPLETIONS), settings.model_name, settings.vocab_size,
                                   bounds.max_choices)
+        if any(prompt.text is not None for prompt in params.prompts):
+            needs_text("a text prompt", "prompt")
+        if params.stop:
+            needs_text("a stop string", "stop")
         bounds.check_params(params, codec.normalized_chars)
         for prompt in params.prompts:
             if prompt.text is not None:
@@ -150,6 +159,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         authorize(request)
         params = parse_chat(await read_json(request, CHAT), settings.model_name, settings.vocab_size,
                             bounds.context_tokens)
+        needs_text("a chat completion (its messages go through the chat template)", "messages")
         bounds.check_params(params, codec.normalized_chars)
         try:
             text = codec.render_chat(params.messages, bounds.text_chars)

@@ -32,7 +32,12 @@ def parse_args(argv) -> GatewayCommand:
 async def serve(settings: GatewayCommand, log) -> int:
     model, http = settings.model, settings.http
     facts = target_facts(model.target)
-    codec = TextCodec.from_folder(model.target, facts.eos_token_ids)
+    if (Path(model.target) / "tokenizer.json").is_file():
+        codec = TextCodec.from_folder(model.target, facts.eos_token_ids)
+    else:
+        log.warning("%s has no tokenizer.json: serving token-id prompts only (text prompts, chat and stop strings "
+                    "get a 400; outputs carry token_ids and empty text)", model.target)
+        codec = TextCodec.ids_only(facts.eos_token_ids)
     max_model_len = min(model.max_model_len or facts.max_position_embeddings, facts.max_position_embeddings)
     app_settings = GatewaySettings(
         model_name=http.served_model_name or Path(model.target).resolve().name,

@@ -23,7 +23,7 @@ class Responses:
     def echoed_prompt(self, prompt: Prompt) -> str:
         if prompt.text is not None:
             return prompt.text
-        return self.codec.tokenizer.decode(prompt.ids, skip_special_tokens=True)
+        return self.codec.decode(prompt.ids)
 
     def choice_of(self, turn: Turn, chat: bool) -> dict:
         codec = self.codec
@@ -37,7 +37,7 @@ class Responses:
             if turn.logprobs is not None:
                 parts.append(completion_logprobs(turn.logprobs, codec, offsets))
             choice["logprobs"] = joined(*parts) if parts else None
-        if turn.params.return_token_ids:
+        if turn.params.return_token_ids or not self.codec.has_tokenizer:  # without a tokenizer, ids are the output
             choice["token_ids"] = turn.token_ids
         if chat:
             choice["message"] = {"role": "assistant", "content": turn.text}
@@ -86,7 +86,7 @@ class Responses:
                 choice = {"index": turn.index, "delta": body, "finish_reason": finish, "logprobs": logprobs}
             else:
                 choice = {"index": turn.index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
-            if params.return_token_ids:
+            if params.return_token_ids or not codec.has_tokenizer:
                 choice["token_ids"] = token_ids or []
             payload = {"id": response_id, "object": kind, "created": created, "model": self.model_name,
                        "choices": [choice]}
@@ -105,7 +105,8 @@ class Responses:
                         turn.prompt.ids, turn.prompt_logprobs, codec, offsets[turn.request_id],
                         turn.prompt.text is not None) if wants_logprobs else None)
             async for turn, delta, event in choices.events(early):
-                if delta or (event.token_ids and (params.return_token_ids or wants_logprobs)):
+                if delta or (event.token_ids and (params.return_token_ids or wants_logprobs
+                                                  or not codec.has_tokenizer)):
                     run = event_logprobs(event) if wants_logprobs else None
                     logprobs = None if run is None else chat_logprobs(run, codec) if chat else \
                         completion_logprobs(run, codec, offsets[turn.request_id])

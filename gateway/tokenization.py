@@ -26,11 +26,21 @@ def _token_text(value) -> str | None:
 class TextCodec:
     """The target's tokenizer.json and tokenizer_config.json, as the gateway uses them."""
 
-    tokenizer: Tokenizer
+    tokenizer: Tokenizer | None  # None: token ids only (the target folder has no tokenizer.json)
     chat_template: str
     eos_token_ids: tuple[int, ...]
     bos_token: str | None
     eos_token: str | None
+
+    @classmethod
+    def ids_only(cls, config_eos: tuple[int, ...] = ()) -> "TextCodec":
+        """No tokenizer: prompts are token ids, outputs are token ids (their text is empty), as vLLM's
+        --skip-tokenizer-init serves; a request that needs text (a text prompt, chat, stop strings) gets a 400."""
+        return cls(None, FALLBACK_CHAT_TEMPLATE, tuple(dict.fromkeys(config_eos)), None, None)
+
+    @property
+    def has_tokenizer(self) -> bool:
+        return self.tokenizer is not None
 
     @classmethod
     def from_folder(cls, folder: str | Path, config_eos: tuple[int, ...] = ()) -> "TextCodec":
@@ -82,6 +92,8 @@ class TextCodec:
         """The most bytes of text one token of the vocabulary (added tokens included) stands for: a byte-level
         token's characters are its bytes; any other token's UTF-8 length bounds what it covers (a SentencePiece
         U+2581 counts 3 bytes for one space: a looser bound, never a tighter one)."""
+        if self.tokenizer is None:
+            return 1
         vocabulary = self.tokenizer.get_vocab(with_added_tokens=True)
         added = {t.content for t in self.tokenizer.get_added_tokens_decoder().values()}
         byte_level = self._byte_alphabet is not None
@@ -90,15 +102,21 @@ class TextCodec:
 
     def normalized_chars(self, text: str) -> int:
         """The characters of text after the tokenizer's normalizer (the text's own where it has none)."""
-        normalizer = self.tokenizer.normalizer
+        normalizer = self.tokenizer.normalizer if self.tokenizer is not None else None
         return len(text) if normalizer is None else len(normalizer.normalize_str(text))
 
     def detokenizer(self) -> "IncrementalDetokenizer":
         return IncrementalDetokenizer(self.tokenizer)
 
+    def decode(self, ids: list[int]) -> str:
+        """The text of token ids (special tokens left out); empty without a tokenizer."""
+        return "" if self.tokenizer is None else self.tokenizer.decode(ids, skip_special_tokens=True)
+
     @cached_property
     def _byte_alphabet(self) -> dict[str, int] | None:
         """Byte-level BPE: the stand-in character of each byte -> the byte; None for other tokenizers."""
+        if self.tokenizer is None:
+            return None
         decoder = json.loads(self.tokenizer.to_str()).get("decoder") or {}
         kinds = {d.get("type") for d in decoder.get("decoders", [])} | {decoder.get("type")}
         return {c: b for b, c in enumerate(byte_symbols())} if "ByteLevel" in kinds else None
@@ -106,15 +124,21 @@ class TextCodec:
     @cached_property
     def _added_tokens(self) -> dict[str, bool]:
         """Added tokens -> whether they are special (the detokenizer leaves those out of the text)."""
+        if self.tokenizer is None:
+            return {}
         return {t.content: t.special for t in self.tokenizer.get_added_tokens_decoder().values()}
 
     def is_special(self, token_id: int) -> bool:
+        if self.tokenizer is None:
+            return False
         return self._added_tokens.get(self.tokenizer.id_to_token(token_id), False)
 
     def token_bytes(self, token_id: int) -> bytes:
         """The bytes one token stands for (a piece of a UTF-8 character, for some): byte-level BPE tokens are
         mapped back through their byte alphabet, SentencePiece pieces turn U+2581 into a space and <0xNN> into
-        that byte, added tokens give their text."""
+        that byte, added tokens give their text; without a tokenizer, "token_id:N" (vLLM's name for it)."""
+        if self.tokenizer is None:
+            return f"token_id:{token_id}".encode()
         token, alphabet = self.tokenizer.id_to_token(token_id), self._byte_alphabet
         if token is None:
             return b""
@@ -142,7 +166,7 @@ class IncrementalDetokenizer:
     """Turns a growing list of token ids into text deltas that never split a UTF-8 character: text whose
     last character is the replacement character is held back until the following tokens complete it."""
 
-    def __init__(self, tokenizer: Tokenizer):
+    def __init__(self, tokenizer: Tokenizer | None):
         self.tokenizer = tokenizer
         self.ids: list[int] = []
         self.prefix_offset = 0  # ids before this are fully emitted and never decoded again
@@ -150,6 +174,8 @@ class IncrementalDetokenizer:
 
     def add(self, new_ids: list[int]) -> str:
         self.ids.extend(new_ids)
+        if self.tokenizer is None:  # token ids only: no text
+            return ""
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset: self.read_offset], skip_special_tokens=True)
         full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
         if full.endswith("\ufffd") or len(full) < len(prefix):
@@ -160,6 +186,8 @@ class IncrementalDetokenizer:
 
     def flush(self) -> str:
         """At the end of a stream: whatever is held back, replacement characters included."""
+        if self.tokenizer is None:
+            return ""
         prefix = self.tokenizer.decode(self.ids[self.prefix_offset: self.read_offset], skip_special_tokens=True)
         full = self.tokenizer.decode(self.ids[self.prefix_offset:], skip_special_tokens=True)
         self.prefix_offset = self.read_offset = len(self.ids)
