@@ -25,7 +25,7 @@ from verify_worker.worker_metrics import VerifyMetrics
 
 ROOT = Path(__file__).resolve().parents[1]
 DOCKER = ROOT / "docker"
-COMPOSE_FILES = sorted(DOCKER.glob("compose*.yml"))
+COMPOSE_FILES = sorted(p for p in DOCKER.glob("compose*.yml") if not p.name.endswith(".gpu.yml"))
 YAML_FILES = sorted([*DOCKER.rglob("*.yml"), *DOCKER.rglob("*.yaml")])
 DASHBOARDS = sorted((DOCKER / "grafana" / "dashboards").glob("*.json"))
 IMAGE = "dflash-serve"
@@ -247,11 +247,15 @@ def test_compose_services_run_declared_scripts_with_accepted_flags(monkeypatch):
 
 
 def test_compose_gpu_and_networking():
+    """The host files run on CPUs (docker/smoke.sh runs them so); each host's .gpu.yml overlay gives every worker
+    role one NVIDIA GPU, and names only services of its host's file."""
     for path, name, service in dflash_services():
         assert service.get("network_mode") == "host", f"{path.name}:{name}: ZeroMQ/NCCL between hosts need host networking"
-        argv = command_argv(service, name)
-        if argv[0] != "dflash-gateway":
-            devices = service["deploy"]["resources"]["reservations"]["devices"]
+        assert "deploy" not in service, f"{path.name}:{name}: the GPU reservation belongs in the .gpu.yml overlay"
+        overlay = load_yaml(path.with_name(path.stem + ".gpu.yml"))["services"]
+        assert set(overlay) <= set(load_yaml(path)["services"]), f"{path.name}: the overlay names unknown services"
+        if command_argv(service, name)[0] != "dflash-gateway":
+            devices = overlay[name]["deploy"]["resources"]["reservations"]["devices"]
             assert any(d.get("driver") == "nvidia" and "gpu" in d.get("capabilities", []) for d in devices), name
 
 
@@ -350,3 +354,16 @@ def test_the_dashboard_checker_runs_every_query_with_grafanas_variables_filled_i
     assert [expr for _, expr in queries] == dashboard_exprs(board)
     for _, expr in queries:
         assert "$" not in checker.with_grafana_variables(expr, "5m"), expr
+
+
+@pytest.mark.parametrize("dockerfile", ["Dockerfile", "Dockerfile.cpu"])
+def test_images_run_as_a_user_with_a_readiness_healthcheck_and_a_declared_command(dockerfile, monkeypatch):
+    text = (DOCKER / dockerfile).read_text().replace("\\\n", " ")
+    lines = [line.strip() for line in text.splitlines() if line.strip() and not line.strip().startswith("#")]
+    users = [line.split()[1] for line in lines if line.startswith("USER ")]
+    assert users and users[-1] not in ("root", "0"), f"{dockerfile}: the image must not run as root"
+    health = next(line for line in lines if line.startswith("HEALTHCHECK"))
+    assert "/ready" in health and ":8000" in health
+    cmd = json.loads(next(line for line in lines if line.startswith("CMD"))[len("CMD"):])
+    _, settings = parse_with_script(cmd, monkeypatch)
+    assert settings.http.port == 8000 and settings.http.host == "0.0.0.0"
