@@ -31,6 +31,11 @@ compile=""; [ "${COMPILE_BUDGET:-0}" != 0 ] && compile="--compile --compile-budg
 timeout ${STEP_TIMEOUT:-200} $python benchmarks/gpu_target_step.py --gemm-sweep --rounds 20 $compile \
     >"$out/target_step.log" 2>&1
 echo "gpu_target_step.py: exit $?"; grep -v "^W[0-9]" "$out/target_step.log" | tail -45
+if [ -d .whl ]; then  # fla's KDA kernel (glm5_next) on the GPU: block == one-token steps bit for bit, and the family
+    PYTHONPATH=/tmp/site:$PWD/tests DFLASH_KDA_DEVICE=cuda timeout ${KDA_TIMEOUT:-120} \
+        $python tests/kda_fla_interpreted.py --write-checkpoint /tmp/glm5-kda >"$out/kda.log" 2>&1
+    echo "kda_fla_interpreted.py on cuda: exit $?"; tail -3 "$out/kda.log"
+fi
 if [ -d .whl ]; then  # serving's packages the image lacks (benchmarks/gpu_wheels.sh, carried as .whl)
     $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}

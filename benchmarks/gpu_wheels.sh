@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Run here (a machine with the package registries), before a GPU session: downloads into .whl/ (ignored by git)
 # the wheels for Python 3.12 x86-64 that the GPU machine's image lacks for serving (fastapi, uvicorn, pyzmq and
-# what they need beyond the image's own packages), pinned to the versions this project is tested with.
+# what they need beyond the image's own packages; fla-core for the glm5_next family's KDA kernel), pinned to the versions this project is tested with.
 # benchmarks/gpu_session.sh installs them there when .whl/ travels (name .whl in the device call's carry).
 set -euo pipefail
 cd "$(dirname "$0")/.."
@@ -11,6 +11,7 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     --platform manylinux_2_28_x86_64 --platform manylinux_2_27_x86_64 --platform manylinux_2_17_x86_64 \
     --platform manylinux2014_x86_64 --platform manylinux1_x86_64 -d .whl \
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
-    typing-inspection==0.4.2 opentelemetry-api==1.45.2 uvicorn==0.55.0 pyzmq==27.3.0
+    typing-inspection==0.4.2 opentelemetry-api==1.45.2 uvicorn==0.55.0 pyzmq==27.3.0 \
+    fla-core==0.6.0 einops==0.8.1
 ls .whl
 du -sh .whl

@@ -2,8 +2,8 @@
 rollback, MLA without RoPE behind a pooled DSA indexer, mHC residual streams, SwiGLU-clamped MoE. Our own
 code, transformers as the test oracle (tests/test_glm5_next.py).
 
-Verify == decode by construction: a verify block goes through the same token-by-token KDA step as one-token
-decoding (transformers runs multi-token calls through its chunked form instead), and, as in the GLM-5.2 family,
+Verify == decode by construction: a verify block goes through the same token-by-token KDA recurrence as one-token
+decoding (PyTorch's ops, or fla's fused recurrent Triton kernel on CUDA: kda_recurrence.py) (transformers runs multi-token calls through its chunked form instead), and, as in the GLM-5.2 family,
 every token row is computed on its own (one-row products, fixed-order sums over streams, stable top-k). Prefill
 uses the recurrent step too: correct, and slow for long prompts (a chunked prefill is not built yet). Written
 for correctness on small checkpoints, like the GLM-5.2 family.
@@ -18,7 +18,8 @@ from shared.layers import RMSNorm
 from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.common.hyper_connection import HyperConnection, expand, stream_mean
-from verify_worker.families.common.kda import causal_conv, delta_step, l2_normalize
+from verify_worker.families.common.kda import causal_conv, l2_normalize
+from verify_worker.families.common.kda_recurrence import TorchRecurrence, recurrence_for
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention
 from verify_worker.families.common.moe import MoE
@@ -62,6 +63,7 @@ class KdaAttention(nn.Module):
         self.o_norm = RMSNorm(dim, cfg.rms_norm_eps)  # its weight; the gated norm is computed below
         self.o_proj = Linear(inner, h)
         self.lower_bound = cfg.gate_lower_bound
+        self.recurrence = TorchRecurrence()  # chosen again when the model is packed
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """The forget gate g [b, s, heads, dim] (float32): lb * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))."""
@@ -85,22 +87,16 @@ class KdaAttention(nn.Module):
         q, k, v = (part.reshape(batch, seq, heads, dim) for part in mixed.split(heads * dim, -1))
         q = l2_normalize(q) * dim**-0.5
         k = l2_normalize(k)
-        decay = elementwise_rows(torch.exp, self.log_decay(x))  # [b, s, heads, dim]
+        g = self.log_decay(x)  # [b, s, heads, dim]
+        decay = elementwise_rows(torch.exp, g)
         beta = elementwise_rows(torch.sigmoid, self.b_proj(x).float())  # [b, s, heads]
-        current = state.tip[slots].reshape(batch * heads, dim, dim)  # [b * heads, dk, dv]
         live = torch.arange(seq, device=x.device)[None] < lengths[:, None]  # [b, s]
-        outputs = []
-        for t in range(seq):
-            stepped, out = delta_step(current, q[:, t].reshape(-1, dim), k[:, t].reshape(-1, dim),
-                                      v[:, t].reshape(-1, dim), decay[:, t].reshape(-1, dim), beta[:, t].reshape(-1))
-            current = torch.where(live[:, t].repeat_interleave(heads)[:, None, None], stepped, current)
-            outputs.append(out.view(batch, heads, dim))
-        state.tip[slots] = current.view(batch, heads, dim, dim)
+        # [b, heads, dk, dv], [b, s, heads, dv]: token by token from each row's tip (kda_recurrence.py)
+        state.tip[slots], out = self.recurrence.run(state.tip[slots], q, k, v, decay, g, beta, live)
         series = torch.cat([window, raw.transpose(1, 2).float()], -1)  # [b, C, K-1+s]
         take = lengths[:, None] + torch.arange(window.shape[-1], device=x.device)  # the last K-1 real inputs
         state.tip_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
-        state.record(slots.tolist(), lengths.tolist(), TokenInputs(k, v, decay, beta, raw))
-        out = torch.stack(outputs, 1)  # [b, s, heads, dv]
+        state.record(slots.tolist(), lengths.tolist(), TokenInputs(k, v, decay, g, beta, raw))
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, seq, heads, dim).float()
         normed = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         normed = normed * elementwise_rows(torch.sigmoid, gate)
@@ -216,7 +212,8 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         latent = LatentCache(attention, indexed, num_slots, capacity, cfg.kv_lora_rank, 0, 2 * cfg.index_head_dim,
                              self.embed_weight.dtype, device)
         heads, dim = self.local.linear_num_heads, cfg.linear_head_dim
-        recurrent = {i: RecurrentState(num_slots, heads, dim, dim, 3 * heads * dim, cfg.conv_kernel, device)
+        recurrent = {i: RecurrentState(num_slots, heads, dim, dim, 3 * heads * dim, cfg.conv_kernel, device,
+                                       self.model.layers[i].self_attn.recurrence)
                      for i, t in enumerate(cfg.layer_types) if t == "linear"}
         return Glm5NextState(latent, recurrent)
 
@@ -275,4 +272,17 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "Glm5NextModel":
+        """The KDA recurrence for the device: fla's Triton kernel on CUDA where fla-core is installed, else
+        PyTorch's ops (kda_recurrence.py). Call before new_state: a state replays with its model's backend."""
+        return self.use_recurrence(recurrence_for(self.embed_weight.device))
+
+    def use_recurrence(self, recurrence) -> "Glm5NextModel":
+        for layer in self.model.layers:
+            if layer.linear:
+                layer.self_attn.recurrence = recurrence
         return self
+
+    @property
+    def recurrence_name(self) -> str:
+        layer = next((layer for layer in self.model.layers if layer.linear), None)
+        return layer.self_attn.recurrence.name if layer is not None else "none"

@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
-from verify_worker.families.common.kda import delta_update
+from verify_worker.families.common.kda_recurrence import TorchRecurrence
 from verify_worker.families.common.latent_cache import LatentCache
 
 
@@ -24,6 +24,7 @@ class TokenInputs:
     k: torch.Tensor  # [b, s, heads, dk] (normalised)
     v: torch.Tensor  # [b, s, heads, dv]
     decay: torch.Tensor  # [b, s, heads, dk]: exp(g)
+    g: torch.Tensor  # [b, s, heads, dk]: the log decay (fla's kernel takes it)
     beta: torch.Tensor  # [b, s, heads]
     raw: torch.Tensor  # [b, s, conv channels]: the conv's inputs
 
@@ -31,7 +32,9 @@ class TokenInputs:
 class RecurrentState:
     """One KDA layer's states for every slot."""
 
-    def __init__(self, num_slots: int, heads: int, dk: int, dv: int, channels: int, kernel: int, device):
+    def __init__(self, num_slots: int, heads: int, dk: int, dv: int, channels: int, kernel: int, device,
+                 recurrence=None):
+        self.recurrence = recurrence or TorchRecurrence()  # the model's, so that a replay equals the forward
         f32 = dict(dtype=torch.float32, device=device)
         self.committed = torch.zeros(num_slots, heads, dk, dv, **f32)
         self.tip = torch.zeros(num_slots, heads, dk, dv, **f32)
@@ -75,11 +78,11 @@ class RecurrentState:
         """The committed states of these slots advanced through their kept tokens, batched over the slots (each
         slot's heads are updated on their own, so the batch does not change a bit)."""
         longest = max(n for _, _, n in partial)
-        names = ("k", "v", "decay", "beta", "raw")
+        names = ("k", "v", "decay", "g", "beta", "raw")
         first = partial[0][1][0][0]
         if all(len(records) == 1 and records[0][0] is first for _, records, _ in partial):  # one forward's rows
             rows = torch.tensor([records[0][1] for _, records, _ in partial], device=self.tip.device)
-            k, v, decay, beta, raw = (getattr(first, f)[rows, :longest] for f in names)  # [P, longest, ...]
+            k, v, decay, g, beta, raw = (getattr(first, f)[rows, :longest] for f in names)  # [P, longest, ...]
         else:  # a slot's pending tokens span forwards (a prompt chunk, then a decode block)
             fields = {f: [] for f in names}
             for _, records, n in partial:
@@ -87,17 +90,11 @@ class RecurrentState:
                     joined = torch.cat([getattr(inputs, f)[row, :count] for inputs, row, count in records])[:n]
                     pad = [0] * (2 * (joined.dim() - 1)) + [0, longest - n]
                     fields[f].append(torch.nn.functional.pad(joined, pad))
-            k, v, decay, beta, raw = (torch.stack(fields[f]) for f in names)  # [P, longest, ...]
+            k, v, decay, g, beta, raw = (torch.stack(fields[f]) for f in names)  # [P, longest, ...]
         index = torch.tensor([slot for slot, _, _ in partial], device=self.tip.device)
         kept = torch.tensor([n for _, _, n in partial], device=self.tip.device)
-        count, heads, dk, dv = len(partial), *self.committed.shape[1:]
-        state = self.committed[index].reshape(count * heads, dk, dv)
-        for t in range(longest):
-            stepped = delta_update(state, k[:, t].reshape(-1, dk), v[:, t].reshape(-1, dv),
-                                   decay[:, t].reshape(-1, dk), beta[:, t].reshape(-1))
-            live = (t < kept).repeat_interleave(heads)[:, None, None]
-            state = torch.where(live, stepped, state)
-        self.committed[index] = state.view(count, heads, dk, dv)
+        live = torch.arange(longest, device=kept.device)[None] < kept[:, None]  # [P, longest]
+        self.committed[index], _ = self.recurrence.run(self.committed[index], None, k, v, decay, g, beta, live)
         window = self.committed_window[index]  # [P, C, K-1]
         series = torch.cat([window, raw.transpose(1, 2).float()], -1)
         take = kept[:, None] + torch.arange(window.shape[-1], device=window.device)
