@@ -1,7 +1,8 @@
-"""Run by tests/test_kda_fla.py with TRITON_INTERPRET=1 (Triton's interpreter: fla's KDA kernel on CPU tensors),
-and by benchmarks/gpu_session.sh on a GPU (DFLASH_KDA_DEVICE=cuda, the compiled kernel): fla's fused recurrent
-KDA kernel as the glm5_next family's recurrence, against the PyTorch recurrence (the CPU oracle) and against
-itself one token at a time. Prints one JSON object of findings; the test asserts on them.
+"""Run by tests/test_glm5_next.py (test_fla_kda_equals_its_one_token_steps_...) with TRITON_INTERPRET=1 (Triton's
+interpreter: fla's KDA kernel on CPU tensors), and by benchmarks/gpu_session.sh on a GPU (DFLASH_KDA_DEVICE=cuda,
+the compiled kernel): fla's fused recurrent KDA kernel as the glm5_next family's recurrence, against the PyTorch
+recurrence (the CPU oracle) and against itself one token at a time. Prints one JSON object of findings; the test
+asserts on them.
 
     TRITON_INTERPRET=1 python tests/kda_fla_interpreted.py CHECKPOINT_FOLDER
     DFLASH_KDA_DEVICE=cuda python tests/kda_fla_interpreted.py --write-checkpoint FOLDER   # writes it first

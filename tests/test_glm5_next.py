@@ -7,6 +7,13 @@ tensor: after a verify block and a commit of part of it, every KDA state and con
 decoding of the kept tokens leaves.
 """
 
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 from scripted_proposer import ScriptedProposer
@@ -36,6 +43,7 @@ TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermedia
 VISION = dict(depth=1, hidden_size=16, intermediate_size=32, num_heads=2, image_size=4, patch_size=2,
               temporal_patch_size=2, spatial_merge_size=2, out_hidden_size=32, projection_intermediate_size=32)
 CONTEXT = 36
+HERE = Path(__file__).resolve().parent
 
 
 def random_glm5(seed: int = 0, **overrides):
@@ -413,3 +421,26 @@ def test_an_fp8_checkpoint_loads_as_its_dequantized_twin(glm5, tmp_path):
     run_ranks(sparse_logits, 2, str(tmp_path / "fp8"), str(out))
     reference = sparse_calls(load_target(tmp_path / "twin"))
     assert (torch.load(out)["block"] - reference["block"]).abs().max() < 1e-4
+
+
+@pytest.mark.skipif(importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
+                    reason="fla-core and triton not installed (pip install -e '.[gpu]')")
+def test_fla_kda_equals_its_one_token_steps_and_matches_the_cpu_recurrence(glm5):
+    """fla's fused recurrent KDA kernel (the recurrence on CUDA) under Triton's interpreter, in a process of its
+    own (TRITON_INTERPRET must be set before Triton is imported): tests/kda_fla_interpreted.py."""
+    folder = glm5[2]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, str(HERE / "kda_fla_interpreted.py"), str(folder)], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    # the kernel's rounding differs from PyTorch's ops (its own exp, fused sums): close, not equal
+    assert found["fla_vs_torch_output"] < 1e-5 and found["fla_vs_torch_state"] < 1e-5, found
+    # exactness: a verify block's state and outputs are those of as many one-token steps, bit for bit; padding
+    # past a row's real tokens leaves its state alone; the commit's replay (no outputs) gives the forward's state
+    assert found["block_equals_steps_output"] and found["block_equals_steps_state"], found
+    assert found["padding_leaves_state"] and found["replay_equals_forward_state"], found
+    # the family on that backend: greedy speculative == plain (drafts accepted and rejected), and plain decoding
+    # gives the CPU recurrence's tokens (or differs only at a near-tie)
+    assert found["backend"] == "fla" and found["speculative_equals_plain"], found
+    assert 1 < found["committed_per_step"] < 4, found
