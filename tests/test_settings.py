@@ -4,6 +4,7 @@ own parser reads back exactly what the launcher built)."""
 
 import dataclasses
 import json
+import os
 import re
 from pathlib import Path
 
@@ -26,7 +27,7 @@ COMMANDS = (VerifyCommand, DraftCommand, GatewayCommand, ServeCommand)
 
 @pytest.fixture(autouse=True)
 def no_dflash_env(monkeypatch):
-    for name in [n for n in __import__("os").environ if n.startswith("DFLASH_")]:
+    for name in [n for n in os.environ if n.startswith("DFLASH_")]:
         monkeypatch.delenv(name)
 
 

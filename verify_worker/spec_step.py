@@ -35,12 +35,11 @@ class StepPlan:
 
 @dataclass(frozen=True, kw_only=True)
 class StepOutcome:
-    """What a decode step did, for the policy: per row its drafts asked and obtained, the tokens it committed
+    """What a decode step did, for the policy: per row the drafts it obtained, the tokens it committed
     (and which), whether it finished; the step's decode seconds and the mode they measure (None: neither, for a
     step that is not pure), and a scored probe's drafts by request."""
 
     request_ids: list[str]
-    asked: list[int]
     counts: list[int]
     committed: list[int]
     new_tokens: list[list[int]]

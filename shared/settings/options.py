@@ -10,7 +10,7 @@ import json
 import math
 import os
 import types
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from typing import Any, Union, get_args, get_origin
 
 SETTINGS_FLAG = "--settings"  # a process's settings as JSON (flags given beside it win)
@@ -140,11 +140,14 @@ def _help(slot: Slot) -> str:
 def add_arguments(parser: argparse.ArgumentParser, command: type, environ: Mapping[str, str] | None = None) -> None:
     """One argument group per topic; a default from the environment where the option names a variable."""
     environ = os.environ if environ is None else environ
+    topic_classes = {f.name: f.type for f in dataclasses.fields(command)}
     sections: dict[str, argparse._ArgumentGroup] = {}
     for slot in slots(command):
-        topic_class = dict((f.name, f.type) for f in dataclasses.fields(command))[slot.topic_name]
-        title = topic_class.TITLE + (f" ({slot.layout.prefix.rstrip('-')})" if slot.layout.prefix else "")
-        section = sections.setdefault(slot.topic_name, parser.add_argument_group(title))
+        if slot.topic_name not in sections:
+            title = topic_classes[slot.topic_name].TITLE
+            sections[slot.topic_name] = parser.add_argument_group(
+                title + (f" ({slot.layout.prefix.rstrip('-')})" if slot.layout.prefix else ""))
+        section = sections[slot.topic_name]
         default = slot.default
         if slot.env and environ.get(slot.env) not in (None, ""):
             try:
@@ -155,14 +158,10 @@ def add_arguments(parser: argparse.ArgumentParser, command: type, environ: Mappi
             section.add_argument(slot.flag, *slot.option.aliases, dest=slot.dest, action="store_true",
                                  default=default, help=_help(slot))
         else:
-            section.add_argument(slot.flag, *slot.option.aliases, dest=slot.dest, type=_argparse_type(slot), default=default,
+            # argparse reads the text as the option's type (naming the flag when it is not one); bounds are
+            # checked after, in build, for values from flags, the environment and handed settings alike
+            section.add_argument(slot.flag, *slot.option.aliases, dest=slot.dest, type=slot.kind, default=default,
                                  choices=slot.option.choices, metavar=_metavar(slot), help=_help(slot))
-
-
-def _argparse_type(slot: Slot) -> Callable[[str], Any]:
-    """The text as the option's type (argparse names the flag when it is not one); bounds are checked after, in
-    from_namespace, for values from flags, the environment and handed settings alike."""
-    return slot.kind
 
 
 def _metavar(slot: Slot) -> str | None:
@@ -176,7 +175,7 @@ def from_namespace(command: type, namespace: argparse.Namespace):
     cross-checks (its `check` method, where it has one)."""
     values: dict[str, dict[str, Any]] = {f.name: {} for f in dataclasses.fields(command)}
     for slot in slots(command):
-        values[slot.topic_name][slot.field.name] = slot.convert(getattr(namespace, slot.dest))
+        values[slot.topic_name][slot.field.name] = getattr(namespace, slot.dest)
     return build(command, values)
 
 

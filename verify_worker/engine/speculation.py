@@ -57,7 +57,7 @@ class Speculation:
         pure = (counts == asked and not (report.fallback or report.catch_up or report.prefill_tokens)
                 and (all(counts) or not any(counts)))
         self.policy.record(plan, StepOutcome(
-            request_ids=[s.request_id for s in states], asked=asked, counts=counts, committed=committed,
+            request_ids=[s.request_id for s in states], counts=counts, committed=committed,
             new_tokens=[s.output_ids[len(s.output_ids) - n:] if n else [] for s, n in zip(states, committed)],
             finished=[s.status == Status.FINISHED for s in states], seconds=report.decode_seconds(),
             timed=any(counts) if pure else None, probe_drafts=probe_drafts))
