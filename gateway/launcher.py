@@ -28,6 +28,7 @@ from shared.settings.options import SETTINGS_ENV, environment_defaults, overlay,
 from shared.settings.options import build_parser as settings_parser
 from shared.settings.topics import ChannelSettings
 
+BROKEN_GROUP_GRACE_S = 2.0  # after a rank failed: the survivors' group is broken, they have nothing to drain
 MODULES = {"verify": "verify_worker.server", "draft": "draft_worker.server", "gateway": "gateway.main"}
 
 
@@ -70,9 +71,11 @@ class Child:
         return None if self.process is None else self.process.poll()
 
     def stop(self, grace_s: float = 10.0) -> None:
+        """SIGTERM (and SIGCONT, so that a stopped child takes it), then SIGKILL after grace_s."""
         if self.process is None or self.process.poll() is not None:
             return
         self.process.terminate()
+        self.process.send_signal(signal.SIGCONT)
         try:
             self.process.wait(grace_s)
         except subprocess.TimeoutExpired:
@@ -158,12 +161,13 @@ class Launcher:
     def verify_ranks(self) -> list[str]:
         return [key for key in self.children if key.split(".")[0] == "verify"]
 
-    def stop_all(self) -> None:
+    def stop_all(self, rank_grace_s: float = 10.0) -> None:
         """The gateway first (it drains the requests in flight while the workers still serve them), then the
-        verify ranks and the drafter."""
+        verify ranks (each killed if it has not exited rank_grace_s after SIGTERM) and the drafter."""
         for key in ("gateway", *self.verify_ranks(), "draft"):
             if key in self.children:
-                self.children[key].stop(self.http.shutdown_timeout + 5 if key == "gateway" else 10.0)
+                grace = {"gateway": self.http.shutdown_timeout + 5, "draft": 10.0}.get(key, rank_grace_s)
+                self.children[key].stop(grace)
 
     def _wait_ready(self, roles: list[str]) -> str | None:
         """None when every role reported ready; otherwise the role that failed."""
@@ -228,7 +232,7 @@ class Launcher:
                       "; stopping", file=sys.stderr, flush=True)
                 self._gateway_sees_verify_down()
                 time.sleep(3.0)  # clients keep getting clear 503s (not refused connections) for a moment
-                self.stop_all()
+                self.stop_all(rank_grace_s=BROKEN_GROUP_GRACE_S)
                 return 1
             if self.children["gateway"].exited() is not None and not self.stopping:
                 print("dflash-serve: the gateway exited; stopping", file=sys.stderr, flush=True)

@@ -1,6 +1,6 @@
-"""dflash-serve --tp 2 on CPU (gloo): the whole server gives the same greedy tokens as --tp 1 (and so does the
-torch.distributed feature pair in place of ZeroMQ frames), and a rank that dies or hangs fails the open
-streams, turns /ready and new requests into 503 and stops the service."""
+"""dflash-serve --tp 2 on CPU (gloo): the whole server gives the greedy tokens the model gives decoding alone (and
+so does the torch.distributed feature pair in place of ZeroMQ frames), and a rank that dies or hangs fails the
+open streams, turns /ready and new requests into 503 and stops the service."""
 
 import os
 import signal
@@ -11,14 +11,16 @@ from concurrent.futures import ThreadPoolExecutor
 import httpx
 import pytest
 import torch
-from greedy_check import assert_same_or_near_tie
+from greedy_check import assert_same_or_near_tie, plain_greedy
 from server_harness import Server, metric_value, write_server_models
 from test_server_faults import completion_tokens, stream_tokens
 from tokenizers import Tokenizer
 
+from shared.byte_tokenizer import END_OF_TEXT
 from verify_worker.target_loader import load_target
 
 PROMPTS = ["def add(a, b):", "while True:", "x = [i for i in", "import os\n"]
+MAX_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
@@ -33,20 +35,22 @@ def models(tmp_path_factory):
 
 def served_tokens(server: Server) -> list[list[int]]:
     with ThreadPoolExecutor(len(PROMPTS)) as pool:  # concurrent: batched verify steps across the ranks
-        streamed = list(pool.map(lambda p: stream_tokens(server.url, p, 40), PROMPTS))
+        streamed = list(pool.map(lambda p: stream_tokens(server.url, p, MAX_TOKENS), PROMPTS))
     tokens = []
     for prompt, (stream, error, done) in zip(PROMPTS, streamed):
         assert error is None and done
-        whole = completion_tokens(server.url, prompt, 40)["choices"][0]["token_ids"]
+        whole = completion_tokens(server.url, prompt, MAX_TOKENS)["choices"][0]["token_ids"]
         assert whole == stream  # streaming and not streaming agree
         tokens.append(stream)
     return tokens
 
 
 def test_tp2_and_the_feature_pair_serve_the_same_greedy_tokens_as_tp1(models):
+    """Served at TP 2 (ZeroMQ frames, then the torch.distributed pair), batched and speculative, against the whole
+    model's own greedy decoding in this process (TP 1's answer: test_server_e2e serves TP 1 the same way)."""
     target, draft, root = models
     results = {}
-    setups = {"tp1": ("--tp", "1"), "tp2": ("--tp", "2"), "tp2+pair": ("--tp", "2", "--feature-transport", "pair")}
+    setups = {"tp2": ("--tp", "2"), "tp2+pair": ("--tp", "2", "--feature-transport", "pair")}
     for name, flags in setups.items():
         server = Server(target, draft, *flags, log_dir=root)
         try:
@@ -59,9 +63,12 @@ def test_tp2_and_the_feature_pair_serve_the_same_greedy_tokens_as_tp1(models):
             assert server.stop() == 0
     whole = load_target(target)
     tokenizer = Tokenizer.from_file(str(target / "tokenizer.json"))
-    for name in ("tp2", "tp2+pair"):
-        for prompt, got, want in zip(PROMPTS, results[name], results["tp1"]):
-            assert_same_or_near_tie(whole, tokenizer.encode(prompt, add_special_tokens=False).ids, got, want)
+    stop = (tokenizer.token_to_id(END_OF_TEXT),)
+    for index, prompt in enumerate(PROMPTS):
+        ids = tokenizer.encode(prompt, add_special_tokens=False).ids
+        want = plain_greedy(whole, ids, MAX_TOKENS, stop)
+        for name in setups:
+            assert_same_or_near_tie(whole, ids, results[name][index], want)
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])
