@@ -26,13 +26,13 @@ class RequestSnapshot:
     num_chunks: int
     logprobs: int
     prompt_logprobs: int
-    stats: RequestStats
+    stats: tuple  # RequestStats.saved()
     generator_state: torch.Tensor | None  # the verifier's random stream (sampled requests only): draws of an
     # undone step are drawn again, so plain decoding of a seeded request is the same whatever failed beside it
 
     @classmethod
     def take(cls, state: RequestState) -> "RequestSnapshot":
-        stats = state.stats.copy()
+        stats = state.stats.saved()
         generator = None if state.request.sampling.greedy else state.generator.get_state()
         return cls(state, state.status, state.slot, state.cache_len, len(state.output_ids), state.finish_reason,
                    state.feature_chunks, len(state.feature_chunks), len(state.logprobs), len(state.prompt_logprobs),
@@ -48,7 +48,7 @@ class RequestSnapshot:
         state.feature_chunks = self.chunks
         del state.logprobs[self.logprobs:]
         del state.prompt_logprobs[self.prompt_logprobs:]
-        state.stats = self.stats
+        state.stats = RequestStats.restored(self.stats)
         if self.generator_state is not None:
             state.generator.set_state(self.generator_state)
         state.resend_features()  # the drafter may hold part of the undone step: send it everything again
