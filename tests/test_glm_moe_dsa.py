@@ -9,8 +9,13 @@ stable (`stable_topk`): what it then computes is transformers' model with our ti
 """
 
 import contextlib
+import json
 import logging
+import os
 import random
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -480,3 +485,24 @@ def test_verify_equals_decode_in_bfloat16_too(glm):
              for i in range(8)]
     block = run(target, state, ids[:, 32:40], torch.arange(32, 40)[None], torch.tensor([1])).hidden
     assert block.dtype == torch.bfloat16 and torch.equal(block, torch.cat(steps, 1))
+
+
+def test_the_triton_expert_kernel_is_row_invariant_and_serves_the_family_exactly(glm):
+    """cuda_ext/grouped_rows (the experts' products on CUDA) under Triton's interpreter, in a process of its own
+    (TRITON_INTERPRET must be set before Triton is imported): tests/grouped_rows_interpreted.py."""
+    pytest.importorskip("triton")
+    here = Path(__file__).resolve().parent
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    run = subprocess.run([sys.executable, str(here / "grouped_rows_interpreted.py"), str(glm[2])], env=env,
+                         capture_output=True, text=True, timeout=600)
+    assert run.returncode == 0, run.stderr[-3000:]
+    found = json.loads(run.stdout.strip().splitlines()[-1])
+    # against the float32 product of the same bfloat16 inputs (empty groups, partial tiles and blocks included)
+    assert found["kernel_vs_float32"] < 1e-5, found
+    # a row's result is the same bits alone, in a full tile, or at another place in its tiles
+    assert found["rows_equal_alone"] and found["rows_equal_shifted"], found
+    # the MoE experts with the kernel: close to PyTorch's products, and each token's row the same alone
+    assert found["experts_triton_vs_torch"] < 2e-2 and found["experts_rows_equal_alone"], found
+    # the family with it: greedy speculative == plain with right and wrong drafts (drafts accepted), and plain
+    # decoding gives the CPU products' tokens or differs only at a near-tie (the script raises otherwise)
+    assert found["speculative_equals_plain"] and 1 < found["committed_per_step"] < 4, found

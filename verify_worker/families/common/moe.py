@@ -6,6 +6,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from verify_worker.families.common.dense import GatedMLP, clamp_gate_up
+from verify_worker.families.common.expert_products import LoopProducts
 from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
 from verify_worker.parallel.group import TensorParallel
 
@@ -36,24 +37,30 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top
 
 class RoutedExperts(nn.Module):
     """Experts' gate|up [experts, 2 * inner, hidden] and down [experts, hidden, inner], as transformers stacks
-    them. Each token's output sums its experts in its top-k order, each expert's rows computed as batched
-    one-row products, so a token's result does not depend on which other tokens share the call."""
+    them. The token-expert pairs are sorted by expert and each expert's rows multiplied by its weights in place
+    (expert_products.py: a row's result does not depend on the other rows); each token's output then sums its
+    experts in its top-k order."""
 
     def __init__(self, experts: int, hidden: int, inner: int, limit: float | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
         self.limit = limit  # the swiglu clamp (see clamp_gate_up)
+        self.products = LoopProducts()  # chosen again when the model is packed
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden], ids / weights [tokens, top_k] -> [tokens, hidden]."""
         tokens, top_k = ids.shape
         flat = ids.reshape(-1)  # [tokens * top_k]
-        rows = x[:, None].expand(tokens, top_k, x.shape[-1]).reshape(tokens * top_k, 1, -1)  # [t*k, 1, hidden]
-        gate, up = torch.bmm(rows, self.gate_up_proj[flat].transpose(1, 2)).chunk(2, -1)  # [t*k, 1, inner]
+        order = torch.sort(flat, stable=True).indices  # [t*k] the pairs by expert, in token order within one
+        counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=x.device)
+        counts.scatter_add_(0, flat, torch.ones_like(flat))  # [experts] (no host synchronisation)
+        rows = x[order // top_k]  # [t*k, hidden]
+        gate, up = self.products(rows, self.gate_up_proj, counts).chunk(2, -1)  # [t*k, inner] each
         gate, up = clamp_gate_up(gate, up, self.limit)
-        out = torch.bmm(elementwise_rows(F.silu, gate) * up, self.down_proj[flat].transpose(1, 2))  # [t*k, 1, hidden]
-        out = out.view(tokens, top_k, -1) * weights[..., None].to(out.dtype)
+        down = self.products(elementwise_rows(F.silu, gate) * up, self.down_proj, counts)  # [t*k, hidden]
+        out = torch.empty_like(down).index_copy_(0, order, down).view(tokens, top_k, -1)  # back in pair order
+        out = out * weights[..., None].to(out.dtype)
         total = out[:, 0]
         for slot in range(1, top_k):  # a fixed order per token
             total = total + out[:, slot]
@@ -97,3 +104,10 @@ class MoE(nn.Module):
         if self.shared_experts is not None:
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
+
+
+def use_expert_products(model: nn.Module, products) -> None:
+    """Every RoutedExperts in model multiplies with `products` (expert_products.py)."""
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.products = products

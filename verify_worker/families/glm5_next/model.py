@@ -22,7 +22,8 @@ from verify_worker.families.common.kda import causal_conv, l2_normalize
 from verify_worker.families.common.kda_recurrence import TorchRecurrence, recurrence_for
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention
-from verify_worker.families.common.moe import MoE
+from verify_worker.families.common.expert_products import expert_products_for
+from verify_worker.families.common.moe import MoE, use_expert_products
 from verify_worker.families.common.pooled_indexer import pool_keys, select_pooled
 from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
 from verify_worker.families.glm5_next.config import Glm5NextConfig
@@ -272,8 +273,10 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "Glm5NextModel":
-        """The KDA recurrence for the device: fla's Triton kernel on CUDA where fla-core is installed, else
-        PyTorch's ops (kda_recurrence.py). Call before new_state: a state replays with its model's backend."""
+        """The kernels for the device: on CUDA, fla's Triton KDA recurrence where fla-core is installed and the
+        grouped Triton expert products where Triton is; else PyTorch's ops (kda_recurrence.py, expert_products.py).
+        Call before new_state: a state replays with its model's recurrence."""
+        use_expert_products(self, expert_products_for(self.embed_weight.device))
         return self.use_recurrence(recurrence_for(self.embed_weight.device))
 
     def use_recurrence(self, recurrence) -> "Glm5NextModel":

@@ -23,7 +23,8 @@ from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention, interleaved_rotary, rotary_angles
-from verify_worker.families.common.moe import MoE
+from verify_worker.families.common.expert_products import expert_products_for
+from verify_worker.families.common.moe import MoE, use_expert_products
 from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.common.sparse_indexer import index_scores, select_top_keys
 from verify_worker.families.glm_moe_dsa.config import INDEXER_NORM_EPS, LATENT_NORM_EPS, GlmMoeDsaConfig
@@ -182,5 +183,7 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "GlmMoeDsaModel":
-        """Nothing to pack yet: the row-by-row products read the loaded weights."""
+        """The expert products for the device (expert_products.py: the grouped Triton kernel on CUDA where Triton
+        is installed, else PyTorch's); the other products read the loaded weights row by row."""
+        use_expert_products(self, expert_products_for(self.embed_weight.device))
         return self

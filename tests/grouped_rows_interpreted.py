@@ -1,0 +1,105 @@
+"""Run by tests/test_glm_moe_dsa.py with TRITON_INTERPRET=1 (Triton's interpreter: our grouped Triton product on
+CPU tensors), and by benchmarks/gpu_session.sh on a GPU (DFLASH_GROUPED_DEVICE=cuda, the compiled kernel): the
+kernel against the float32 product, its rows against the same rows computed alone, the MoE experts with it against
+PyTorch's products, and a GLM-5.2-family target with it. Prints one JSON object of findings; the test asserts on
+them. (tests/kda_fla_interpreted.py runs the glm5_next family on its GPU kernels, this one included.)
+
+    TRITON_INTERPRET=1 python tests/grouped_rows_interpreted.py GLM_FOLDER
+    DFLASH_GROUPED_DEVICE=cuda python tests/grouped_rows_interpreted.py --write-checkpoint GLM_FOLDER
+"""
+
+import json
+import os
+import sys
+
+import torch
+from greedy_check import assert_same_or_near_tie
+from scripted_proposer import ScriptedProposer
+
+from cuda_ext.grouped_rows import reference
+from cuda_ext.grouped_rows.kernel import BLOCK_M, grouped_rows
+from verify_worker.engine import SpeculativeEngine
+from verify_worker.families.common.expert_products import TritonProducts
+from verify_worker.families.common.moe import RoutedExperts, use_expert_products
+from verify_worker.request import GenerationRequest
+from verify_worker.target_loader import load_target
+
+DEVICE = os.environ.get("DFLASH_GROUPED_DEVICE", "cpu")
+
+
+def kernel_findings() -> dict:
+    generator = torch.Generator().manual_seed(0)
+    counts = torch.tensor([3, 0, BLOCK_M + 5, 1, 0, 2])  # an empty group, one past a whole tile, one row alone
+    n, k = 80, 72  # neither a whole column block nor a whole K block
+    x = torch.randn(int(counts.sum()), k, generator=generator).to(torch.bfloat16).to(DEVICE)
+    weights = torch.randn(len(counts), n, k, generator=generator).to(torch.bfloat16).to(DEVICE)
+    counts = counts.to(DEVICE)
+    full = grouped_rows(x, weights, counts, out_dtype=torch.float32)
+    want = reference.grouped_rows(x, weights, counts)
+    alone, start = [], 0  # each row in a call of its own
+    for group, count in enumerate(counts.tolist()):
+        for row in range(start, start + count):
+            one = torch.zeros_like(counts)
+            one[group] = 1
+            alone.append(grouped_rows(x[row:row + 1], weights, one, out_dtype=torch.float32))
+        start += count
+    # group 2's rows after dropping group 0's: each sits at another place in its tiles
+    later = grouped_rows(x[3:], weights, torch.cat([counts[:1] * 0, counts[1:]]), out_dtype=torch.float32)
+    return {
+        "kernel_vs_float32": float((full - want).abs().max() / want.abs().max()),
+        "rows_equal_alone": bool(torch.equal(full, torch.cat(alone))),
+        "rows_equal_shifted": bool(torch.equal(full[3:], later)),
+        # on a GPU the kernel rounds to bfloat16 itself (under the interpreter torch does: kernel.py)
+        "bfloat16_output_is_rounded_float32": bool(torch.equal(grouped_rows(x, weights, counts),
+                                                               full.to(torch.bfloat16))),
+    }
+
+
+def experts_findings() -> dict:
+    generator = torch.Generator().manual_seed(1)
+    experts = RoutedExperts(experts=6, hidden=64, inner=48, limit=7.0)
+    with torch.no_grad():
+        for weight in (experts.gate_up_proj, experts.down_proj):
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.2)
+    experts = experts.to(torch.bfloat16).to(DEVICE)
+    x = torch.randn(9, 64, generator=generator).to(torch.bfloat16).to(DEVICE)
+    ids = torch.stack([torch.randperm(6, generator=generator)[:3] for _ in range(9)]).to(DEVICE)  # top 3 of 6
+    weights = torch.rand(9, 3, generator=generator).to(DEVICE)
+    with torch.no_grad():
+        loop = experts(x, ids, weights)
+        experts.products = TritonProducts()
+        grouped = experts(x, ids, weights)
+        alone = torch.cat([experts(x[i:i + 1], ids[i:i + 1], weights[i:i + 1]) for i in range(9)])
+    return {
+        "experts_triton_vs_torch": float((grouped.float() - loop.float()).abs().max() / loop.float().abs().max()),
+        "experts_rows_equal_alone": bool(torch.equal(grouped, alone)),
+    }
+
+
+def model_findings(folder: str) -> dict:
+    oracle = load_target(folder)  # packed for the CPU: PyTorch's products
+    target = load_target(folder, device=DEVICE)
+    use_expert_products(target, TritonProducts())
+    prompts = [[5, 17, 3, 99, 42, 8, 61], [77, 12]]
+    requests = [GenerationRequest(tuple(p), 8, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    plain = SpeculativeEngine(target, None, max_requests=2, max_model_len=64).generate(requests)
+    sequences = {r.request_id: list(r.prompt_ids) + p.token_ids for r, p in zip(requests, plain)}
+    drafts = ScriptedProposer(sequences, block_size=4, num_layers=oracle.config.num_layers)  # right and wrong
+    spec = SpeculativeEngine(target, drafts, max_requests=2, max_model_len=64).generate(requests)
+    want = SpeculativeEngine(oracle, None, max_requests=2, max_model_len=64).generate(requests)
+    for prompt, got, expected in zip(prompts, plain, want):
+        assert_same_or_near_tie(oracle, prompt, got.token_ids, expected.token_ids)  # raises unless a near-tie
+    return {
+        "speculative_equals_plain": [r.token_ids for r in spec] == [r.token_ids for r in plain],
+        "committed_per_step": sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec),
+        "tokens_equal_oracle": [r.token_ids for r in plain] == [r.token_ids for r in want],
+    }
+
+
+if __name__ == "__main__":
+    folder = sys.argv[-1]
+    if "--write-checkpoint" in sys.argv:
+        from test_glm_moe_dsa import random_glm
+
+        random_glm().save_pretrained(folder)
+    print(json.dumps({"device": DEVICE, **kernel_findings(), **experts_findings(), **model_findings(folder)}))

@@ -1,0 +1,63 @@
+"""The MoE experts' grouped products: the tiles of the Triton kernel, and the PyTorch path against the per-pair gather
+it replaced (bit for bit). The Triton kernel itself runs under Triton's interpreter in test_glm_moe_dsa.py
+(tests/grouped_rows_interpreted.py) and, for the glm5_next family, in test_glm5_next.py (kda_fla_interpreted.py)."""
+
+import pytest
+import torch
+from torch.nn import functional as F
+
+from cuda_ext.grouped_rows.tiles import group_tiles, max_tiles
+from verify_worker.families.common.dense import clamp_gate_up
+from verify_worker.families.common.moe import RoutedExperts
+from verify_worker.families.common.row_invariant import elementwise_rows
+
+
+@pytest.mark.parametrize("counts", [[0, 0, 5], [16, 1, 0, 33, 2], [1] * 9, [40], [0] * 4])
+def test_tiles_cover_each_row_once_within_one_group(counts):
+    block = 16
+    counts = torch.tensor(counts)
+    rows = int(counts.sum())
+    tiles = max_tiles(rows, len(counts), block)
+    group, first, end = group_tiles(counts, block, tiles)
+    assert group.shape == first.shape == end.shape == (tiles,)
+    starts = torch.cumsum(counts, 0) - counts
+    covered = torch.zeros(rows, dtype=torch.int64)
+    for g, a, b in zip(group.tolist(), first.tolist(), end.tolist()):
+        if a == b:
+            continue
+        assert 0 < b - a <= block and starts[g] <= a and b <= starts[g] + counts[g]  # one group's rows
+        covered[a:b] += 1
+    assert torch.equal(covered, torch.ones(rows, dtype=torch.int64))
+
+
+def gathered(experts: RoutedExperts, x, ids, weights):
+    """The products as they were computed before: each token-expert pair's weights gathered, one bmm entry each."""
+    tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    rows = x[:, None].expand(tokens, top_k, x.shape[-1]).reshape(tokens * top_k, 1, -1)
+    gate, up = torch.bmm(rows, experts.gate_up_proj[flat].transpose(1, 2)).chunk(2, -1)
+    gate, up = clamp_gate_up(gate, up, experts.limit)
+    out = torch.bmm(elementwise_rows(F.silu, gate) * up, experts.down_proj[flat].transpose(1, 2))
+    out = out.view(tokens, top_k, -1) * weights[..., None].to(out.dtype)
+    total = out[:, 0]
+    for slot in range(1, top_k):
+        total = total + out[:, slot]
+    return total
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_experts_grouped_by_expert_equal_the_gathered_products_and_their_rows_alone(dtype):
+    generator = torch.Generator().manual_seed(0)
+    experts = RoutedExperts(experts=8, hidden=64, inner=40, limit=7.0)
+    with torch.no_grad():
+        for weight in (experts.gate_up_proj, experts.down_proj):
+            weight.copy_(torch.randn(weight.shape, generator=generator) * 0.2)
+    experts = experts.to(dtype)
+    x = torch.randn(13, 64, generator=generator).to(dtype)
+    ids = torch.stack([torch.randperm(8, generator=generator)[:4] for _ in range(13)])  # top 4 of 8
+    weights = torch.rand(13, 4, generator=generator)
+    with torch.no_grad():
+        grouped = experts(x, ids, weights)
+        assert torch.equal(grouped, gathered(experts, x, ids, weights))
+        alone = torch.cat([experts(x[i:i + 1], ids[i:i + 1], weights[i:i + 1]) for i in range(13)])
+    assert torch.equal(grouped, alone)
