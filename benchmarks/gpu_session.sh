@@ -31,16 +31,20 @@ compile=""; [ "${COMPILE_BUDGET:-0}" != 0 ] && compile="--compile --compile-budg
 timeout ${STEP_TIMEOUT:-200} $python benchmarks/gpu_target_step.py --gemm-sweep --rounds 20 $compile \
     >"$out/target_step.log" 2>&1
 echo "gpu_target_step.py: exit $?"; grep -v "^W[0-9]" "$out/target_step.log" | tail -45
-if [ -d .whl ]; then  # fla's KDA kernel (glm5_next) on the GPU: block == one-token steps bit for bit, and the family
-    PYTHONPATH=/tmp/site:$PWD/tests DFLASH_KDA_DEVICE=cuda timeout ${KDA_TIMEOUT:-120} \
-        $python tests/kda_fla_interpreted.py --write-checkpoint /tmp/glm5-kda >"$out/kda.log" 2>&1
-    echo "kda_fla_interpreted.py on cuda: exit $?"; tail -3 "$out/kda.log"
-fi
-if [ -d .whl ]; then  # serving's packages the image lacks (benchmarks/gpu_wheels.sh, carried as .whl)
+if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchmarks/gpu_wheels.sh, carried as .whl)
     $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    # the GLM families' CUDA kernels on the tiny checkpoints gpu_wheels.sh wrote: fla's KDA recurrence (block ==
+    # one-token steps bit for bit) and cuda_ext/grouped_rows for the experts (a row's bits wherever it sits), each
+    # family's greedy speculative == plain on them
+    PYTHONPATH=$PYTHONPATH:$PWD/tests DFLASH_KDA_DEVICE=cuda timeout ${KDA_TIMEOUT:-120} \
+        $python tests/kda_fla_interpreted.py .whl/checkpoints/glm5 >"$out/kda.log" 2>&1
+    echo "kda_fla_interpreted.py on cuda: exit $?"; tail -3 "$out/kda.log"
+    PYTHONPATH=$PYTHONPATH:$PWD/tests DFLASH_GROUPED_DEVICE=cuda timeout ${GROUPED_TIMEOUT:-120} \
+        $python tests/grouped_rows_interpreted.py .whl/checkpoints/glm >"$out/grouped.log" 2>&1
+    echo "grouped_rows_interpreted.py on cuda: exit $?"; tail -3 "$out/grouped.log"
     timeout ${SERVE_TIMEOUT:-300} bash benchmarks/gpu_serve_smoke.sh "$out" >"$out/serve.log" 2>&1
     echo "gpu_serve_smoke.sh: exit $?"; tail -45 "$out/serve.log"
 else
-    echo "no .whl/: the served smoke was skipped (run benchmarks/gpu_wheels.sh here and carry .whl)"
+    echo "no .whl/: the GLM kernel checks and the served smoke were skipped (run benchmarks/gpu_wheels.sh here, carry .whl)"
 fi

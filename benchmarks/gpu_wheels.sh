@@ -1,8 +1,10 @@
 #!/usr/bin/env bash
 # Run here (a machine with the package registries), before a GPU session: downloads into .whl/ (ignored by git)
 # the wheels for Python 3.12 x86-64 that the GPU machine's image lacks for serving (fastapi, uvicorn, pyzmq and
-# what they need beyond the image's own packages; fla-core for the glm5_next family's KDA kernel), pinned to the versions this project is tested with.
-# benchmarks/gpu_session.sh installs them there when .whl/ travels (name .whl in the device call's carry).
+# what they need beyond the image's own packages; fla-core for the glm5_next family's KDA kernel), pinned to the
+# versions this project is tested with, and the tiny GLM checkpoints of the tests (transformers writes them here) under
+# .whl/checkpoints. benchmarks/gpu_session.sh installs the wheels there when .whl/ travels (name .whl in the device
+# call's carry) and runs the GLM kernel checks on the checkpoints.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 grep -qx "/.whl/" .git/info/exclude 2>/dev/null || echo "/.whl/" >> .git/info/exclude
@@ -13,5 +15,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     fastapi==0.165.0 starlette==1.10.0 pydantic==2.13.4 pydantic-core==2.46.4 annotated-types==0.7.0 \
     typing-inspection==0.4.2 opentelemetry-api==1.45.2 uvicorn==0.55.0 pyzmq==27.3.0 \
     fla-core==0.6.0 einops==0.8.1
-ls .whl
+PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} python3 -c "
+from test_glm5_next import random_glm5
+from test_glm_moe_dsa import random_glm
+random_glm5().save_pretrained('.whl/checkpoints/glm5')
+random_glm().save_pretrained('.whl/checkpoints/glm')"
+ls .whl .whl/checkpoints
 du -sh .whl
