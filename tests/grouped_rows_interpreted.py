@@ -1,7 +1,7 @@
 """Run by tests/test_glm_moe_dsa.py with TRITON_INTERPRET=1 (Triton's interpreter: our grouped Triton product on
 CPU tensors), and by benchmarks/gpu_session.sh on a GPU (DFLASH_GROUPED_DEVICE=cuda, the compiled kernel): the
 kernel against the float32 product, its rows against the same rows computed alone, the MoE experts with it against
-PyTorch's products, and a GLM-5.2-family target with it. Prints one JSON object of findings; the test asserts on
+PyTorch's products, and a GLM-5.2-family target with it (experts and MLA heads). Prints one JSON object of findings; the test asserts on
 them. (tests/kda_fla_interpreted.py runs the glm5_next family on its GPU kernels, this one included.)
 
     TRITON_INTERPRET=1 python tests/grouped_rows_interpreted.py GLM_FOLDER
@@ -19,8 +19,8 @@ from scripted_proposer import ScriptedProposer
 from cuda_ext.grouped_rows import reference
 from cuda_ext.grouped_rows.kernel import BLOCK_M, grouped_rows
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.families.common.expert_products import TritonProducts
-from verify_worker.families.common.moe import RoutedExperts, use_expert_products
+from verify_worker.families.common.grouped_products import TritonProducts, use_grouped_products
+from verify_worker.families.common.moe import RoutedExperts
 from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
@@ -79,7 +79,7 @@ def experts_findings() -> dict:
 def model_findings(folder: str) -> dict:
     oracle = load_target(folder)  # packed for the CPU: PyTorch's products
     target = load_target(folder, device=DEVICE)
-    use_expert_products(target, TritonProducts())
+    use_grouped_products(target, TritonProducts())
     prompts = [[5, 17, 3, 99, 42, 8, 61], [77, 12]]
     requests = [GenerationRequest(tuple(p), 8, request_id=f"r{i}") for i, p in enumerate(prompts)]
     plain = SpeculativeEngine(target, None, max_requests=2, max_model_len=64).generate(requests)
@@ -90,6 +90,7 @@ def model_findings(folder: str) -> dict:
     for prompt, got, expected in zip(prompts, plain, want):
         assert_same_or_near_tie(oracle, prompt, got.token_ids, expected.token_ids)  # raises unless a near-tie
     return {
+        "grouped_products": sorted({m.products.name for m in target.modules() if hasattr(m, "products")}),
         "speculative_equals_plain": [r.token_ids for r in spec] == [r.token_ids for r in plain],
         "committed_per_step": sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec),
         "tokens_equal_oracle": [r.token_ids for r in plain] == [r.token_ids for r in want],

@@ -503,6 +503,7 @@ def test_the_triton_expert_kernel_is_row_invariant_and_serves_the_family_exactly
     assert found["rows_equal_alone"] and found["rows_equal_shifted"], found
     # the MoE experts with the kernel: close to PyTorch's products, and each token's row the same alone
     assert found["experts_triton_vs_torch"] < 2e-2 and found["experts_rows_equal_alone"], found
-    # the family with it: greedy speculative == plain with right and wrong drafts (drafts accepted), and plain
+    # the family with it (experts and MLA heads): greedy speculative == plain with right and wrong drafts (drafts accepted), and plain
     # decoding gives the CPU products' tokens or differs only at a near-tie (the script raises otherwise)
+    assert found["grouped_products"] == ["triton"], found
     assert found["speculative_equals_plain"] and 1 < found["committed_per_step"] < 4, found

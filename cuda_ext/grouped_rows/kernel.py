@@ -24,7 +24,7 @@ BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # fixed: every sum's order depends on th
 
 @triton.jit
 def _grouped_rows_kernel(x_ptr, w_ptr, out_ptr, tile_group_ptr, tile_first_ptr, tile_end_ptr, n, k,
-                         stride_xm, stride_wg, stride_wn, stride_om,
+                         stride_xm, stride_wg, stride_wn, stride_wk, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                          INTERPRETED: tl.constexpr):
     tile = tl.program_id(0)
@@ -42,7 +42,7 @@ def _grouped_rows_kernel(x_ptr, w_ptr, out_ptr, tile_group_ptr, tile_first_ptr, 
         k_live = ks < k
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
                     mask=row_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
-        b = tl.load(w_ptr + group * stride_wg + cols[None, :].to(tl.int64) * stride_wn + ks[:, None],
+        b = tl.load(w_ptr + group * stride_wg + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
                     mask=k_live[:, None] & col_live[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
         if INTERPRETED:  # CPU tensors under TRITON_INTERPRET: see the module docstring
             acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
@@ -53,13 +53,12 @@ def _grouped_rows_kernel(x_ptr, w_ptr, out_ptr, tile_group_ptr, tile_first_ptr, 
 
 
 def grouped_rows(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, out_dtype=None) -> torch.Tensor:
-    """x [rows, K] sorted by group, weights [groups, N, K] (last dimension contiguous), counts [groups] on x's
-    device -> [rows, N] (out_dtype, default x's): row r of group g is x[r] @ weights[g]^T, float32 sums."""
+    """x [rows, K] sorted by group, weights [groups, N, K] (any strides: a transposed view is read in place), counts
+    [groups] on x's device -> [rows, N] (out_dtype, default x's): row r of group g is x[r] @ weights[g]^T, float32
+    sums."""
     rows, k = x.shape
     groups, n, _ = weights.shape
     x = x.contiguous()
-    if weights.stride(-1) != 1:
-        raise ValueError("grouped_rows: the weights' last dimension must be contiguous")
     dtype = out_dtype or x.dtype
     interpreted = x.device.type == "cpu"  # the interpreter truncates float32 to bfloat16: torch rounds it instead
     out = torch.empty(rows, n, dtype=torch.float32 if interpreted else dtype, device=x.device)
@@ -68,6 +67,6 @@ def grouped_rows(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, o
         tile_group, tile_first, tile_end = group_tiles(counts, BLOCK_M, tiles)
         grid = (tiles, triton.cdiv(n, BLOCK_N))
         _grouped_rows_kernel[grid](x, weights, out, tile_group, tile_first, tile_end, n, k, x.stride(0),
-                                   weights.stride(0), weights.stride(1), out.stride(0),
+                                   weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
                                    BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, INTERPRETED=interpreted)
     return out.to(dtype)

@@ -28,9 +28,11 @@ def rotary_angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.
 
 
 def absorbed_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
-                       w_uk: torch.Tensor, w_uv: torch.Tensor, visible: torch.Tensor, scale: float) -> torch.Tensor:
+                       w_uk: torch.Tensor, w_uv: torch.Tensor, visible: torch.Tensor, scale: float,
+                       products) -> torch.Tensor:
     """q_nope [b, s, heads, nope], q_rope [b, s, heads, rope]; latent [b, keys, kv_lora], key_rope [b, keys, rope];
-    w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]; visible [b, s, keys] (bool).
+    w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]; visible [b, s, keys] (bool); products: the grouped
+    products the per-head weights are applied with (grouped_products.py).
 
     Returns [b, s, heads * v]. Every query row is computed on its own: scores and the weighted sum are batched
     matmuls with one query row per batch entry, so a verify block's rows equal one-token rows bit for bit
@@ -38,11 +40,11 @@ def absorbed_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch
     """
     if q_nope.shape[1] > QUERY_CHUNK:  # a long prefill: bounded score memory
         return torch.cat([absorbed_attention(q_nope[:, i: i + QUERY_CHUNK], q_rope[:, i: i + QUERY_CHUNK], latent,
-                                             key_rope, w_uk, w_uv, visible[:, i: i + QUERY_CHUNK], scale)
+                                             key_rope, w_uk, w_uv, visible[:, i: i + QUERY_CHUNK], scale, products)
                           for i in range(0, q_nope.shape[1], QUERY_CHUNK)], dim=1)
     batch, seq, heads, _ = q_nope.shape
     keys = latent.shape[1]
-    q_latent = per_row_heads(q_nope, w_uk)  # [b, s, heads, kv_lora]
+    q_latent = per_head(q_nope, w_uk, products)  # [b, s, heads, kv_lora]
     query = torch.cat([q_latent, q_rope], -1).reshape(batch * seq, heads, -1)  # [b*s, heads, kv_lora + rope]
     key = torch.cat([latent, key_rope], -1)[:, None].expand(batch, seq, keys, -1).reshape(batch * seq, keys, -1)
     scores = torch.bmm(query, key.transpose(1, 2)).float() * scale  # [b*s, heads, keys]
@@ -50,13 +52,15 @@ def absorbed_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch
     probs = torch.softmax(scores, -1).to(latent.dtype)
     values = latent[:, None].expand(batch, seq, keys, -1).reshape(batch * seq, keys, -1)
     out_latent = torch.bmm(probs, values).view(batch, seq, heads, -1)  # [b, s, heads, kv_lora]
-    return per_row_heads(out_latent, w_uv.transpose(1, 2)).reshape(batch, seq, -1)
+    return per_head(out_latent, w_uv.transpose(1, 2), products).reshape(batch, seq, -1)
 
 
-def per_row_heads(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """x [b, s, heads, i] times each head's w [heads, i, o] -> [b, s, heads, o], one row per product (an einsum
+def per_head(x: torch.Tensor, w: torch.Tensor, products) -> torch.Tensor:
+    """x [b, s, heads, i] times each head's w [heads, i, o] -> [b, s, heads, o]: the rows grouped by head, each head's
+    rows times its weight in place (grouped products: a row's result never depends on the other rows; an einsum
     would fold b * s into one GEMM whose roundings depend on the row count)."""
     batch, seq, heads, inputs = x.shape
-    rows = x.reshape(batch * seq * heads, 1, inputs)
-    weights = w[None].expand(batch * seq, -1, -1, -1).reshape(batch * seq * heads, inputs, -1)
-    return torch.bmm(rows, weights).view(batch, seq, heads, -1)
+    rows = x.permute(2, 0, 1, 3).reshape(heads * batch * seq, inputs)  # [heads * b * s, i], head by head
+    counts = torch.full((heads,), batch * seq, dtype=torch.int64, device=x.device)
+    out = products(rows, w.transpose(1, 2), counts)  # [heads * b * s, o]
+    return out.view(heads, batch, seq, -1).permute(1, 2, 0, 3)

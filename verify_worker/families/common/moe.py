@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from verify_worker.families.common.dense import GatedMLP, clamp_gate_up
-from verify_worker.families.common.expert_products import LoopProducts
+from verify_worker.families.common.grouped_products import LoopProducts
 from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
 from verify_worker.parallel.group import TensorParallel
 
@@ -38,7 +38,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top
 class RoutedExperts(nn.Module):
     """Experts' gate|up [experts, 2 * inner, hidden] and down [experts, hidden, inner], as transformers stacks
     them. The token-expert pairs are sorted by expert and each expert's rows multiplied by its weights in place
-    (expert_products.py: a row's result does not depend on the other rows); each token's output then sums its
+    (grouped_products.py: a row's result does not depend on the other rows); each token's output then sums its
     experts in its top-k order."""
 
     def __init__(self, experts: int, hidden: int, inner: int, limit: float | None = None):
@@ -105,9 +105,3 @@ class MoE(nn.Module):
             out = out + self.shared_experts(x)
         return self.tp.all_reduce(out)
 
-
-def use_expert_products(model: nn.Module, products) -> None:
-    """Every RoutedExperts in model multiplies with `products` (expert_products.py)."""
-    for module in model.modules():
-        if isinstance(module, RoutedExperts):
-            module.products = products

@@ -17,13 +17,13 @@ from shared.attention import invariant_key_length
 from shared.layers import RMSNorm
 from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
+from verify_worker.families.common.grouped_products import LoopProducts, grouped_products_for, use_grouped_products
 from verify_worker.families.common.hyper_connection import HyperConnection, expand, stream_mean
 from verify_worker.families.common.kda import causal_conv, l2_normalize
 from verify_worker.families.common.kda_recurrence import TorchRecurrence, recurrence_for
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention
-from verify_worker.families.common.expert_products import expert_products_for
-from verify_worker.families.common.moe import MoE, use_expert_products
+from verify_worker.families.common.moe import MoE
 from verify_worker.families.common.pooled_indexer import pool_keys, select_pooled
 from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
 from verify_worker.families.glm5_next.config import Glm5NextConfig
@@ -146,6 +146,7 @@ class NopeLatentAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = PooledIndexer(cfg) if cfg.indexer_types[layer_index] == "full" else None
+        self.products = LoopProducts()  # the per-head products' backend, chosen again when the model is packed
 
     def forward(self, x, cache: LatentCache, slots, positions, kv_len, selected):
         cfg = self.cfg
@@ -161,7 +162,7 @@ class NopeLatentAttention(nn.Module):
             selected = self.indexer.select(x, q_resid, cached, positions)
         w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         out = absorbed_attention(q, q[..., :0], latents, key_ropes, w[:, : cfg.qk_nope_head_dim],
-                                 w[:, cfg.qk_nope_head_dim:], selected, cfg.qk_nope_head_dim**-0.5)
+                                 w[:, cfg.qk_nope_head_dim:], selected, cfg.qk_nope_head_dim**-0.5, self.products)
         return self.tp.all_reduce(self.o_proj(out)), selected
 
 
@@ -274,9 +275,9 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
 
     def pack(self, layout: str | None = "auto") -> "Glm5NextModel":
         """The kernels for the device: on CUDA, fla's Triton KDA recurrence where fla-core is installed and the
-        grouped Triton expert products where Triton is; else PyTorch's ops (kda_recurrence.py, expert_products.py).
-        Call before new_state: a state replays with its model's recurrence."""
-        use_expert_products(self, expert_products_for(self.embed_weight.device))
+        grouped Triton products (experts, MLA heads) where Triton is; else PyTorch's ops (kda_recurrence.py,
+        grouped_products.py). Call before new_state: a state replays with its model's recurrence."""
+        use_grouped_products(self, grouped_products_for(self.embed_weight.device))
         return self.use_recurrence(recurrence_for(self.embed_weight.device))
 
     def use_recurrence(self, recurrence) -> "Glm5NextModel":

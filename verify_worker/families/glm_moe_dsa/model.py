@@ -21,10 +21,10 @@ from shared.rope import inverse_frequencies
 from shared.rope_settings import RopeSettings
 from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
+from verify_worker.families.common.grouped_products import LoopProducts, grouped_products_for, use_grouped_products
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention, interleaved_rotary, rotary_angles
-from verify_worker.families.common.expert_products import expert_products_for
-from verify_worker.families.common.moe import MoE, use_expert_products
+from verify_worker.families.common.moe import MoE
 from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.common.sparse_indexer import index_scores, select_top_keys
 from verify_worker.families.glm_moe_dsa.config import INDEXER_NORM_EPS, LATENT_NORM_EPS, GlmMoeDsaConfig
@@ -74,6 +74,7 @@ class LatentAttention(nn.Module):
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg) if cfg.indexer_types[layer_index] == "full" else None
         self.scale = cfg.qk_head_dim**-0.5
+        self.products = LoopProducts()  # the per-head products' backend, chosen again when the model is packed
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b split per head: w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]."""
@@ -98,7 +99,7 @@ class LatentAttention(nn.Module):
         if self.indexer is not None:
             selected = self.indexer.select(x, q_resid, cos, sin, cached_index_keys, visible)
         w_uk, w_uv = self.absorbed_weights()
-        out = absorbed_attention(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, selected, self.scale)
+        out = absorbed_attention(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, selected, self.scale, self.products)
         return self.tp.all_reduce(self.o_proj(out)), selected
 
 
@@ -183,7 +184,7 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "GlmMoeDsaModel":
-        """The expert products for the device (expert_products.py: the grouped Triton kernel on CUDA where Triton
-        is installed, else PyTorch's); the other products read the loaded weights row by row."""
-        use_expert_products(self, expert_products_for(self.embed_weight.device))
+        """The grouped products (experts, MLA heads) for the device (grouped_products.py: the grouped Triton kernel on
+        CUDA where Triton is installed, else PyTorch's); the other products read the loaded weights row by row."""
+        use_grouped_products(self, grouped_products_for(self.embed_weight.device))
         return self
