@@ -41,8 +41,8 @@ if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchma
         $python tests/kda_fla_interpreted.py .whl/checkpoints/glm5 >"$out/kda.log" 2>&1
     echo "kda_fla_interpreted.py on cuda: exit $?"; tail -3 "$out/kda.log"
     PYTHONPATH=$PYTHONPATH:$PWD/tests DFLASH_GROUPED_DEVICE=cuda timeout ${GROUPED_TIMEOUT:-120} \
-        $python tests/grouped_rows_interpreted.py .whl/checkpoints/glm >"$out/grouped.log" 2>&1
-    echo "grouped_rows_interpreted.py on cuda: exit $?"; tail -3 "$out/grouped.log"
+        $python tests/glm_kernels_interpreted.py .whl/checkpoints/glm >"$out/grouped.log" 2>&1
+    echo "glm_kernels_interpreted.py on cuda: exit $?"; tail -3 "$out/grouped.log"
     timeout ${SERVE_TIMEOUT:-300} bash benchmarks/gpu_serve_smoke.sh "$out" >"$out/serve.log" 2>&1
     echo "gpu_serve_smoke.sh: exit $?"; tail -45 "$out/serve.log"
 else

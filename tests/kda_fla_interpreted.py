@@ -18,7 +18,7 @@ from greedy_check import assert_same_or_near_tie
 from scripted_proposer import ScriptedProposer
 
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.families.common.grouped_products import TritonProducts, use_grouped_products
+from verify_worker.families.common.kernel_set import TritonKernels, use_kernels
 from verify_worker.families.common.kda import l2_normalize
 from verify_worker.families.common.kda_recurrence import FlaRecurrence, TorchRecurrence
 from verify_worker.request import GenerationRequest
@@ -77,7 +77,7 @@ def recurrence_findings() -> dict:
 def model_findings(folder: str) -> dict:
     oracle = load_target(folder)  # packed for the CPU: PyTorch's recurrence
     target = load_target(folder, device=DEVICE).use_recurrence(FlaRecurrence())
-    use_grouped_products(target, TritonProducts())  # the experts as on CUDA too (cuda_ext/grouped_rows)
+    use_kernels(target, TritonKernels())  # the experts as on CUDA too (cuda_ext/grouped_rows)
     prompts = [[5, 17, 3, 99, 42, 8, 61], [77, 12]]
     requests = [GenerationRequest(tuple(p), 8, request_id=f"r{i}") for i, p in enumerate(prompts)]
     plain = SpeculativeEngine(target, None, max_requests=2, max_model_len=64).generate(requests)
@@ -89,7 +89,7 @@ def model_findings(folder: str) -> dict:
         assert_same_or_near_tie(oracle, prompt, got.token_ids, expected.token_ids)
     return {
         "backend": target.recurrence_name,
-        "grouped_products": sorted({m.products.name for m in target.modules() if hasattr(m, "products")}),
+        "kernels": sorted({m.glm_kernels.name for m in target.modules() if hasattr(m, "glm_kernels")}),
         "speculative_equals_plain": [r.token_ids for r in spec] == [r.token_ids for r in plain],
         "committed_per_step": sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec),
         "plain_equals_oracle_or_near_tie": True,  # assert_same_or_near_tie raised otherwise

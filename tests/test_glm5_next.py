@@ -442,6 +442,6 @@ def test_fla_kda_equals_its_one_token_steps_and_matches_the_cpu_recurrence(glm5)
     assert found["padding_leaves_state"] and found["replay_equals_forward_state"], found
     # the family on that backend: greedy speculative == plain (drafts accepted and rejected), and plain decoding
     # gives the CPU recurrence's tokens (or differs only at a near-tie)
-    assert found["backend"] == "fla" and found["grouped_products"] == ["triton"], found
+    assert found["backend"] == "fla" and found["kernels"] == ["triton"], found
     assert found["speculative_equals_plain"], found
     assert 1 < found["committed_per_step"] < 4, found

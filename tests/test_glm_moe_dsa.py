@@ -487,23 +487,31 @@ def test_verify_equals_decode_in_bfloat16_too(glm):
     assert block.dtype == torch.bfloat16 and torch.equal(block, torch.cat(steps, 1))
 
 
-def test_the_triton_expert_kernel_is_row_invariant_and_serves_the_family_exactly(glm):
-    """cuda_ext/grouped_rows (the experts' products on CUDA) under Triton's interpreter, in a process of its own
-    (TRITON_INTERPRET must be set before Triton is imported): tests/grouped_rows_interpreted.py."""
+def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(glm):
+    """The family's Triton kernels (kernel_set.TritonKernels: cuda_ext/grouped_rows, latent_attention,
+    index_scores) under Triton's interpreter, in a process of its own (TRITON_INTERPRET must be set before Triton
+    is imported): tests/glm_kernels_interpreted.py."""
     pytest.importorskip("triton")
     here = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, str(here / "grouped_rows_interpreted.py"), str(glm[2])], env=env,
+    run = subprocess.run([sys.executable, str(here / "glm_kernels_interpreted.py"), str(glm[2])], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
-    # against the float32 product of the same bfloat16 inputs (empty groups, partial tiles and blocks included)
+    # the grouped product against the float32 product of the same bfloat16 inputs (empty groups, partial tiles and
+    # blocks included); a row's result the same bits alone, in a full tile, or at another place in its tiles
     assert found["kernel_vs_float32"] < 1e-5, found
-    # a row's result is the same bits alone, in a full tile, or at another place in its tiles
     assert found["rows_equal_alone"] and found["rows_equal_shifted"], found
-    # the MoE experts with the kernel: close to PyTorch's products, and each token's row the same alone
+    # the MoE experts on it: close to PyTorch's products, and each token's row the same alone
     assert found["experts_triton_vs_torch"] < 2e-2 and found["experts_rows_equal_alone"], found
-    # the family with it (experts and MLA heads): greedy speculative == plain with right and wrong drafts (drafts accepted), and plain
-    # decoding gives the CPU products' tokens or differs only at a near-tie (the script raises otherwise)
-    assert found["grouped_products"] == ["triton"], found
+    # attention and the indexer's scores against PyTorch's (float32: another order of the same sums; bfloat16: the
+    # probabilities rounded before the weighted sum), each row the same alone, and with fewer keys past its own
+    assert found["attention_float32_vs_torch"] < 1e-5 and found["attention_bfloat16_vs_torch"] < 2e-2, found
+    assert found["index_float32_vs_torch"] < 1e-5 and found["index_bfloat16_vs_torch"] < 1e-5, found
+    for dtype in ("float32", "bfloat16"):
+        assert found[f"attention_{dtype}_rows_equal_alone"] and found[f"index_{dtype}_rows_equal_alone"], found
+        assert found[f"attention_{dtype}_equal_with_fewer_keys"], found
+    # the family on them: greedy speculative == plain with right and wrong drafts (drafts accepted), and plain
+    # decoding gives the CPU family's tokens or differs only at a near-tie (the script raises otherwise)
+    assert found["kernels"] == ["triton"], found
     assert found["speculative_equals_plain"] and 1 < found["committed_per_step"] < 4, found

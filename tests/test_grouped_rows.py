@@ -1,6 +1,6 @@
 """Grouped products: the tiles of the Triton kernel, and the PyTorch path of the MoE experts and of MLA's per-head
 products against the copies of weights they replaced (bit for bit). The Triton kernel itself runs under Triton's interpreter in test_glm_moe_dsa.py
-(tests/grouped_rows_interpreted.py) and, for the glm5_next family, in test_glm5_next.py (kda_fla_interpreted.py)."""
+(tests/glm_kernels_interpreted.py) and, for the glm5_next family, in test_glm5_next.py (kda_fla_interpreted.py)."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ from torch.nn import functional as F
 
 from cuda_ext.grouped_rows.tiles import group_tiles, max_tiles
 from verify_worker.families.common.dense import clamp_gate_up
-from verify_worker.families.common.grouped_products import LoopProducts
+from verify_worker.families.common.kernel_set import TorchKernels
 from verify_worker.families.common.mla import per_head
 from verify_worker.families.common.moe import RoutedExperts
 from verify_worker.families.common.row_invariant import elementwise_rows
@@ -72,8 +72,8 @@ def test_per_head_products_equal_the_per_row_copies_and_their_rows_alone(dtype):
     generator = torch.Generator().manual_seed(1)
     x = torch.randn(3, 5, 4, 24, generator=generator).to(dtype)  # [b, s, heads, i]
     w = torch.randn(4, 24, 40, generator=generator).to(dtype)  # [heads, i, o]
-    grouped = per_head(x, w, LoopProducts())
+    grouped = per_head(x, w, TorchKernels())
     copies = torch.bmm(x.reshape(-1, 1, 24), w[None].expand(15, -1, -1, -1).reshape(60, 24, 40)).view(3, 5, 4, 40)
     assert torch.equal(grouped, copies)
-    alone = per_head(x[1:2, 3:4], w, LoopProducts())
+    alone = per_head(x[1:2, 3:4], w, TorchKernels())
     assert torch.equal(grouped[1:2, 3:4], alone)

@@ -5,7 +5,7 @@ Every entry's sum runs over K in BLOCK_K steps in one order, with BLOCK_M, BLOCK
 no split of K: a row's result never depends on how many rows the call has, on which rows share its tile or its
 group, or on where in a tile it sits, so a verify block's rows equal one-token rows bit for bit. The tiles come
 from tiles.py on the device, so a call has no host synchronisation and a fixed grid for a given row count.
-Triton's interpreter (TRITON_INTERPRET=1) runs it on CPU tensors (tests/grouped_rows_interpreted.py). There the
+Triton's interpreter (TRITON_INTERPRET=1) runs it on CPU tensors (tests/glm_kernels_interpreted.py). There the
 tile product is an explicit float32 sum over the tile's K entries instead of tl.dot: the interpreter's dot misreads
 bfloat16 and runs numpy's BLAS, which rounds a row by its place in the tile; and the output is written in float32
 and rounded by torch (the interpreter truncates to bfloat16). So the interpreter checks the tiling,

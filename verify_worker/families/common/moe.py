@@ -6,7 +6,7 @@ from torch import nn
 from torch.nn import functional as F
 
 from verify_worker.families.common.dense import GatedMLP, clamp_gate_up
-from verify_worker.families.common.grouped_products import LoopProducts
+from verify_worker.families.common.kernel_set import TorchKernels
 from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
 from verify_worker.parallel.group import TensorParallel
 
@@ -38,7 +38,7 @@ def route(logits: torch.Tensor, bias: torch.Tensor, top_k: int, groups: int, top
 class RoutedExperts(nn.Module):
     """Experts' gate|up [experts, 2 * inner, hidden] and down [experts, hidden, inner], as transformers stacks
     them. The token-expert pairs are sorted by expert and each expert's rows multiplied by its weights in place
-    (grouped_products.py: a row's result does not depend on the other rows); each token's output then sums its
+    (kernel_set.py: a row's result does not depend on the other rows); each token's output then sums its
     experts in its top-k order."""
 
     def __init__(self, experts: int, hidden: int, inner: int, limit: float | None = None):
@@ -46,7 +46,7 @@ class RoutedExperts(nn.Module):
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
         self.limit = limit  # the swiglu clamp (see clamp_gate_up)
-        self.products = LoopProducts()  # chosen again when the model is packed
+        self.glm_kernels = TorchKernels()  # chosen again when the model is packed
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
         """x [tokens, hidden], ids / weights [tokens, top_k] -> [tokens, hidden]."""
@@ -56,9 +56,9 @@ class RoutedExperts(nn.Module):
         counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # [experts] (no host synchronisation)
         rows = x[order // top_k]  # [t*k, hidden]
-        gate, up = self.products(rows, self.gate_up_proj, counts).chunk(2, -1)  # [t*k, inner] each
+        gate, up = self.glm_kernels.grouped(rows, self.gate_up_proj, counts).chunk(2, -1)  # [t*k, inner] each
         gate, up = clamp_gate_up(gate, up, self.limit)
-        down = self.products(elementwise_rows(F.silu, gate) * up, self.down_proj, counts)  # [t*k, hidden]
+        down = self.glm_kernels.grouped(elementwise_rows(F.silu, gate) * up, self.down_proj, counts)  # [t*k, hidden]
         out = torch.empty_like(down).index_copy_(0, order, down).view(tokens, top_k, -1)  # back in pair order
         out = out * weights[..., None].to(out.dtype)
         total = out[:, 0]

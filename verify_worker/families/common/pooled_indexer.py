@@ -5,7 +5,6 @@ incomplete trailing pool. Pure functions on tensors; a pool's key depends only o
 import torch
 
 from verify_worker.families.common.hyper_connection import stream_sum
-from verify_worker.families.common.sparse_indexer import index_scores
 
 
 def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> torch.Tensor:
@@ -19,15 +18,14 @@ def pool_keys(keys: torch.Tensor, gates: torch.Tensor, ape: torch.Tensor) -> tor
     return stream_sum([weights[..., j] * grouped[:, :, j] for j in range(kpool)])
 
 
-def select_pooled(q: torch.Tensor, pooled: torch.Tensor, head_weights: torch.Tensor, positions: torch.Tensor,
-                  kpool: int, top_pools: int, keys: int, tail: bool) -> torch.Tensor:
-    """q [b, s, heads, D], pooled [b, P, D], head_weights [b, s, heads], positions [b, s] -> selected keys
-    [b, s, keys] (bool). Candidates are the complete pools whose last token the query sees; the best top_pools
+def select_pooled(scores: torch.Tensor, positions: torch.Tensor, kpool: int, top_pools: int, keys: int,
+                  tail: bool) -> torch.Tensor:
+    """scores [b, s, P] (the indexer's scores of each query against the pooled keys), positions [b, s] -> selected
+    keys [b, s, keys] (bool). Candidates are the complete pools whose last token the query sees; the best top_pools
     of them by score (ties: the earlier pool) are attended, plus the query's own incomplete pool's tokens when
     tail. Pools past a row's own position are never candidates, so rolled-back drafts cannot be chosen."""
-    scores = index_scores(q, pooled, head_weights, q.shape[-1] ** -0.5)  # [b, s, P]
-    pools = pooled.shape[1]
-    ends = torch.arange(pools, device=q.device) * kpool + kpool - 1  # [P]
+    pools = scores.shape[-1]
+    ends = torch.arange(pools, device=scores.device) * kpool + kpool - 1  # [P]
     candidates = ends[None, None] <= positions[..., None]  # [b, s, P]
     masked = scores.masked_fill(~candidates, float("-inf"))
     order = torch.sort(masked, dim=-1, descending=True, stable=True).indices[..., :top_pools]
@@ -36,7 +34,7 @@ def select_pooled(q: torch.Tensor, pooled: torch.Tensor, head_weights: torch.Ten
     if keys > selected.shape[-1]:
         selected = torch.nn.functional.pad(selected, (0, keys - selected.shape[-1]))
     if tail:
-        token = torch.arange(keys, device=q.device)
+        token = torch.arange(keys, device=scores.device)
         tail_start = positions + 1 - (positions + 1) % kpool  # the first token of the query's incomplete pool
         selected = selected | ((token >= tail_start[..., None]) & (token <= positions[..., None]))
     return selected

@@ -17,7 +17,7 @@ from shared.attention import invariant_key_length
 from shared.layers import RMSNorm
 from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
-from verify_worker.families.common.grouped_products import LoopProducts, grouped_products_for, use_grouped_products
+from verify_worker.families.common.kernel_set import TorchKernels, kernels_for, use_kernels
 from verify_worker.families.common.hyper_connection import HyperConnection, expand, stream_mean
 from verify_worker.families.common.kda import causal_conv, l2_normalize
 from verify_worker.families.common.kda_recurrence import TorchRecurrence, recurrence_for
@@ -115,6 +115,7 @@ class PooledIndexer(nn.Module):
         self.weights_proj = Linear(cfg.hidden_size, self.heads)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, self.dim))
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.dim, cfg.hidden_size))
+        self.glm_kernels = TorchKernels()  # the scores' kernel, chosen again when the model is packed
 
     def entries(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, hidden] -> what the cache keeps per token [b, s, 2 * dim]: the key, then the pooling gate."""
@@ -128,7 +129,8 @@ class PooledIndexer(nn.Module):
         pooled = pool_keys(cached[:, :whole, : self.dim], cached[:, :whole, self.dim:], self.index_kpool_compress_ape)
         q = self.wq_b(q_resid).view(batch, seq, self.heads, self.dim)
         weights = self.weights_proj(x).float() * self.heads**-0.5
-        return select_pooled(q, pooled, weights, positions, self.kpool, self.top_pools, total, self.tail)
+        scores = self.glm_kernels.index_scores(q, pooled, weights, self.dim**-0.5)  # [b, s, pools]
+        return select_pooled(scores, positions, self.kpool, self.top_pools, total, self.tail)
 
 
 class NopeLatentAttention(nn.Module):
@@ -146,7 +148,7 @@ class NopeLatentAttention(nn.Module):
         self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = PooledIndexer(cfg) if cfg.indexer_types[layer_index] == "full" else None
-        self.products = LoopProducts()  # the per-head products' backend, chosen again when the model is packed
+        self.glm_kernels = TorchKernels()  # the attention's kernels, chosen again when the model is packed
 
     def forward(self, x, cache: LatentCache, slots, positions, kv_len, selected):
         cfg = self.cfg
@@ -162,7 +164,7 @@ class NopeLatentAttention(nn.Module):
             selected = self.indexer.select(x, q_resid, cached, positions)
         w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
         out = absorbed_attention(q, q[..., :0], latents, key_ropes, w[:, : cfg.qk_nope_head_dim],
-                                 w[:, cfg.qk_nope_head_dim:], selected, cfg.qk_nope_head_dim**-0.5, self.products)
+                                 w[:, cfg.qk_nope_head_dim:], selected, cfg.qk_nope_head_dim**-0.5, self.glm_kernels)
         return self.tp.all_reduce(self.o_proj(out)), selected
 
 
@@ -275,9 +277,9 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
 
     def pack(self, layout: str | None = "auto") -> "Glm5NextModel":
         """The kernels for the device: on CUDA, fla's Triton KDA recurrence where fla-core is installed and the
-        grouped Triton products (experts, MLA heads) where Triton is; else PyTorch's ops (kda_recurrence.py,
-        grouped_products.py). Call before new_state: a state replays with its model's recurrence."""
-        use_grouped_products(self, grouped_products_for(self.embed_weight.device))
+        Triton kernels of kernel_set.py (experts, MLA heads, attention, the indexer's scores) where Triton is; else PyTorch's ops (kda_recurrence.py,
+        kernel_set.py). Call before new_state: a state replays with its model's recurrence."""
+        use_kernels(self, kernels_for(self.embed_weight.device))
         return self.use_recurrence(recurrence_for(self.embed_weight.device))
 
     def use_recurrence(self, recurrence) -> "Glm5NextModel":

@@ -21,12 +21,12 @@ from shared.rope import inverse_frequencies
 from shared.rope_settings import RopeSettings
 from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
-from verify_worker.families.common.grouped_products import LoopProducts, grouped_products_for, use_grouped_products
+from verify_worker.families.common.kernel_set import TorchKernels, kernels_for, use_kernels
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention, interleaved_rotary, rotary_angles
 from verify_worker.families.common.moe import MoE
 from verify_worker.families.common.row_invariant import linear_rows
-from verify_worker.families.common.sparse_indexer import index_scores, select_top_keys
+from verify_worker.families.common.sparse_indexer import select_top_keys
 from verify_worker.families.glm_moe_dsa.config import INDEXER_NORM_EPS, LATENT_NORM_EPS, GlmMoeDsaConfig
 from verify_worker.families.glm_moe_dsa.shard_plan import LocalShapes, local_shapes
 from verify_worker.families.interface import StepBatch, TargetOutput
@@ -43,6 +43,7 @@ class Indexer(nn.Module):
         self.wk = Linear(cfg.hidden_size, self.dim)
         self.k_norm = nn.LayerNorm(self.dim, eps=INDEXER_NORM_EPS)
         self.weights_proj = Linear(cfg.hidden_size, self.heads)
+        self.glm_kernels = TorchKernels()  # the scores' kernel, chosen again when the model is packed
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """x [b, s, hidden] -> indexer keys [b, s, dim] (normalised, the first rope dims rotated)."""
@@ -55,7 +56,7 @@ class Indexer(nn.Module):
         q = self.wq_b(q_resid).view(batch, seq, self.heads, self.dim)
         q = torch.cat([interleaved_rotary(q[..., : self.rope], cos, sin), q[..., self.rope:]], -1)
         weights = self.weights_proj(x).float() * self.heads**-0.5  # [b, s, heads]
-        return select_top_keys(index_scores(q, keys, weights, self.dim**-0.5), visible, self.top_k)
+        return select_top_keys(self.glm_kernels.index_scores(q, keys, weights, self.dim**-0.5), visible, self.top_k)
 
 
 class LatentAttention(nn.Module):
@@ -74,7 +75,7 @@ class LatentAttention(nn.Module):
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg) if cfg.indexer_types[layer_index] == "full" else None
         self.scale = cfg.qk_head_dim**-0.5
-        self.products = LoopProducts()  # the per-head products' backend, chosen again when the model is packed
+        self.glm_kernels = TorchKernels()  # the attention's kernels, chosen again when the model is packed
 
     def absorbed_weights(self) -> tuple[torch.Tensor, torch.Tensor]:
         """kv_b split per head: w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]."""
@@ -99,7 +100,7 @@ class LatentAttention(nn.Module):
         if self.indexer is not None:
             selected = self.indexer.select(x, q_resid, cos, sin, cached_index_keys, visible)
         w_uk, w_uv = self.absorbed_weights()
-        out = absorbed_attention(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, selected, self.scale, self.products)
+        out = absorbed_attention(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, selected, self.scale, self.glm_kernels)
         return self.tp.all_reduce(self.o_proj(out)), selected
 
 
@@ -184,7 +185,8 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "GlmMoeDsaModel":
-        """The grouped products (experts, MLA heads) for the device (grouped_products.py: the grouped Triton kernel on
-        CUDA where Triton is installed, else PyTorch's); the other products read the loaded weights row by row."""
-        use_grouped_products(self, grouped_products_for(self.embed_weight.device))
+        """The kernels for the device (kernel_set.py: experts, MLA heads, attention and the indexer's scores on
+        Triton kernels on CUDA where Triton is installed, else PyTorch's); the projections read the loaded weights
+        row by row (linear_rows)."""
+        use_kernels(self, kernels_for(self.embed_weight.device))
         return self

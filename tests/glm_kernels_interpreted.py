@@ -1,11 +1,12 @@
-"""Run by tests/test_glm_moe_dsa.py with TRITON_INTERPRET=1 (Triton's interpreter: our grouped Triton product on
-CPU tensors), and by benchmarks/gpu_session.sh on a GPU (DFLASH_GROUPED_DEVICE=cuda, the compiled kernel): the
-kernel against the float32 product, its rows against the same rows computed alone, the MoE experts with it against
-PyTorch's products, and a GLM-5.2-family target with it (experts and MLA heads). Prints one JSON object of findings; the test asserts on
-them. (tests/kda_fla_interpreted.py runs the glm5_next family on its GPU kernels, this one included.)
+"""Run by tests/test_glm_moe_dsa.py with TRITON_INTERPRET=1 (Triton's interpreter: our Triton kernels on CPU tensors),
+and by benchmarks/gpu_session.sh on a GPU (DFLASH_GROUPED_DEVICE=cuda, the compiled kernels): the GLM families'
+Triton kernels (kernel_set.TritonKernels: cuda_ext/grouped_rows, latent_attention, index_scores) against PyTorch's
+(the CPU family), each row against the same row computed alone, and a GLM-5.2-family target on them. Prints one JSON
+object of findings; the test asserts on them. (tests/kda_fla_interpreted.py runs the glm5_next family on its GPU
+kernels, these included.)
 
-    TRITON_INTERPRET=1 python tests/grouped_rows_interpreted.py GLM_FOLDER
-    DFLASH_GROUPED_DEVICE=cuda python tests/grouped_rows_interpreted.py --write-checkpoint GLM_FOLDER
+    TRITON_INTERPRET=1 python tests/glm_kernels_interpreted.py GLM_FOLDER
+    DFLASH_GROUPED_DEVICE=cuda python tests/glm_kernels_interpreted.py GLM_FOLDER
 """
 
 import json
@@ -19,7 +20,7 @@ from scripted_proposer import ScriptedProposer
 from cuda_ext.grouped_rows import reference
 from cuda_ext.grouped_rows.kernel import BLOCK_M, grouped_rows
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.families.common.grouped_products import TritonProducts, use_grouped_products
+from verify_worker.families.common.kernel_set import TorchKernels, TritonKernels, use_kernels
 from verify_worker.families.common.moe import RoutedExperts
 from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
@@ -67,7 +68,7 @@ def experts_findings() -> dict:
     weights = torch.rand(9, 3, generator=generator).to(DEVICE)
     with torch.no_grad():
         loop = experts(x, ids, weights)
-        experts.products = TritonProducts()
+        experts.glm_kernels = TritonKernels()
         grouped = experts(x, ids, weights)
         alone = torch.cat([experts(x[i:i + 1], ids[i:i + 1], weights[i:i + 1]) for i in range(9)])
     return {
@@ -76,10 +77,49 @@ def experts_findings() -> dict:
     }
 
 
+def attention_findings() -> dict:
+    """Latent attention and index scores, in float32 (the tiny checkpoints') and bfloat16, with GLM-5.2's rope part;
+    the second batch entry's rows see only some keys, and none of the first chunk."""
+    generator = torch.Generator().manual_seed(2)
+    batch, seq, heads, latent_dim, rope, keys = 2, 3, 5, 48, 8, 70
+
+    def randn(*shape, dtype):
+        return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
+
+    found, triton_kernels, torch_kernels = {}, TritonKernels(), TorchKernels()
+    for dtype in (torch.float32, torch.bfloat16):
+        name = str(dtype).split(".")[-1]
+        q, q_rope = randn(batch, seq, heads, latent_dim, dtype=dtype), randn(batch, seq, heads, rope, dtype=dtype)
+        latent, key_rope = randn(batch, keys, latent_dim, dtype=dtype), randn(batch, keys, rope, dtype=dtype)
+        visible = torch.rand(batch, seq, keys, generator=generator) < 0.5
+        visible[1, :, :40] = False  # no key of the first chunk (and more)
+        visible[:, :, 60:] = False  # keys past the rows' own: a longer call must not change a bit
+        visible[:, :, 0 if dtype == torch.float32 else 45] = True
+        visible = visible.to(DEVICE)
+        got = triton_kernels.latent_attention(q, q_rope, latent, key_rope, visible, 0.3)
+        want = torch_kernels.latent_attention(q, q_rope, latent, key_rope, visible, 0.3)
+        alone = torch.cat([triton_kernels.latent_attention(q[b:b + 1, i:i + 1], q_rope[b:b + 1, i:i + 1],
+                                                           latent[b:b + 1], key_rope[b:b + 1],
+                                                           visible[b:b + 1, i:i + 1], 0.3)
+                           for b in range(batch) for i in range(seq)]).view_as(got)
+        shorter = triton_kernels.latent_attention(q, q_rope, latent[:, :61], key_rope[:, :61], visible[..., :61], 0.3)
+        found[f"attention_{name}_vs_torch"] = float((got.float() - want.float()).abs().max() / want.float().abs().max())
+        found[f"attention_{name}_rows_equal_alone"] = bool(torch.equal(got, alone))
+        found[f"attention_{name}_equal_with_fewer_keys"] = bool(torch.equal(got, shorter))
+        index_q, index_keys = randn(batch, seq, 6, 32, dtype=dtype), randn(batch, keys, 32, dtype=dtype)
+        head_weights = randn(batch, seq, 6, dtype=torch.float32)
+        scores = triton_kernels.index_scores(index_q, index_keys, head_weights, 0.2)
+        oracle = torch_kernels.index_scores(index_q, index_keys, head_weights, 0.2)
+        one = triton_kernels.index_scores(index_q[1:, 2:], index_keys[1:, :33], head_weights[1:, 2:], 0.2)
+        found[f"index_{name}_vs_torch"] = float((scores - oracle).abs().max() / oracle.abs().max())
+        found[f"index_{name}_rows_equal_alone"] = bool(torch.equal(scores[1:, 2:, :33], one))
+    return found
+
+
 def model_findings(folder: str) -> dict:
     oracle = load_target(folder)  # packed for the CPU: PyTorch's products
     target = load_target(folder, device=DEVICE)
-    use_grouped_products(target, TritonProducts())
+    use_kernels(target, TritonKernels())
     prompts = [[5, 17, 3, 99, 42, 8, 61], [77, 12]]
     requests = [GenerationRequest(tuple(p), 8, request_id=f"r{i}") for i, p in enumerate(prompts)]
     plain = SpeculativeEngine(target, None, max_requests=2, max_model_len=64).generate(requests)
@@ -90,7 +130,7 @@ def model_findings(folder: str) -> dict:
     for prompt, got, expected in zip(prompts, plain, want):
         assert_same_or_near_tie(oracle, prompt, got.token_ids, expected.token_ids)  # raises unless a near-tie
     return {
-        "grouped_products": sorted({m.products.name for m in target.modules() if hasattr(m, "products")}),
+        "kernels": sorted({m.glm_kernels.name for m in target.modules() if hasattr(m, "glm_kernels")}),
         "speculative_equals_plain": [r.token_ids for r in spec] == [r.token_ids for r in plain],
         "committed_per_step": sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec),
         "tokens_equal_oracle": [r.token_ids for r in plain] == [r.token_ids for r in want],
@@ -99,8 +139,5 @@ def model_findings(folder: str) -> dict:
 
 if __name__ == "__main__":
     folder = sys.argv[-1]
-    if "--write-checkpoint" in sys.argv:
-        from test_glm_moe_dsa import random_glm
-
-        random_glm().save_pretrained(folder)
-    print(json.dumps({"device": DEVICE, **kernel_findings(), **experts_findings(), **model_findings(folder)}))
+    print(json.dumps({"device": DEVICE, **kernel_findings(), **experts_findings(), **attention_findings(),
+                      **model_findings(folder)}))

@@ -1,0 +1,81 @@
+"""The GLM families' kernels, as a set chosen once when the model is packed (`use_kernels` gives it to every module
+with a `glm_kernels` attribute):
+- `grouped(x, weights, counts)`: rows sorted by group, each group's rows times its own weight read in place (no
+  copy of a weight per row): the MoE experts' rows grouped by expert, the absorbed MLA's per-head products by head.
+  x [rows, K], weights [groups, N, K], counts [groups] -> [rows, N] in x's dtype.
+- `latent_attention(q_latent, q_rope, latent, key_rope, visible, scale)`: MLA's attention in the latent space.
+  q_latent [b, s, heads, kv_lora], q_rope [b, s, heads, rope], latent [b, keys, kv_lora], key_rope [b, keys, rope],
+  visible [b, s, keys] -> [b, s, heads, kv_lora].
+- `index_scores(q, keys, head_weights, scale)`: the DSA indexer's scores. q [b, s, heads, dim], keys [b, T, dim],
+  head_weights [b, s, heads] -> float32 [b, s, T].
+
+`TorchKernels` (every device; the CPU family, the oracle): one row per batched-matmul entry, group counts read on
+the host. `TritonKernels` (CUDA with Triton): cuda_ext/grouped_rows, cuda_ext/latent_attention and
+cuda_ext/index_scores, no host synchronisation, no copy per query row. Both keep a row's result independent of the
+other rows of the call.
+"""
+
+import torch
+
+from verify_worker.families.common.mla import latent_attention
+from verify_worker.families.common.row_invariant import linear_rows
+from verify_worker.families.common.sparse_indexer import index_scores
+
+
+class TorchKernels:
+    name = "torch"
+
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        out = x.new_empty(x.shape[0], weights.shape[1])  # [rows, N]
+        start = 0
+        for group, count in enumerate(counts.tolist()):
+            if count:
+                out[start:start + count] = linear_rows(x[start:start + count], weights[group])
+                start += count
+        return out
+
+    latent_attention = staticmethod(latent_attention)
+    index_scores = staticmethod(index_scores)
+
+
+class TritonKernels:
+    name = "triton"
+
+    def __init__(self):  # Triton: the optional gpu extra
+        from cuda_ext.grouped_rows.kernel import grouped_rows
+        from cuda_ext.index_scores.kernel import index_scores as index_scores_kernel
+        from cuda_ext.latent_attention.kernel import latent_attention as latent_attention_kernel
+
+        self.grouped = grouped_rows
+        self._attend, self._index_scores = latent_attention_kernel, index_scores_kernel
+
+    def latent_attention(self, q_latent, q_rope, latent, key_rope, visible, scale) -> torch.Tensor:
+        batch, seq, heads, _ = q_latent.shape
+        out = self._attend(q_latent.reshape(batch * seq, heads, -1), q_rope.reshape(batch * seq, heads, -1),
+                           latent, key_rope, visible, scale)  # [b * s, heads, kv_lora]
+        return out.view(batch, seq, heads, -1)
+
+    def index_scores(self, q, keys, head_weights, scale) -> torch.Tensor:
+        batch, seq, heads, dim = q.shape
+        scores = self._index_scores(q.reshape(batch * seq, heads, dim), keys, head_weights.reshape(batch * seq, heads),
+                                    scale)  # [b * s, T]
+        return scores.view(batch, seq, -1)
+
+
+def kernels_for(device: torch.device | str, choice: str = "auto"):
+    """"triton" on CUDA where Triton is installed ("auto"), else "torch"."""
+    if choice == "torch" or (choice == "auto" and torch.device(device).type != "cuda"):
+        return TorchKernels()
+    try:
+        return TritonKernels()
+    except ImportError:
+        if choice == "triton":
+            raise
+        return TorchKernels()
+
+
+def use_kernels(model: torch.nn.Module, kernels) -> None:
+    """Every module of model with a `glm_kernels` attribute runs on `kernels`."""
+    for module in model.modules():
+        if hasattr(module, "glm_kernels"):
+            module.glm_kernels = kernels
