@@ -2,13 +2,15 @@
 # Everything a lent GPU is for, in one command (a lease is short): the CUDA kernels built and tested
 # (benchmarks/gpu_kernels.py), the host-facts / CUDA-graph step's tests and the engine's on the device, then the
 # target step on a Qwen3-8B-shaped random target, eager against graphed and compiled, with the row checks greedy
-# identity relies on (benchmarks/gpu_target_step.py), the same for the target as --batch-invariant packs it (cuda_ext's
-# row GEMM: tests/test_row_gemm.py first), then, where .whl/ travelled (benchmarks/gpu_wheels.sh), the
-# served stack on the GPU (benchmarks/gpu_serve_smoke.sh). Logs go to $OUT (else ./gpu-logs). About 8-12 minutes
-# on an H200 with the smoke (2026-12-04: 194 s for the first version of this script, the machine's start not
-# counted): run it with timeout_s 600; the newest checks come first (--batch-invariant's tests and step), then the
-# default step with the GEMM row sweep (torch.compile only with COMPILE_BUDGET=seconds: measured 2026-12-04), then
-# the served smoke; ROWS_TIMEOUT / STEP_TIMEOUT / SERVE_TIMEOUT lower where time is short.
+# identity relies on (benchmarks/gpu_target_step.py), the same for the target as --batch-invariant packs it
+# (cuda_ext's row GEMM: tests/test_row_gemm.py first), then, where .whl/ travelled (benchmarks/gpu_wheels.sh), the
+# GLM families' CUDA kernels on tiny checkpoints, the GLM slices' step table and the replay drafter's speedups
+# (benchmarks/gpu_glm_step.py; about 60 GB of GPU memory) and the served stack on the GPU
+# (benchmarks/gpu_serve_smoke.sh). Logs go to $OUT (else ./gpu-logs). About 8-12 minutes on an H200 with the smoke
+# before the GLM parts were added (2026-12-04: 194 s for the first version of this script, the machine's start not
+# counted; the GLM parts have never run): run it with timeout_s 600; ROWS_TIMEOUT / STEP_TIMEOUT / KDA_TIMEOUT /
+# GROUPED_TIMEOUT / GLM_STEP_TIMEOUT / SERVE_TIMEOUT lower where time is short (torch.compile only with
+# COMPILE_BUDGET=seconds).
 #     bash benchmarks/gpu_wheels.sh            # here, first; then on the device, with carry [".whl"]:
 #     bash benchmarks/gpu_session.sh
 set -u
@@ -43,6 +45,9 @@ if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchma
     PYTHONPATH=$PYTHONPATH:$PWD/tests DFLASH_GROUPED_DEVICE=cuda timeout ${GROUPED_TIMEOUT:-120} \
         $python tests/glm_kernels_interpreted.py .whl/checkpoints/glm >"$out/grouped.log" 2>&1
     echo "glm_kernels_interpreted.py on cuda: exit $?"; tail -3 "$out/grouped.log"
+    # the GLM slices' step table (time, bytes, bandwidth) and the replay drafter's speedups, Qwen3-8B-shaped too
+    timeout ${GLM_STEP_TIMEOUT:-240} $python benchmarks/gpu_glm_step.py --rounds 10 >"$out/glm_step.log" 2>&1
+    echo "gpu_glm_step.py: exit $?"; grep -v "Warning\|warn" "$out/glm_step.log" | tail -40
     timeout ${SERVE_TIMEOUT:-300} bash benchmarks/gpu_serve_smoke.sh "$out" >"$out/serve.log" 2>&1
     echo "gpu_serve_smoke.sh: exit $?"; tail -45 "$out/serve.log"
 else
