@@ -236,12 +236,15 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
     def step(self, batch: StepBatch, state: Glm5NextState, taps: tuple[int, ...] = ()) -> TargetOutput:
         lengths = batch.lengths if batch.lengths is not None else \
             torch.full((batch.input_ids.shape[0],), batch.input_ids.shape[1], device=batch.input_ids.device)
-        return self(batch.input_ids, batch.positions, state, batch.slots, taps, lengths)
+        return self(batch.input_ids, batch.positions, state, batch.slots, taps, lengths, batch.key_length)
 
-    def forward(self, input_ids, positions, state: Glm5NextState, slots, tap_layers=(), lengths=None) -> TargetOutput:
+    def forward(self, input_ids, positions, state: Glm5NextState, slots, tap_layers=(), lengths=None,
+                key_length: int | None = None) -> TargetOutput:
+        """key_length: at least max(positions) + 1, from the host (None: read from the device)."""
         if lengths is None:
             lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], device=input_ids.device)
-        kv_len = invariant_key_length(int(positions.max()) + 1, state.capacity)
+        key_length = key_length if key_length is not None else int(positions.max()) + 1
+        kv_len = invariant_key_length(key_length, state.capacity)
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         streams = x[:, :, None].expand(-1, -1, self.config.hc_mult, -1).contiguous()  # [b, s, N, hidden]
         taps, selected = {}, None

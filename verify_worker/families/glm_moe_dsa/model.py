@@ -151,7 +151,7 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         return per_token * capacity * self.embed_weight.element_size()
 
     def step(self, batch: StepBatch, state: LatentCache, taps: tuple[int, ...] = ()) -> TargetOutput:
-        return self(batch.input_ids, batch.positions, state, batch.slots, taps)
+        return self(batch.input_ids, batch.positions, state, batch.slots, taps, batch.key_length)
 
     def commit(self, state: LatentCache, slots: torch.Tensor, kept: torch.Tensor) -> None:
         """Nothing to do: entries past a slot's committed length are masked by position before any top-k."""
@@ -160,11 +160,13 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         """Nothing to do: a new request's positions start at 0 and overwrite what the slot held."""
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache, slots: torch.Tensor,
-                tap_layers: tuple[int, ...] = ()) -> TargetOutput:
+                tap_layers: tuple[int, ...] = (), key_length: int | None = None) -> TargetOutput:
         """New tokens input_ids [b, s] at absolute positions [b, s] of cache rows slots [b] (rows may be
-        right-padded: padding sits at later positions, so real queries never see it)."""
-        # whole key chunks: masked keys past a row's own then only add exact zeros (see absorbed_attention)
-        kv_len = invariant_key_length(int(positions.max()) + 1, cache.capacity)
+        right-padded: padding sits at later positions, so real queries never see it). key_length: at least
+        max(positions) + 1, from the host (None: read from the device)."""
+        key_length = key_length if key_length is not None else int(positions.max()) + 1
+        # whole key chunks: masked keys past a row's own then only add exact zeros (see latent_attention)
+        kv_len = invariant_key_length(key_length, cache.capacity)
         visible = visibility_mask(positions, kv_len)[:, 0]  # [b, s, kv_len]
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         cos, sin = rotary_angles(self.inv_freq, positions, x.dtype)
