@@ -81,7 +81,7 @@ def attention_findings() -> dict:
     """Latent attention and index scores, in float32 (the tiny checkpoints') and bfloat16, with GLM-5.2's rope part;
     the second batch entry's rows see only some keys, and none of the first chunk."""
     generator = torch.Generator().manual_seed(2)
-    batch, seq, heads, latent_dim, rope, keys = 2, 3, 5, 48, 8, 70
+    batch, seq, heads, latent_dim, rope, keys = 2, 3, 5, 48, 8, 150
 
     def randn(*shape, dtype):
         return torch.randn(*shape, generator=generator).to(dtype).to(DEVICE)
@@ -92,9 +92,9 @@ def attention_findings() -> dict:
         q, q_rope = randn(batch, seq, heads, latent_dim, dtype=dtype), randn(batch, seq, heads, rope, dtype=dtype)
         latent, key_rope = randn(batch, keys, latent_dim, dtype=dtype), randn(batch, keys, rope, dtype=dtype)
         visible = torch.rand(batch, seq, keys, generator=generator) < 0.5
-        visible[1, :, :40] = False  # no key of the first chunk (and more)
-        visible[:, :, 60:] = False  # keys past the rows' own: a longer call must not change a bit
-        visible[:, :, 0 if dtype == torch.float32 else 45] = True
+        visible[1, :, :80] = False  # no key of the first chunk (64 keys) and more
+        visible[:, :, 130:] = False  # keys past the rows' own: a longer call must not change a bit
+        visible[:, :, 0 if dtype == torch.float32 else 100] = True
         visible = visible.to(DEVICE)
         got = triton_kernels.latent_attention(q, q_rope, latent, key_rope, visible, 0.3)
         want = torch_kernels.latent_attention(q, q_rope, latent, key_rope, visible, 0.3)
@@ -102,7 +102,8 @@ def attention_findings() -> dict:
                                                            latent[b:b + 1], key_rope[b:b + 1],
                                                            visible[b:b + 1, i:i + 1], 0.3)
                            for b in range(batch) for i in range(seq)]).view_as(got)
-        shorter = triton_kernels.latent_attention(q, q_rope, latent[:, :61], key_rope[:, :61], visible[..., :61], 0.3)
+        shorter = triton_kernels.latent_attention(q, q_rope, latent[:, :131], key_rope[:, :131], visible[..., :131],
+                                                  0.3)
         found[f"attention_{name}_vs_torch"] = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         found[f"attention_{name}_rows_equal_alone"] = bool(torch.equal(got, alone))
         found[f"attention_{name}_equal_with_fewer_keys"] = bool(torch.equal(got, shorter))
@@ -121,10 +122,11 @@ def model_findings(folder: str) -> dict:
     target = load_target(folder, device=DEVICE)
     use_kernels(target, TritonKernels())
     prompts = [[5, 17, 3, 99, 42, 8, 61], [77, 12]]
-    requests = [GenerationRequest(tuple(p), 8, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    requests = [GenerationRequest(tuple(p), 6, request_id=f"r{i}") for i, p in enumerate(prompts)]
     plain = SpeculativeEngine(target, None, max_requests=2, max_model_len=64).generate(requests)
     sequences = {r.request_id: list(r.prompt_ids) + p.token_ids for r, p in zip(requests, plain)}
     drafts = ScriptedProposer(sequences, block_size=4, num_layers=oracle.config.num_layers)  # right and wrong
+    drafts.target_layer_ids = (0, oracle.config.num_layers - 1)  # taps that exist at any depth
     spec = SpeculativeEngine(target, drafts, max_requests=2, max_model_len=64).generate(requests)
     want = SpeculativeEngine(oracle, None, max_requests=2, max_model_len=64).generate(requests)
     for prompt, got, expected in zip(prompts, plain, want):

@@ -79,10 +79,11 @@ def model_findings(folder: str) -> dict:
     target = load_target(folder, device=DEVICE).use_recurrence(FlaRecurrence())
     use_kernels(target, TritonKernels())  # the experts as on CUDA too (cuda_ext/grouped_rows)
     prompts = [[5, 17, 3, 99, 42, 8, 61], [77, 12]]
-    requests = [GenerationRequest(tuple(p), 8, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    requests = [GenerationRequest(tuple(p), 6, request_id=f"r{i}") for i, p in enumerate(prompts)]
     plain = SpeculativeEngine(target, None, max_requests=2, max_model_len=64).generate(requests)
     sequences = {r.request_id: list(r.prompt_ids) + p.token_ids for r, p in zip(requests, plain)}
     wrong = ScriptedProposer(sequences, block_size=4, num_layers=oracle.config.num_layers)  # right and wrong drafts
+    wrong.target_layer_ids = (0, oracle.config.num_layers - 1)  # taps that exist at any depth
     spec = SpeculativeEngine(target, wrong, max_requests=2, max_model_len=64).generate(requests)
     want = SpeculativeEngine(oracle, None, max_requests=2, max_model_len=64).generate(requests)
     for prompt, got, expected in zip(prompts, plain, want):

@@ -425,10 +425,14 @@ def test_an_fp8_checkpoint_loads_as_its_dequantized_twin(glm5, tmp_path):
 
 @pytest.mark.skipif(importlib.util.find_spec("fla") is None or importlib.util.find_spec("triton") is None,
                     reason="fla-core and triton not installed (pip install -e '.[gpu]')")
-def test_fla_kda_equals_its_one_token_steps_and_matches_the_cpu_recurrence(glm5):
+def test_fla_kda_equals_its_one_token_steps_and_matches_the_cpu_recurrence(tmp_path):
     """fla's fused recurrent KDA kernel (the recurrence on CUDA) under Triton's interpreter, in a process of its
-    own (TRITON_INTERPRET must be set before Triton is imported): tests/kda_fla_interpreted.py."""
-    folder = glm5[2]
+    own (TRITON_INTERPRET must be set before Triton is imported): tests/kda_fla_interpreted.py, on two layers (KDA
+    with a dense MLP, then MLA behind the pooled indexer with the MoE: the interpreter runs a program in
+    milliseconds)."""
+    folder = tmp_path
+    random_glm5(num_hidden_layers=2, layer_types=["linear_attention", "deepseek_sparse_attention"],
+                indexer_types=["full"] * 2, mlp_layer_types=["dense", "sparse"]).save_pretrained(folder)
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{HERE}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     run = subprocess.run([sys.executable, str(HERE / "kda_fla_interpreted.py"), str(folder)], env=env,
                          capture_output=True, text=True, timeout=600)

@@ -487,14 +487,16 @@ def test_verify_equals_decode_in_bfloat16_too(glm):
     assert block.dtype == torch.bfloat16 and torch.equal(block, torch.cat(steps, 1))
 
 
-def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(glm):
+def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_path):
     """The family's Triton kernels (kernel_set.TritonKernels: cuda_ext/grouped_rows, latent_attention,
     index_scores) under Triton's interpreter, in a process of its own (TRITON_INTERPRET must be set before Triton
-    is imported): tests/glm_kernels_interpreted.py."""
+    is imported): tests/glm_kernels_interpreted.py, on two layers (a dense one with a full indexer, an MoE one that
+    shares its selection: the interpreter runs a program in milliseconds)."""
     pytest.importorskip("triton")
+    random_glm(num_hidden_layers=2, first_k_dense_replace=1, indexer_types=["full", "shared"]).save_pretrained(tmp_path)
     here = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, str(here / "glm_kernels_interpreted.py"), str(glm[2])], env=env,
+    run = subprocess.run([sys.executable, str(here / "glm_kernels_interpreted.py"), str(tmp_path)], env=env,
                          capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])

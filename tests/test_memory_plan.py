@@ -1,0 +1,90 @@
+"""The memory plan (verify_worker/memory_plan.py) from config.json alone: against what the loader places and what a
+state allocates on tiny checkpoints of every family, the published configs' refusals and their fixes, and
+`dflash-serve --plan` on a folder holding nothing but a config.json."""
+
+import json
+import shutil
+import subprocess
+import sys
+from dataclasses import replace
+from pathlib import Path
+
+import pytest
+
+from verify_worker.memory_plan import GB, PlanRequest, make_plan, plan_lines, refusal
+from verify_worker.target_loader import load_target
+
+ROOT = Path(__file__).resolve().parents[1]
+PUBLISHED = ROOT / "benchmarks" / "published_configs"
+
+
+def plan_for(config: dict, tp: int = 1, **changes) -> PlanRequest:
+    settings = dict(target_config=config, draft_config=None, world_size=tp, max_model_len=None, max_running=4,
+                    max_prefill_tokens=64, block_size=4, dtype="float32", device="cpu", device_bytes=None,
+                    local_drafter=False, cuda_graphs=False)
+    return PlanRequest(**{**settings, **changes})
+
+
+@pytest.fixture(scope="module")
+def folders(tmp_path_factory, qwen3_pair):
+    from test_glm5_next import random_glm5
+    from test_glm_moe_dsa import random_glm
+
+    glm, glm5 = tmp_path_factory.mktemp("plan_glm"), tmp_path_factory.mktemp("plan_glm5")
+    random_glm().save_pretrained(glm)
+    random_glm5().save_pretrained(glm5)
+    return {"qwen3": qwen3_pair[3], "glm_moe_dsa": glm, "glm5_next": glm5}
+
+
+@pytest.mark.parametrize("family", ["qwen3", "glm_moe_dsa", "glm5_next"])
+def test_the_plan_counts_what_the_loader_places_and_a_state_allocates(folders, family):
+    folder = folders[family]
+    config = json.loads((folder / "config.json").read_text())
+    plan = make_plan(plan_for(config, max_model_len=48))
+    target = load_target(folder, dtype="float32", pack=False)
+    placed = sum(p.numel() * p.element_size() for p in target.parameters())
+    assert sum(plan.weights.values()) == placed
+    state = target.new_state(1, plan.context + plan.block)
+    assert plan.per_request == state.nbytes()  # no drafter: the target's state alone
+
+
+def published(name: str) -> dict:
+    return json.loads((PUBLISHED / f"{name}.json").read_text())
+
+
+def test_glm_5_2_as_served_today_is_refused_on_one_h200_and_told_what_fits():
+    request = plan_for(published("glm-5.2-fp8"), dtype="auto", device="cuda", device_bytes=141 * GB,
+                       max_model_len=32768, max_running=64, block_size=8, taps=5)
+    plan = make_plan(request)
+    assert 1.3e12 < sum(plan.weights.values()) < 1.6e12  # 744B parameters as bfloat16 (FP8 dequantised at load)
+    assert not plan.fits and plan.fitting_requests == 0
+    why = refusal(plan)
+    assert "do not fit one GPU" in why and "--tp 16" in why, why
+    assert any("FP8 checkpoint is dequantised" in line for line in plan_lines(plan))
+    assert make_plan(replace(request, world_size=16)).fits
+
+
+def test_too_many_long_requests_are_refused_with_the_settings_that_fit():
+    request = plan_for(published("qwen3-8b"), dtype="auto", device="cuda", device_bytes=24 * GB,
+                       max_model_len=40960, max_running=64, block_size=8, taps=5)
+    plan = make_plan(request)
+    assert 0 < plan.fitting_requests < 64
+    why = refusal(plan)
+    assert f"{plan.fitting_requests} of --max-running 64 requests of 40960 tokens fit" in why, why
+    assert f"--max-running {plan.fitting_requests}" in why and "--max-model-len" in why and "--tp 2" in why, why
+    shorter = int(why.split("--max-model-len ")[1].split()[0].rstrip(";"))
+    assert make_plan(replace(request, max_model_len=shorter)).fits
+
+
+def test_dflash_serve_plan_reads_only_config_json_and_exits_by_the_fit(tmp_path):
+    folder = tmp_path / "glm-5.2"
+    folder.mkdir()
+    shutil.copy(PUBLISHED / "glm-5.2.json", folder / "config.json")  # no tokenizer, no weights
+    base = [sys.executable, "-m", "gateway.launcher", "--plan", "--target", str(folder), "--no-draft",
+            "--device", "cuda", "--gpu-memory-gb", "141", "--max-model-len", "32768"]
+    refused = subprocess.run(base + ["--tp", "8"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert refused.returncode == 1, refused.stderr
+    assert "memory plan (glm_moe_dsa, TP 8, cuda" in refused.stdout and "--tp 16" in refused.stdout, refused.stdout
+    fits = subprocess.run(base + ["--tp", "16", "--max-running", "8"], capture_output=True, text=True, timeout=120,
+                          cwd=ROOT)
+    assert fits.returncode == 0 and "requests that fit" in fits.stdout, fits.stdout + fits.stderr
