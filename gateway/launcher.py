@@ -242,13 +242,23 @@ class Launcher:
         return 0
 
 
+def show_plan(verify: Child) -> int:
+    """--plan: the verify worker's memory plan (verify_worker/memory_plan.py, run with the settings its worker
+    would get); its exit status: 0 fits, 1 does not, 2 a bad setting or config."""
+    env = {**verify.env, SETTINGS_ENV: to_json(verify.settings)}
+    return subprocess.run([sys.executable, "-m", "verify_worker.memory_plan"], env=env).returncode
+
+
 def main(argv=None) -> int:
     settings = parse_args(argv)
     for path in (settings.model.target, settings.model.draft):
         if path is not None and not Path(path).is_dir():
             print(f"dflash-serve: error: checkpoint folder {path!r} does not exist", file=sys.stderr)
             return 2
-    launcher = Launcher(settings, build_children(settings))
+    children = build_children(settings)
+    if settings.serve.plan:
+        return show_plan(children["verify"])
+    launcher = Launcher(settings, children)
 
     def on_signal(_signum, _frame):
         launcher.stopping = True

@@ -61,17 +61,18 @@ def test_glm_5_2_as_served_today_is_refused_on_one_h200_and_told_what_fits():
     why = refusal(plan)
     assert "do not fit one GPU" in why and "--tp 16" in why, why
     assert any("FP8 checkpoint is dequantised" in line for line in plan_lines(plan))
-    assert make_plan(replace(request, world_size=16)).fits
+    wider = make_plan(replace(request, world_size=16))
+    assert f"{wider.fitting_requests} requests of 32768 tokens fit" in why and 0 < wider.fitting_requests < 64
 
 
 def test_too_many_long_requests_are_refused_with_the_settings_that_fit():
-    request = plan_for(published("qwen3-8b"), dtype="auto", device="cuda", device_bytes=24 * GB,
+    request = plan_for(published("qwen3-8b"), dtype="auto", device="cuda", device_bytes=80 * GB,
                        max_model_len=40960, max_running=64, block_size=8, taps=5)
     plan = make_plan(request)
     assert 0 < plan.fitting_requests < 64
     why = refusal(plan)
     assert f"{plan.fitting_requests} of --max-running 64 requests of 40960 tokens fit" in why, why
-    assert f"--max-running {plan.fitting_requests}" in why and "--max-model-len" in why and "--tp 2" in why, why
+    assert f"--max-running {plan.fitting_requests}" in why and "--max-model-len" in why, why
     shorter = int(why.split("--max-model-len ")[1].split()[0].rstrip(";"))
     assert make_plan(replace(request, max_model_len=shorter)).fits
 

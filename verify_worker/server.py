@@ -19,6 +19,7 @@ from shared.settings.topics import ModelSettings
 from shared.target_facts import TargetFacts
 from verify_worker.draft_deadline import DraftDeadline
 from verify_worker.engine import SpeculativeEngine
+from verify_worker.memory_plan import planned_requests
 from verify_worker.parallel.driver import TargetLeader
 from verify_worker.parallel.group import GroupSettings, join_group
 from verify_worker.remote_proposer import RemoteProposer
@@ -97,6 +98,7 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
     if engine_settings.batch_invariant and batch_invariant_refusal(model.device):
         raise DFlashError(batch_invariant_refusal(model.device))
     device = rank_device(model.device, parallel.rank, parallel.world_size)
+    planned = planned_requests(settings, device, log)  # before a tensor is read: refused here if nothing fits
     tp = join_group(GroupSettings(parallel.rank, parallel.world_size, parallel.master_addr, parallel.master_port,
                                   parallel.tp_backend, parallel.collective_timeout), device)
     target = load_target(model.target, device=device, dtype=model.dtype, tp=tp,
@@ -108,7 +110,7 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
     if tp.parallel:
         target = TargetLeader(target)
     draft_cfg = DraftConfig.from_dict(read_config(model.draft)) if settings.drafting else None
-    max_running = fitting_requests(settings, target, draft_cfg, log)
+    max_running = min(fitting_requests(settings, target, draft_cfg, log), planned)
     proposer = None
     if settings.drafting and speculation.draft_placement == "local":
         proposer = local_proposer(settings, device, target, max_running)

@@ -44,6 +44,8 @@ class EngineSettings:
     kv_cache_budget_mb: float | None = option(None, "cap on the memory requests hold in the verify worker (its KV "
                                                     "cache and the feature rows kept for the drafter): --max-running "
                                                     "is lowered to fit (an error if one request does not)", above=0)
+    gpu_memory_gb: float | None = option(None, "one GPU's memory in GB for the memory plan (default: the device's "
+                                               "own; lets --plan plan for GPUs this machine lacks)", above=0)
     stall_timeout: float = option(300.0, "a verify loop that makes no progress for this long is hung: the worker "
                                          "tells the gateway and exits (0 = never); heartbeats flow meanwhile, whatever "
                                          "a step takes", minimum=0, env="DFLASH_STALL_TIMEOUT")
@@ -175,3 +177,5 @@ class ServeSettings:
                                                  "4)", minimum=1)
     ready_timeout: float = option(600.0, "seconds the processes together may take to load and report ready",
                                   above=0)
+    plan: bool = option(False, "print the verify worker's memory plan, read from config.json alone, and exit: 0 when "
+                               "--max-running requests at the context fit each GPU, 1 when not (naming what would)")

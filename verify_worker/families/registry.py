@@ -5,13 +5,14 @@ from pathlib import Path
 from typing import Callable
 
 from shared.errors import ConfigError
-from verify_worker.families.glm5_next.loader import load_glm5_next
-from verify_worker.families.glm_moe_dsa.loader import load_glm_moe_dsa
+from verify_worker.families.glm5_next import loader as glm5_next
+from verify_worker.families.glm_moe_dsa import loader as glm_moe_dsa
 from verify_worker.families.interface import TargetFamily
-from verify_worker.families.llama.loader import load_llama
+from verify_worker.families.llama.loader import llama_skeleton, load_llama
 from verify_worker.parallel.group import TensorParallel
 
 Loader = Callable[[str | Path, dict, str, str, TensorParallel, bool], TargetFamily]
+Skeleton = Callable[[dict, TensorParallel], TargetFamily]
 
 
 @dataclass(frozen=True)
@@ -20,15 +21,19 @@ class FamilyEntry:
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     load: Loader  # (folder, config, device, dtype, tp, pack) -> the loaded target
+    skeleton: Skeleton  # (config, tp) -> this rank's model on the meta device (the memory plan's shapes)
+    float32_kept: tuple[str, ...] = ()  # parameter names (substrings) the loader keeps float32 in any dtype
     batch_invariant: bool = False  # load(..., batch_invariant=True): rows that never depend on the batch, on a GPU too
 
 
 def known_families() -> tuple[FamilyEntry, ...]:
     return (
         FamilyEntry("llama", ("Qwen3ForCausalLM", "LlamaForCausalLM"), ("qwen3", "llama"), load_llama,
-                    batch_invariant=True),
-        FamilyEntry("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), load_glm_moe_dsa),
-        FamilyEntry("glm5_next", ("Glm5NextForConditionalGeneration",), ("glm5_next",), load_glm5_next),
+                    llama_skeleton, batch_invariant=True),
+        FamilyEntry("glm_moe_dsa", ("GlmMoeDsaForCausalLM",), ("glm_moe_dsa",), glm_moe_dsa.load_glm_moe_dsa,
+                    glm_moe_dsa.glm_moe_dsa_skeleton, glm_moe_dsa.FLOAT32_KEPT),
+        FamilyEntry("glm5_next", ("Glm5NextForConditionalGeneration",), ("glm5_next",), glm5_next.load_glm5_next,
+                    glm5_next.glm5_next_skeleton, glm5_next.FLOAT32_KEPT),
     )
 
 

@@ -37,6 +37,12 @@ def our_name(name: str) -> str | None:
     return HYPER.sub(lambda m: f"{m.group(1)}{m.group(2)}_hc.{m.group(3)}", name)
 
 
+def glm5_next_skeleton(config: dict, tp: TensorParallel) -> Glm5NextModel:
+    """This rank's model on the meta device (shapes only: what the memory plan counts)."""
+    with torch.device("meta"):
+        return Glm5NextModel(Glm5NextConfig.from_dict(config), tp)
+
+
 def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp: TensorParallel,
                    pack: bool) -> Glm5NextModel:
     cfg = Glm5NextConfig.from_dict(config)

@@ -40,6 +40,12 @@ def expected_shapes(cfg: GlmMoeDsaConfig, tp: TensorParallel) -> dict[str, tuple
     return shapes
 
 
+def glm_moe_dsa_skeleton(config: dict, tp: TensorParallel) -> GlmMoeDsaModel:
+    """This rank's model on the meta device (shapes only: what the memory plan counts)."""
+    with torch.device("meta"):
+        return GlmMoeDsaModel(GlmMoeDsaConfig.from_dict(config), tp)
+
+
 def load_glm_moe_dsa(folder: str | Path, config: dict, device: str, dtype: str, tp: TensorParallel,
                      pack: bool) -> GlmMoeDsaModel:
     cfg = GlmMoeDsaConfig.from_dict(config)

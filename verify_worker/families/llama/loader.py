@@ -66,6 +66,12 @@ def check_row_kernels_take(model: TargetModel) -> None:
                 f"the log)")
 
 
+def llama_skeleton(config: dict, tp: TensorParallel) -> TargetModel:
+    """This rank's TargetModel on the meta device (shapes only: what the memory plan counts)."""
+    with torch.device("meta"):
+        return TargetModel(TargetConfig.from_dict(config), tp)
+
+
 def assemble_llama(cfg: TargetConfig, tensors: dict[str, torch.Tensor], device: str,
                    tp: TensorParallel = TensorParallel()) -> TargetModel:
     """An unpacked TargetModel for inference holding `tensors` (the checkpoint's names, already on `device`)

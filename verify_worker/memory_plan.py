@@ -1,0 +1,309 @@
+"""The verify worker's memory plan, made before a tensor is read: from the target's config.json (and the drafter's)
+alone, per GPU (tensor-parallel rank), the weights by dtype, what one request holds at the context, the drafter
+where the worker hosts it, the activations of the largest step and the CUDA graphs' pool; then how many requests
+fit the device, and if the model does not, a refusal that names what does not fit and what would.
+
+The shapes come from the family's own model built on the meta device for this rank (its TP shard plan included),
+so the plan counts what the loader will place. Activations and graphs are an estimate (ACTIVATION_BUFFERS below);
+docs/serving.md says how the plan compares with what was measured.
+"""
+
+import sys
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from draft_worker.dflash2_model import DFlash2DraftModel
+from draft_worker.draft_model import DFlashDraftModel
+from shared.draft_config import DraftConfig
+from shared.dtype_choice import resolve_dtype
+from shared.target_facts import TargetFacts
+from verify_worker.families.registry import family_for
+from verify_worker.parallel.group import TensorParallel
+
+HEADROOM = 0.08  # of a GPU kept for the CUDA context, NCCL's buffers and the allocator's fragmentation
+ACTIVATION_BUFFERS = 16  # hidden-width buffers a step holds at once per row (inputs, norms, projections, residuals)
+GB = 10**9  # GPU memory as its datasheet states it (--gpu-memory-gb)
+GIB = 2**30
+TP_CHOICES = (1, 2, 4, 8, 16, 32)
+
+
+@dataclass(frozen=True)
+class PlanRequest:
+    """What the plan is asked for: the served settings that decide memory."""
+
+    target_config: dict
+    draft_config: dict | None
+    world_size: int
+    max_model_len: int | None  # None: the target's max_position_embeddings
+    max_running: int
+    max_prefill_tokens: int
+    block_size: int | None  # None: the drafter's (1 without one)
+    dtype: str
+    device: str
+    device_bytes: int | None  # one GPU's memory (None: unknown, nothing refused)
+    local_drafter: bool  # the drafter runs in this worker (--draft-placement local)
+    cuda_graphs: bool
+    taps: int | None = None  # target layers fed to the drafter (None: the draft config's; 0 without one)
+
+
+@dataclass(frozen=True)
+class MemoryPlan:
+    request: PlanRequest
+    family: str
+    context: int  # tokens a request may reach
+    block: int
+    weights: dict[str, int]  # dtype -> bytes on one rank
+    per_request: int  # the target's state and the drafter's feature rows at the context
+    drafter_weights: int  # the drafter's weights, where it runs (this GPU only with local placement)
+    drafter_per_request: int  # its context cache per request, where it runs
+    activations: int
+    graphs: int
+    notes: tuple[str, ...] = field(default=())
+
+    @property
+    def fixed(self) -> int:
+        here = self.drafter_weights if self.request.local_drafter else 0
+        return sum(self.weights.values()) + here + self.activations + self.graphs
+
+    @property
+    def usable(self) -> int | None:
+        return None if self.request.device_bytes is None else int(self.request.device_bytes * (1 - HEADROOM))
+
+    @property
+    def request_total(self) -> int:
+        return self.per_request + (self.drafter_per_request if self.request.local_drafter else 0)
+
+    @property
+    def fitting_requests(self) -> int | None:
+        if self.usable is None:
+            return None
+        return max(0, (self.usable - self.fixed) // self.request_total)
+
+    @property
+    def fits(self) -> bool:
+        fitting = self.fitting_requests
+        return fitting is None or fitting >= self.request.max_running
+
+
+def dtype_bytes(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+def compute_dtype(config: dict, request: PlanRequest) -> torch.dtype:
+    """The dtype the loader computes in: an FP8 checkpoint is dequantised to bfloat16 at load (FP8 kept FP8 on a
+    GPU is not built yet)."""
+    facts = TargetFacts.from_config(config)
+    fp8 = (config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {})
+    checkpoint = "bfloat16" if fp8.get("quant_method") == "fp8" else facts.checkpoint_dtype
+    return resolve_dtype(request.dtype, checkpoint, request.device)
+
+
+def rank_weights(model, dtype: torch.dtype, kept: tuple[str, ...]) -> dict[str, int]:
+    """Bytes of this rank's parameters by dtype (a name containing one of `kept` stays float32)."""
+    out: dict[str, int] = {}
+    for name, parameter in model.named_parameters():
+        placed = torch.float32 if any(part in name for part in kept) else dtype
+        key = str(placed).removeprefix("torch.")
+        out[key] = out.get(key, 0) + parameter.numel() * dtype_bytes(placed)
+    return out
+
+
+def drafter_bytes(draft_config: dict, dtype: torch.dtype, context: int) -> tuple[int, int]:
+    """(the drafter's weights, its context cache per request at `context` positions), in `dtype`."""
+    cfg = DraftConfig.from_dict(draft_config)
+    with torch.device("meta"):
+        model = DFlash2DraftModel(cfg) if cfg.dflash2 else DFlashDraftModel(cfg)
+    weights = sum(p.numel() for p in model.parameters()) * dtype_bytes(dtype)
+    cache = 2 * cfg.num_layers * cfg.num_kv_heads * cfg.head_dim * context * dtype_bytes(dtype)
+    return weights, cache
+
+
+def activation_bytes(target_cfg, rows: int, dtype: torch.dtype) -> int:
+    """The largest step's transient memory, estimated: ACTIVATION_BUFFERS hidden-width buffers per row (times the
+    mHC streams), the MoE's per-pair rows, and the float32 logits and probabilities of every row."""
+    hidden, streams = target_cfg.hidden_size, getattr(target_cfg, "hc_mult", 1)
+    per_row = ACTIVATION_BUFFERS * hidden * streams * dtype_bytes(dtype)
+    top_k = getattr(target_cfg, "num_experts_per_tok", 0)
+    if top_k:
+        per_row += top_k * (3 * target_cfg.moe_intermediate_size + hidden) * dtype_bytes(dtype)
+    per_row += 2 * target_cfg.vocab_size * 4
+    return rows * per_row
+
+
+def make_plan(request: PlanRequest) -> MemoryPlan:
+    config = request.target_config
+    family = family_for(config)
+    model = family.skeleton(config, TensorParallel(0, request.world_size))
+    cfg = model.config
+    dtype = compute_dtype(config, request)
+    model = model.to(dtype)  # meta: nothing is allocated; state_bytes_per_slot reads the compute dtype
+    draft_cfg = DraftConfig.from_dict(request.draft_config) if request.draft_config else None
+    block = request.block_size or (draft_cfg.block_size if draft_cfg else 1)
+    context = min(request.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
+    capacity = context + block
+    taps = request.taps if request.taps is not None else len(draft_cfg.target_layer_ids) if draft_cfg else 0
+    per_request = model.state_bytes_per_slot(capacity) + capacity * taps * cfg.hidden_size * dtype_bytes(dtype)
+    drafter_weights = drafter_cache = 0
+    if request.draft_config:
+        drafter_weights, drafter_cache = drafter_bytes(request.draft_config, dtype, capacity)
+    rows = max(request.max_running * block, request.max_prefill_tokens)
+    activations = activation_bytes(cfg, rows, dtype)
+    fp8 = (config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {})
+    notes = ("an FP8 checkpoint is dequantised to bfloat16 at load (FP8 kept FP8 on GPUs is not built yet)",) \
+        if fp8.get("quant_method") == "fp8" else ()
+    return MemoryPlan(request, family.name, context, block, rank_weights(model, dtype, family.float32_kept),
+                      per_request, drafter_weights, drafter_cache, activations,
+                      activations if request.cuda_graphs else 0, notes)
+
+
+def plan_lines(plan: MemoryPlan) -> list[str]:
+    """The plan as the operator reads it."""
+    request = plan.request
+    weights = ", ".join(f"{size / GIB:.2f} GiB {dtype}" for dtype, size in plan.weights.items())
+    lines = [f"memory plan ({plan.family}, TP {request.world_size}, {request.device}; per GPU):",
+             f"  weights: {weights}",
+             f"  one request at {plan.context} tokens (+ block {plan.block}): {plan.per_request / GIB:.3f} GiB "
+             f"(caches and states{', drafter feature rows' if request.draft_config or request.taps else ''})"]
+    if request.draft_config:
+        where = "in this worker" if request.local_drafter else "in the draft worker (its own process and GPU memory)"
+        lines.append(f"  drafter {where}: {plan.drafter_weights / GIB:.2f} GiB weights, "
+                     f"{plan.drafter_per_request / GIB:.3f} GiB a request (its context cache)")
+    rows = max(request.max_running * plan.block, request.max_prefill_tokens)
+    graphs = f"; CUDA graphs: {plan.graphs / GIB:.2f} GiB" if request.cuda_graphs else ""
+    lines.append(f"  activations (estimate, the largest step: {rows} rows): {plan.activations / GIB:.2f} GiB{graphs}")
+    lines.extend(f"  note: {note}" for note in plan.notes)
+    if plan.usable is None:
+        lines.append(f"  device memory unknown: {plan.fixed / GIB:.2f} GiB fixed + {plan.request_total / GIB:.3f} GiB "
+                     f"a request (give --gpu-memory-gb to check the fit)")
+    else:
+        lines.append(f"  device: {request.device_bytes / GB:.0f} GB, {plan.usable / GIB:.1f} GiB usable "
+                     f"({HEADROOM:.0%} kept); fixed {plan.fixed / GIB:.2f} GiB; requests that fit: "
+                     f"{plan.fitting_requests} (--max-running {request.max_running})")
+    return lines
+
+
+def refusal(plan: MemoryPlan) -> str | None:
+    """None when --max-running requests at the context fit; else what does not fit and what would."""
+    if plan.fits:
+        return None
+    request = plan.request
+    fitting = plan.fitting_requests
+    weights = sum(plan.weights.values())
+    if plan.fixed >= plan.usable:
+        what = (f"the weights ({weights / GIB:.1f} GiB a GPU at TP {request.world_size}) and the step's activations "
+                f"({(plan.activations + plan.graphs) / GIB:.1f} GiB) do not fit one GPU's {plan.usable / GIB:.1f} GiB "
+                f"usable")
+    else:
+        what = (f"{fitting} of --max-running {request.max_running} requests of {plan.context} tokens fit "
+                f"({plan.request_total / GIB:.3f} GiB each, {(plan.usable - plan.fixed) / GIB:.1f} GiB left after "
+                f"{plan.fixed / GIB:.1f} GiB fixed)")
+    return f"{what}; would fit: {'; '.join(alternatives(plan)) or f'nothing up to --tp {TP_CHOICES[-1]}'}"
+
+
+def alternatives(plan: MemoryPlan) -> list[str]:
+    """Settings that would fit: where the weights do not, the smallest wider TP that holds them and a request; else
+    the requests that fit, the longest context at which --max-running fit, and a wider TP where it makes them fit."""
+    request, found = plan.request, []
+    weights_fit = plan.fixed < plan.usable
+    for tp in TP_CHOICES:
+        if tp <= request.world_size:
+            continue
+        try:
+            wider = make_plan(replace(request, world_size=tp))
+        except Exception:  # a width this TP does not divide: not an option
+            continue
+        if wider.fits if weights_fit else wider.fitting_requests:
+            found.append(f"--tp {tp} ({sum(wider.weights.values()) / GIB:.1f} GiB of weights a GPU; "
+                         f"{wider.fitting_requests} requests of {wider.context} tokens fit)")
+            break
+    if not weights_fit:
+        return found
+    here = [f"--max-running {plan.fitting_requests}"] if plan.fitting_requests else []
+    shorter = _longest_context(plan)
+    if shorter:
+        here.append(f"--max-model-len {shorter}")
+    return here + found
+
+
+def _longest_context(plan: MemoryPlan) -> int | None:
+    """The longest context at which --max-running requests fit (a bisection on multiples of 1024), or None."""
+    low, high = 0, plan.context
+    while high - low > 1024:
+        middle = (low + high) // 2 // 1024 * 1024 or 1024
+        if middle == low:
+            break
+        if make_plan(_with(plan.request, max_model_len=middle)).fits:
+            low = middle
+        else:
+            high = middle
+    return low or None
+
+
+def _with(request: PlanRequest, **changes) -> PlanRequest:
+    return replace(request, **changes)
+
+
+def device_memory(device: str, gpu_memory_gb: float | None) -> int | None:
+    """One GPU's memory: --gpu-memory-gb where given, else the visible device's own (None on a CPU)."""
+    if gpu_memory_gb is not None:
+        return int(gpu_memory_gb * GB)
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        return torch.cuda.mem_get_info(torch.device(device))[1]
+    return None
+
+
+def request_from_settings(settings, device: str) -> PlanRequest:
+    """The plan request of a verify worker's settings (shared.settings.commands.VerifyCommand) on `device`."""
+    from shared.config_json import read_config
+
+    model, engine = settings.model, settings.engine
+    draft = read_config(model.draft) if settings.drafting else None
+    return PlanRequest(read_config(model.target), draft, settings.parallel.world_size, model.max_model_len,
+                       engine.max_running, engine.max_prefill_tokens, model.block_size, model.dtype, str(device),
+                       device_memory(device, engine.gpu_memory_gb),
+                       settings.drafting and settings.speculation.draft_placement == "local", engine.cuda_graphs)
+
+
+def planned_requests(settings, device: str, log) -> int:
+    """At a verify worker's start, before a tensor is read: the plan logged, a DFlashError naming the fix when not
+    one request fits the device, else --max-running lowered to the requests that fit (with a warning)."""
+    from shared.errors import DFlashError
+
+    plan = make_plan(request_from_settings(settings, device))
+    for line in plan_lines(plan):
+        log.info("%s", line)
+    why = refusal(plan)
+    if why is None:
+        return settings.engine.max_running
+    if not plan.fitting_requests:
+        raise DFlashError(f"the model does not fit: {why}")
+    log.warning("the memory plan fits %d requests: max running lowered from %d (%s)", plan.fitting_requests,
+                settings.engine.max_running, why)
+    return plan.fitting_requests
+
+
+def main(argv=None) -> int:
+    """`dflash-serve --plan` (the launcher runs this with the verify worker's settings): the plan printed; exit 0
+    when --max-running requests at the context fit, 1 when not (with what would), 2 on a bad setting."""
+    from shared.errors import DFlashError
+    from verify_worker.server import parse_args
+
+    settings = parse_args(argv)
+    device = settings.model.device
+    try:
+        plan = make_plan(request_from_settings(settings, device))
+    except DFlashError as exc:
+        print(f"dflash-serve --plan: error: {exc}", file=sys.stderr)
+        return 2
+    print("\n".join(plan_lines(plan)))
+    why = refusal(plan)
+    if why is not None:
+        print(f"dflash-serve --plan: does not fit: {why}")
+        return 1
+    print("dflash-serve --plan: fits")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
