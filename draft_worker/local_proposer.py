@@ -24,6 +24,9 @@ def draft_stream(item: DraftItem) -> int:
     return DRAFT_STREAM + 2 * (item.context_start + len(item.context_features))
 
 
+SAMPLE_GROUP_ELEMENTS = 2**22  # probabilities drawn from in one batched call (float64 sums: 32 MiB)
+
+
 class DraftSampling(Enum):
     DENSE = "dense"  # sample from the full processed drafter distribution q; report q
     SPARSE = "sparse"  # sample from q restricted to its top-K tokens; report that sparse q
@@ -244,30 +247,40 @@ class LocalProposer:
             self.lengths[item.request_id] = item.context_start + len(item.context_features)
 
     def _choose(self, items: list[DraftItem], logits: torch.Tensor) -> list[DraftResult]:
-        """Greedy rows take the argmax; sampled rows draw each position from the processed q."""
-        results = []
+        """Greedy rows take the argmax; sampled rows draw each position from the processed q (batched over the
+        rows, in groups that keep a dense q's float64 sums bounded; each row's uniforms from its own stream)."""
         greedy_tokens = logits.argmax(-1)  # [b, B-1]
+        results: list[DraftResult | None] = [None] * len(items)
         sampled = [i for i, item in enumerate(items) if self._samples(item)]
-        sampled_row = {row: i for i, row in enumerate(sampled)}  # batch row -> row of probs
-        probs = None
         if sampled:
             probs = batch_sampling_probs(logits[sampled], [items[i].sampling for i in sampled])  # [s, B-1, vocab]
+            width, vocab = probs.shape[1:]
+            uniforms = torch.zeros(len(sampled), width, dtype=torch.float64)  # positions past a row's drafts: unused
+            for j, row in enumerate(sampled):
+                n = items[row].num_draft
+                uniforms[j, :n] = torch.rand(n, generator=self.generators[items[row].request_id], dtype=torch.float64)
+            uniforms = uniforms.to(probs.device)
+            group = max(1, SAMPLE_GROUP_ELEMENTS // (width * vocab))
+            for start in range(0, len(sampled), group):
+                for j, result in enumerate(self._draw(probs[start:start + group], uniforms[start:start + group]),
+                                           start):
+                    row = sampled[j]
+                    n = items[row].num_draft
+                    results[row] = DraftResult(*(part[:n] for part in result))
         for row, item in enumerate(items):
-            n = item.num_draft
-            if row not in sampled_row:
-                results.append(DraftResult(tokens=greedy_tokens[row, :n].clone()))
-                continue
-            q = probs[sampled_row[row], :n]  # [n, vocab]
-            uniforms = torch.rand(n, generator=self.generators[item.request_id], dtype=torch.float64).to(q.device)
-            if self.draft_sampling == DraftSampling.SPARSE:
-                top_probs, top_ids = q.topk(min(self.sparse_top_k, q.shape[-1]), dim=-1)  # [n, K]
-                top_probs = top_probs / top_probs.sum(-1, keepdim=True)
-                choice = sample_from(top_probs, uniforms)
-                tokens = top_ids.gather(1, choice[:, None])[:, 0]
-                results.append(DraftResult(tokens=tokens, q_probs=top_probs, q_ids=top_ids))
-            else:
-                results.append(DraftResult(tokens=sample_from(q, uniforms), q_probs=q))
+            if results[row] is None:
+                results[row] = DraftResult(tokens=greedy_tokens[row, : item.num_draft].clone())
         return results
+
+    def _draw(self, probs: torch.Tensor, uniforms: torch.Tensor) -> list[tuple[torch.Tensor, ...]]:
+        """probs [g, B-1, vocab], uniforms [g, B-1] -> per row (tokens, q_probs[, q_ids]) over all B-1 positions."""
+        if self.draft_sampling == DraftSampling.SPARSE:
+            top_probs, top_ids = probs.topk(min(self.sparse_top_k, probs.shape[-1]), dim=-1)  # [g, B-1, K]
+            top_probs = top_probs / top_probs.sum(-1, keepdim=True)
+            choice = sample_from(top_probs, uniforms)  # [g, B-1]
+            tokens = top_ids.gather(-1, choice[..., None])[..., 0]
+            return list(zip(tokens, top_probs, top_ids))
+        return list(zip(sample_from(probs, uniforms), probs))
 
 
 def _rows(rows: list[int], batch: int, device) -> "slice | torch.Tensor":
