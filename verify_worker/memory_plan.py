@@ -93,10 +93,14 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 def compute_dtype(config: dict, request: PlanRequest) -> torch.dtype:
     """The dtype the loader computes in: an FP8 checkpoint is dequantised to bfloat16 at load (FP8 kept FP8 on a
     GPU is not built yet)."""
-    facts = TargetFacts.from_config(config)
-    fp8 = (config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {})
-    checkpoint = "bfloat16" if fp8.get("quant_method") == "fp8" else facts.checkpoint_dtype
+    checkpoint = "bfloat16" if is_fp8(config) else TargetFacts.from_config(config).checkpoint_dtype
     return resolve_dtype(request.dtype, checkpoint, request.device)
+
+
+def is_fp8(config: dict) -> bool:
+    """An FP8 block checkpoint: quantization_config at the top or (GLM-5.3-Flash) in text_config."""
+    quantization = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
+    return (quantization or {}).get("quant_method") == "fp8"
 
 
 def rank_weights(model, dtype: torch.dtype, kept: tuple[str, ...]) -> dict[str, int]:
@@ -149,9 +153,8 @@ def make_plan(request: PlanRequest) -> MemoryPlan:
         drafter_weights, drafter_cache = drafter_bytes(request.draft_config, dtype, capacity)
     rows = max(request.max_running * block, request.max_prefill_tokens)
     activations = activation_bytes(cfg, rows, dtype)
-    fp8 = (config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config") or {})
     notes = ("an FP8 checkpoint is dequantised to bfloat16 at load (FP8 kept FP8 on GPUs is not built yet)",) \
-        if fp8.get("quant_method") == "fp8" else ()
+        if is_fp8(config) else ()
     return MemoryPlan(request, family.name, context, block, rank_weights(model, dtype, family.float32_kept),
                       per_request, drafter_weights, drafter_cache, activations,
                       activations if request.cuda_graphs else 0, notes)
