@@ -20,7 +20,6 @@ Qwen3-8B-shaped target of gpu_target_step.py.
 """
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -34,6 +33,8 @@ from gpu_kernels import median_ms  # noqa: E402  (this folder's kernel benchmark
 from replay_proposer import ReplayProposer  # noqa: E402
 from verify_worker.engine import SpeculativeEngine  # noqa: E402
 from verify_worker.families.common.moe import RoutedExperts  # noqa: E402
+from verify_worker.families.registry import family_for  # noqa: E402
+from verify_worker.parallel.group import TensorParallel  # noqa: E402
 from verify_worker.families.interface import StepBatch  # noqa: E402
 from verify_worker.request import GenerationRequest  # noqa: E402
 
@@ -66,7 +67,6 @@ TINY = {  # the shapes of the tests' tiny checkpoints, for the CPU dry run
 }
 DEFAULT_LAYERS = {"glm5": 4, "glm52": 2}  # GLM-5.2's experts take 19 GB a layer in bfloat16
 PEAK_TBS = {"H100 PCIe": 2.0, "H100": 3.35, "H200": 4.8, "GB200": 8.0, "GB300": 8.0, "GB10": 0.273}  # datasheets
-FLOAT32_KEPT = re.compile(r"mlp\.gate\.weight|e_score_correction_bias|conv1d\.weight|dt_bias|A_log|_hc\.")
 
 
 def family_config(family: str, config: str, layers: int) -> dict:
@@ -81,23 +81,18 @@ def family_config(family: str, config: str, layers: int) -> dict:
     return {"architectures": ["GlmMoeDsaForCausalLM"], "model_type": "glm_moe_dsa", **text}
 
 
-def random_target(family: str, config: dict, device: str, seed: int = 0):
+def random_target(config: dict, device: str, seed: int = 0):
     """The family's model with random weights, assembled as its loader assembles one, packed for the device."""
-    if family == "glm5":
-        from verify_worker.families.glm5_next.config import Glm5NextConfig as Config
-        from verify_worker.families.glm5_next.model import Glm5NextModel as Model
-    else:
-        from verify_worker.families.glm_moe_dsa.config import GlmMoeDsaConfig as Config
-        from verify_worker.families.glm_moe_dsa.model import GlmMoeDsaModel as Model
-    cfg = Config.from_dict(config)
+    entry = family_for(config)
+    model = entry.skeleton(config, TensorParallel())  # on the meta device
+    cfg = model.config
     dtype = getattr(torch, cfg.checkpoint_dtype)
-    with torch.device("meta"):
-        model = Model(cfg)
+    kept = entry.float32_kept  # what the loader keeps float32
     generator = torch.Generator(device=device).manual_seed(seed)
     tensors = {}
     for name, meta in model.state_dict().items():
-        kept = torch.float32 if FLOAT32_KEPT.search(name) else dtype
-        tensor = torch.empty(meta.shape, dtype=kept, device=device)
+        placed = torch.float32 if any(part in name for part in kept) else dtype
+        tensor = torch.empty(meta.shape, dtype=placed, device=device)
         if name.endswith("norm.weight") or name.endswith("_hc.scale"):
             tensor.fill_(1.0)
         elif name.endswith(("bias", "A_log", "_hc.base")) or meta.dim() < 2:
@@ -106,7 +101,7 @@ def random_target(family: str, config: dict, device: str, seed: int = 0):
             tensor.normal_(0.0, 1.0 if "embed_tokens" in name else meta.shape[-1] ** -0.5, generator=generator)
         tensors[name] = tensor
     model.load_state_dict(tensors, strict=True, assign=True)
-    if family == "glm52":  # not in the state dict: made as the loader makes it
+    if entry.name == "glm_moe_dsa":  # not in the state dict: made as the loader makes it
         from shared.rope import inverse_frequencies
         from shared.rope_settings import RopeSettings
 
@@ -273,7 +268,7 @@ def main() -> None:
           f"{f'{peak / 1e9:.0f} GB/s' if peak else 'unknown'}; torch {torch.__version__}", flush=True)
     for family in args.families.split(","):
         layers = args.layers or DEFAULT_LAYERS[family]
-        model = random_target(family, family_config(family, args.config, layers), device)
+        model = random_target(family_config(family, args.config, layers), device)
         kernels = sorted({m.glm_kernels.name for m in model.modules() if hasattr(m, "glm_kernels")})
         recurrence = getattr(model, "recurrence_name", "none")
         print(f"{family} ({args.config}, {layers} layers): kernels {kernels}, KDA recurrence {recurrence}", flush=True)

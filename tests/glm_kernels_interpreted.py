@@ -14,15 +14,12 @@ import os
 import sys
 
 import torch
-from greedy_check import assert_same_or_near_tie
-from scripted_proposer import ScriptedProposer
+from family_exactness import exactness_findings
 
 from cuda_ext.grouped_rows import reference
 from cuda_ext.grouped_rows.kernel import BLOCK_M, grouped_rows
-from verify_worker.engine import SpeculativeEngine
 from verify_worker.families.common.kernel_set import TorchKernels, TritonKernels, use_kernels
 from verify_worker.families.common.moe import RoutedExperts
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 DEVICE = os.environ.get("DFLASH_GROUPED_DEVICE", "cpu")
@@ -121,22 +118,7 @@ def model_findings(folder: str) -> dict:
     oracle = load_target(folder)  # packed for the CPU: PyTorch's products
     target = load_target(folder, device=DEVICE)
     use_kernels(target, TritonKernels())
-    prompts = [[5, 17, 3, 99, 42, 8, 61], [77, 12]]
-    requests = [GenerationRequest(tuple(p), 6, request_id=f"r{i}") for i, p in enumerate(prompts)]
-    plain = SpeculativeEngine(target, None, max_requests=2, max_model_len=64).generate(requests)
-    sequences = {r.request_id: list(r.prompt_ids) + p.token_ids for r, p in zip(requests, plain)}
-    drafts = ScriptedProposer(sequences, block_size=4, num_layers=oracle.config.num_layers)  # right and wrong
-    drafts.target_layer_ids = (0, oracle.config.num_layers - 1)  # taps that exist at any depth
-    spec = SpeculativeEngine(target, drafts, max_requests=2, max_model_len=64).generate(requests)
-    want = SpeculativeEngine(oracle, None, max_requests=2, max_model_len=64).generate(requests)
-    for prompt, got, expected in zip(prompts, plain, want):
-        assert_same_or_near_tie(oracle, prompt, got.token_ids, expected.token_ids)  # raises unless a near-tie
-    return {
-        "kernels": sorted({m.glm_kernels.name for m in target.modules() if hasattr(m, "glm_kernels")}),
-        "speculative_equals_plain": [r.token_ids for r in spec] == [r.token_ids for r in plain],
-        "committed_per_step": sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec),
-        "tokens_equal_oracle": [r.token_ids for r in plain] == [r.token_ids for r in want],
-    }
+    return exactness_findings(target, oracle)
 
 
 if __name__ == "__main__":
