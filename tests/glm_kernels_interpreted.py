@@ -18,6 +18,7 @@ from family_exactness import exactness_findings
 
 from cuda_ext.grouped_rows import reference
 from cuda_ext.grouped_rows.kernel import BLOCK_M, grouped_rows
+from verify_worker.families.common.fp8_blocks import dequantize
 from verify_worker.families.common.kernel_set import TorchKernels, TritonKernels, use_kernels
 from verify_worker.families.common.moe import RoutedExperts
 from verify_worker.target_loader import load_target
@@ -51,6 +52,26 @@ def kernel_findings() -> dict:
         "bfloat16_output_is_rounded_float32": bool(torch.equal(grouped_rows(x, weights, counts),
                                                                full.to(torch.bfloat16))),
     }
+
+
+def fp8_findings() -> dict:
+    """FP8 block weights (128 x 128 blocks, partial edge blocks) multiplied in the kernel against the same weights
+    dequantized as the loader dequantizes them, for bfloat16 and float32 activations."""
+    generator = torch.Generator().manual_seed(3)
+    counts = torch.tensor([5, 0, 19, 2])
+    n, k = 200, 136  # a 2 x 2 grid of blocks, the last row and column of them partial
+    weights = (torch.randn(len(counts), n, k, generator=generator) * 2).to(torch.float8_e4m3fn)
+    scales = torch.rand(len(counts), 2, 2, generator=generator) * 0.01 + 0.001
+    found = {}
+    for dtype in (torch.bfloat16, torch.float32):
+        name = str(dtype).split(".")[-1]
+        twin = torch.stack([dequantize(w, s, (128, 128)) for w, s in zip(weights, scales)]).to(dtype)  # at load
+        x = torch.randn(int(counts.sum()), k, generator=generator).to(dtype)
+        args = [t.to(DEVICE) for t in (x, weights, counts, scales)]
+        kept = grouped_rows(args[0], args[1], args[2], out_dtype=torch.float32, scales=args[3])
+        dequantized = grouped_rows(args[0], twin.to(DEVICE), args[2], out_dtype=torch.float32)
+        found[f"fp8_{name}_equals_dequantized"] = bool(torch.equal(kept, dequantized))
+    return found
 
 
 def experts_findings() -> dict:
@@ -123,5 +144,6 @@ def model_findings(folder: str) -> dict:
 
 if __name__ == "__main__":
     folder = sys.argv[-1]
-    print(json.dumps({"device": DEVICE, **kernel_findings(), **experts_findings(), **attention_findings(),
+    print(json.dumps({"device": DEVICE, **kernel_findings(), **fp8_findings(), **experts_findings(),
+                      **attention_findings(),
                       **model_findings(folder)}))

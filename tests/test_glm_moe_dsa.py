@@ -504,6 +504,8 @@ def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_p
     # blocks included); a row's result the same bits alone, in a full tile, or at another place in its tiles
     assert found["kernel_vs_float32"] < 1e-5, found
     assert found["rows_equal_alone"] and found["rows_equal_shifted"], found
+    # FP8 blocks multiplied inside it (partial edge blocks included) give the dequantized twin's products bit for bit
+    assert found["fp8_bfloat16_equals_dequantized"] and found["fp8_float32_equals_dequantized"], found
     # the MoE experts on it: close to PyTorch's products, and each token's row the same alone
     assert found["experts_triton_vs_torch"] < 2e-2 and found["experts_rows_equal_alone"], found
     # attention and the indexer's scores against PyTorch's (float32: another order of the same sums; bfloat16: the

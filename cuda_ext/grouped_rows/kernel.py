@@ -19,13 +19,24 @@ import triton.language as tl
 
 from cuda_ext.grouped_rows.tiles import group_tiles, max_tiles
 
-BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # fixed: every sum's order depends on these and K alone
+BLOCK_M, BLOCK_N, BLOCK_K = 16, 64, 64  # fixed: every sum's order depends on these and K alone (64 divides an
+#                                         FP8 block of 128)
 
 
 @triton.jit
-def _grouped_rows_kernel(x_ptr, w_ptr, out_ptr, tile_group_ptr, tile_first_ptr, tile_end_ptr, n, k,
-                         stride_xm, stride_wg, stride_wn, stride_wk, stride_om,
+def _bfloat16_rounded(x):
+    """float32 x rounded to the nearest bfloat16 (ties to even), still float32: integer steps, the same everywhere
+    (the interpreter's own cast truncates). Finite x only."""
+    bits = x.to(tl.uint32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _grouped_rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tile_group_ptr, tile_first_ptr, tile_end_ptr, n, k,
+                         stride_xm, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                         SCALE_BLOCK: tl.constexpr, HAS_SCALES: tl.constexpr, ROUND_BF16: tl.constexpr,
                          INTERPRETED: tl.constexpr):
     tile = tl.program_id(0)
     first = tl.load(tile_first_ptr + tile)
@@ -40,22 +51,35 @@ def _grouped_rows_kernel(x_ptr, w_ptr, out_ptr, tile_group_ptr, tile_first_ptr, 
     for start in range(0, k, BLOCK_K):
         ks = start + tl.arange(0, BLOCK_K)  # [BLOCK_K]
         k_live = ks < k
+        tile_live = k_live[:, None] & col_live[None, :]
         a = tl.load(x_ptr + rows[:, None].to(tl.int64) * stride_xm + ks[None, :],
                     mask=row_live[:, None] & k_live[None, :], other=0.0)  # [BLOCK_M, BLOCK_K]
         b = tl.load(w_ptr + group * stride_wg + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
-                    mask=k_live[:, None] & col_live[None, :], other=0.0)  # [BLOCK_K, BLOCK_N]
+                    mask=tile_live, other=0.0)  # [BLOCK_K, BLOCK_N]
+        if HAS_SCALES:  # FP8 blocks: the weight as dequantized at load, fp8 * its block's scale in the compute dtype
+            scale = tl.load(scale_ptr + group * stride_sg + (cols // SCALE_BLOCK)[None, :] * stride_sn +
+                            (ks // SCALE_BLOCK)[:, None] * stride_sk, mask=tile_live, other=0.0)
+            b = b.to(tl.float32) * scale
+            if INTERPRETED:
+                if ROUND_BF16:
+                    b = _bfloat16_rounded(b)
+            else:
+                b = b.to(a.dtype)
         if INTERPRETED:  # CPU tensors under TRITON_INTERPRET: see the module docstring
             acc += tl.sum(a.to(tl.float32)[:, :, None] * b.to(tl.float32)[None, :, :], axis=1)
         else:
-            acc = tl.dot(a, b, acc, input_precision="ieee")  # float32 inputs stay float32 (no TF32)  # float32 inputs stay float32 (no TF32)
+            acc = tl.dot(a, b, acc, input_precision="ieee")  # float32 inputs stay float32 (no TF32)
     tl.store(out_ptr + rows[:, None].to(tl.int64) * stride_om + cols[None, :], acc.to(out_ptr.dtype.element_ty),
              mask=row_live[:, None] & col_live[None, :])
 
 
-def grouped_rows(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, out_dtype=None) -> torch.Tensor:
+def grouped_rows(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, out_dtype=None,
+                 scales: torch.Tensor | None = None, scale_block: int = 128) -> torch.Tensor:
     """x [rows, K] sorted by group, weights [groups, N, K] (any strides: a transposed view is read in place), counts
     [groups] on x's device -> [rows, N] (out_dtype, default x's): row r of group g is x[r] @ weights[g]^T, float32
-    sums."""
+    sums. With scales [groups, ceil(N / scale_block), ceil(K / scale_block)] (float32), weights are FP8 blocks:
+    each is multiplied by its block's scale and rounded to x's dtype inside the kernel, exactly the weight an
+    FP8 checkpoint dequantized at load holds, so the product equals the dequantized twin's bit for bit."""
     rows, k = x.shape
     groups, n, _ = weights.shape
     x = x.contiguous()
@@ -66,7 +90,10 @@ def grouped_rows(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, o
         tiles = max_tiles(rows, groups, BLOCK_M)
         tile_group, tile_first, tile_end = group_tiles(counts, BLOCK_M, tiles)
         grid = (tiles, triton.cdiv(n, BLOCK_N))
-        _grouped_rows_kernel[grid](x, weights, out, tile_group, tile_first, tile_end, n, k, x.stride(0),
-                                   weights.stride(0), weights.stride(1), weights.stride(2), out.stride(0),
-                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, INTERPRETED=interpreted)
+        scale_strides = scales.stride() if scales is not None else (0, 0, 0)
+        _grouped_rows_kernel[grid](x, weights, scales if scales is not None else weights, out, tile_group, tile_first,
+                                   tile_end, n, k, x.stride(0), *weights.stride(), *scale_strides, out.stride(0),
+                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SCALE_BLOCK=scale_block,
+                                   HAS_SCALES=scales is not None, ROUND_BF16=x.dtype == torch.bfloat16,
+                                   INTERPRETED=interpreted)
     return out.to(dtype)
