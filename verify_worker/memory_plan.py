@@ -164,7 +164,8 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
     """The plan as the operator reads it."""
     request = plan.request
     weights = ", ".join(f"{size / GIB:.2f} GiB {dtype}" for dtype, size in plan.weights.items())
-    lines = [f"memory plan ({plan.family}, TP {request.world_size}, {request.device}; per GPU):",
+    unit = "per GPU" if request.device.startswith("cuda") else "per process"
+    lines = [f"memory plan ({plan.family}, TP {request.world_size}, {request.device}; {unit}):",
              f"  weights: {weights}",
              f"  one request at {plan.context} tokens (+ block {plan.block}): {plan.per_request / GIB:.3f} GiB "
              f"(caches and states{', drafter feature rows' if request.draft_config or request.taps else ''})"]
