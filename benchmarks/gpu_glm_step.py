@@ -261,7 +261,9 @@ def main() -> None:
     args.speedup_batches = [int(v) for v in args.speedup_batches.split(",")]
     if args.config == "tiny":
         args.context = min(args.context, 64)
-    device = args.device
+    device = torch.device(args.device).type  # "cuda" for any CUDA device: the timings synchronise by this name
+    if args.device.startswith("cuda:"):
+        torch.cuda.set_device(torch.device(args.device))
     copy_bps, peak = copy_bandwidth(device), datasheet_peak(device)
     name = torch.cuda.get_device_name() if device == "cuda" else "cpu"
     print(f"device {name}: copy {copy_bps / 1e9:.0f} GB/s; datasheet "

@@ -11,7 +11,8 @@ from pathlib import Path
 
 import pytest
 
-from verify_worker.memory_plan import GB, PlanRequest, make_plan, plan_lines, refusal
+from verify_worker.memory_plan import (GB, HEADROOM, PlanRequest, make_plan, plan_lines, refusal,
+                                       request_from_settings)
 from verify_worker.target_loader import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -89,3 +90,25 @@ def test_dflash_serve_plan_reads_only_config_json_and_exits_by_the_fit(tmp_path)
     fits = subprocess.run(base + ["--tp", "16", "--max-running", "8"], capture_output=True, text=True, timeout=120,
                           cwd=ROOT)
     assert fits.returncode == 0 and "requests that fit" in fits.stdout, fits.stdout + fits.stderr
+
+
+def test_a_worker_refuses_only_what_cannot_fit_and_otherwise_lowers_max_running(folders, caplog):
+    """At start: the weights and one request past the device is a refusal naming the fix; a fit that only the
+    activations' estimate spoils lowers --max-running to 1 with a warning (the estimate is not a reason to refuse)."""
+    import logging
+
+    from shared.errors import DFlashError
+    from verify_worker.memory_plan import planned_requests
+    from verify_worker.server import parse_args
+
+    folder = str(folders["glm_moe_dsa"])
+    base = ["--target", folder, "--no-draft", "--device", "cuda", "--dtype", "float32", "--max-model-len", "64"]
+    plan = make_plan(request_from_settings(parse_args(base + ["--gpu-memory-gb", "1"]), "cuda"))
+    counted = plan.fixed - plan.activations + plan.request_total  # what is sure to be needed
+    log = logging.getLogger("test.plan")
+    with pytest.raises(DFlashError, match="does not fit"):
+        planned_requests(parse_args(base + ["--gpu-memory-gb", str(counted / 2 / GB)]), "cuda", log)
+    squeezed = (counted + plan.activations / 2) / (1 - HEADROOM) / GB  # the estimate alone leaves no room
+    with caplog.at_level(logging.WARNING, logger="test.plan"):
+        assert planned_requests(parse_args(base + ["--gpu-memory-gb", str(squeezed)]), "cuda", log) == 1
+    assert "max running lowered from 64" in caplog.text

@@ -25,10 +25,15 @@ def signature(kernel, pointers: dict[str, str], floats=(), wide=()) -> dict[str,
             for name in kernel.arg_names}
 
 
+SHARED_BYTES = {90: 232_448, 121: 101_376}  # the most shared memory a block may use (H100/H200; GB10)
+
+
 def compile_for(kernel, types: dict[str, str], constants: dict, arch: int) -> bytes:
+    """The cubin, after checking that the kernel's shared memory fits the architecture (a launch would refuse it)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # Triton 3.9's note on its FP-fusion default
         compiled = triton.compile(ASTSource(kernel, types, constexprs=constants), target=GPUTarget("cuda", arch, 32))
+    assert compiled.metadata.shared <= SHARED_BYTES[arch], (kernel.__name__, compiled.metadata.shared)
     return compiled.asm["cubin"]
 
 

@@ -270,8 +270,9 @@ def request_from_settings(settings, device: str) -> PlanRequest:
 
 
 def planned_requests(settings, device: str, log) -> int:
-    """At a verify worker's start, before a tensor is read: the plan logged, a DFlashError naming the fix when not
-    one request fits the device, else --max-running lowered to the requests that fit (with a warning)."""
+    """At a verify worker's start, before a tensor is read: the plan logged; a DFlashError naming the fix where
+    the counted memory alone (weights, the hosted drafter, one request) exceeds the device; else --max-running
+    lowered to the requests that fit with the activations' estimate (at least 1; with a warning)."""
     from shared.errors import DFlashError
 
     plan = make_plan(request_from_settings(settings, device))
@@ -280,11 +281,12 @@ def planned_requests(settings, device: str, log) -> int:
     why = refusal(plan)
     if why is None:
         return settings.engine.max_running
-    if not plan.fitting_requests:
+    if plan.fixed - plan.activations - plan.graphs + plan.request_total > plan.usable:
         raise DFlashError(f"the model does not fit: {why}")
-    log.warning("the memory plan fits %d requests: max running lowered from %d (%s)", plan.fitting_requests,
+    fitting = max(1, plan.fitting_requests)  # the activations are an estimate: not a reason to refuse
+    log.warning("the memory plan fits %d requests: max running lowered from %d (%s)", fitting,
                 settings.engine.max_running, why)
-    return plan.fitting_requests
+    return fitting
 
 
 def main(argv=None) -> int:
