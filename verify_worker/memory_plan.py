@@ -53,6 +53,7 @@ class MemoryPlan:
     family: str
     context: int  # tokens a request may reach
     block: int
+    step_rows: int  # rows of the largest step: a verify block of every running request, or a prefill chunk
     weights: dict[str, int]  # dtype -> bytes on one rank
     per_request: int  # the target's state and the drafter's feature rows at the context
     drafter_weights: int  # the drafter's weights, where it runs (this GPU only with local placement)
@@ -155,7 +156,7 @@ def make_plan(request: PlanRequest) -> MemoryPlan:
     activations = activation_bytes(cfg, rows, dtype)
     notes = ("an FP8 checkpoint is dequantised to bfloat16 at load (FP8 kept FP8 on GPUs is not built yet)",) \
         if is_fp8(config) else ()
-    return MemoryPlan(request, family.name, context, block, rank_weights(model, dtype, family.float32_kept),
+    return MemoryPlan(request, family.name, context, block, rows, rank_weights(model, dtype, family.float32_kept),
                       per_request, drafter_weights, drafter_cache, activations,
                       activations if request.cuda_graphs else 0, notes)
 
@@ -173,9 +174,9 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         where = "in this worker" if request.local_drafter else "in the draft worker (its own process and GPU memory)"
         lines.append(f"  drafter {where}: {plan.drafter_weights / GIB:.2f} GiB weights, "
                      f"{plan.drafter_per_request / GIB:.3f} GiB a request (its context cache)")
-    rows = max(request.max_running * plan.block, request.max_prefill_tokens)
     graphs = f"; CUDA graphs: {plan.graphs / GIB:.2f} GiB" if request.cuda_graphs else ""
-    lines.append(f"  activations (estimate, the largest step: {rows} rows): {plan.activations / GIB:.2f} GiB{graphs}")
+    lines.append(f"  activations (estimate, the largest step: {plan.step_rows} rows): "
+                 f"{plan.activations / GIB:.2f} GiB{graphs}")
     lines.extend(f"  note: {note}" for note in plan.notes)
     if plan.usable is None:
         lines.append(f"  device memory unknown: {plan.fixed / GIB:.2f} GiB fixed + {plan.request_total / GIB:.3f} GiB "
@@ -237,15 +238,11 @@ def _longest_context(plan: MemoryPlan) -> int | None:
         middle = (low + high) // 2 // 1024 * 1024 or 1024
         if middle == low:
             break
-        if make_plan(_with(plan.request, max_model_len=middle)).fits:
+        if make_plan(replace(plan.request, max_model_len=middle)).fits:
             low = middle
         else:
             high = middle
     return low or None
-
-
-def _with(request: PlanRequest, **changes) -> PlanRequest:
-    return replace(request, **changes)
 
 
 def device_memory(device: str, gpu_memory_gb: float | None) -> int | None:

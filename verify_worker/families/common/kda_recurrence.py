@@ -10,6 +10,7 @@ Shapes: state [b, heads, dk, dv] float32; q, k [b, s, heads, dk]; v [b, s, heads
 
 import torch
 
+from verify_worker.families.common.backend_choice import gpu_backend_or
 from verify_worker.families.common.kda import delta_step, delta_update
 
 
@@ -59,13 +60,6 @@ class FlaRecurrence:
         return final, (out if q is not None else None)
 
 
-def recurrence_for(device: torch.device | str, choice: str = "auto"):
-    """The backend for a device: "fla" on CUDA where fla-core is installed ("auto"), else "torch"."""
-    if choice == "torch" or (choice == "auto" and torch.device(device).type != "cuda"):
-        return TorchRecurrence()
-    try:
-        return FlaRecurrence()
-    except ImportError:
-        if choice == "fla":
-            raise
-        return TorchRecurrence()
+def recurrence_for(device: torch.device | str):
+    """"fla" on CUDA where fla-core is installed, else "torch"."""
+    return gpu_backend_or(device, FlaRecurrence, TorchRecurrence)

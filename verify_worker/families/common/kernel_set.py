@@ -17,6 +17,7 @@ other rows of the call.
 
 import torch
 
+from verify_worker.families.common.backend_choice import gpu_backend_or
 from verify_worker.families.common.mla import latent_attention
 from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.common.sparse_indexer import index_scores
@@ -62,16 +63,9 @@ class TritonKernels:
         return scores.view(batch, seq, -1)
 
 
-def kernels_for(device: torch.device | str, choice: str = "auto"):
-    """"triton" on CUDA where Triton is installed ("auto"), else "torch"."""
-    if choice == "torch" or (choice == "auto" and torch.device(device).type != "cuda"):
-        return TorchKernels()
-    try:
-        return TritonKernels()
-    except ImportError:
-        if choice == "triton":
-            raise
-        return TorchKernels()
+def kernels_for(device: torch.device | str):
+    """"triton" on CUDA where Triton is installed, else "torch"."""
+    return gpu_backend_or(device, TritonKernels, TorchKernels)
 
 
 def use_kernels(model: torch.nn.Module, kernels) -> None:
