@@ -69,9 +69,13 @@ DEFAULT_LAYERS = {"glm5": 4, "glm52": 2}  # GLM-5.2's experts take 19 GB a layer
 PEAK_TBS = {"H100 PCIe": 2.0, "H100": 3.35, "H200": 4.8, "GB200": 8.0, "GB300": 8.0, "GB10": 0.273}  # datasheets
 
 
-def family_config(family: str, config: str, layers: int) -> dict:
+def family_config(family: str, config: str, layers: int, fp8: bool = False) -> dict:
     text = dict(TINY[family] if config == "tiny" else GLM5 if family == "glm5" else GLM52)
     text["num_hidden_layers"] = layers
+    if fp8:  # as the FP8 checkpoints are published: 128 x 128 blocks (16 x 16 at the tiny widths), bfloat16 compute
+        block = [16, 16] if config == "tiny" else [128, 128]
+        text.update(dtype="bfloat16", quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+                                                           "weight_block_size": block})
     if family == "glm5":
         text["layer_types"] = ["deepseek_sparse_attention" if i % 4 == 3 else "linear_attention" for i in range(layers)]
         text["mlp_layer_types"] = ["sparse"] * layers
@@ -84,16 +88,21 @@ def family_config(family: str, config: str, layers: int) -> dict:
 def random_target(config: dict, device: str, seed: int = 0):
     """The family's model with random weights, assembled as its loader assembles one, packed for the device."""
     entry = family_for(config)
-    model = entry.skeleton(config, TensorParallel())  # on the meta device
+    dtype = getattr(torch, (config.get("text_config") or config)["dtype"])
+    model = entry.skeleton(config, TensorParallel(), dtype)  # on the meta device; FP8 where an FP8 config keeps it
     cfg = model.config
-    dtype = getattr(torch, cfg.checkpoint_dtype)
     kept = entry.float32_kept  # what the loader keeps float32
     generator = torch.Generator(device=device).manual_seed(seed)
+    shapes = {name: tuple(meta.shape) for name, meta in model.state_dict().items()}
     tensors = {}
     for name, meta in model.state_dict().items():
-        placed = torch.float32 if any(part in name for part in kept) else dtype
+        placed = torch.float32 if any(part in name for part in kept) else meta.dtype
         tensor = torch.empty(meta.shape, dtype=placed, device=device)
-        if name.endswith("norm.weight") or name.endswith("_hc.scale"):
+        if meta.dtype == torch.float8_e4m3fn:  # FP8 blocks: values of order 1, the fan-in in the scales
+            tensor = torch.randn(meta.shape, generator=generator, device=device).to(meta.dtype)
+        elif name.endswith("_scale_inv"):
+            tensor.fill_(shapes[name[: -len("_scale_inv")]][-1] ** -0.5)
+        elif name.endswith("norm.weight") or name.endswith("_hc.scale"):
             tensor.fill_(1.0)
         elif name.endswith(("bias", "A_log", "_hc.base")) or meta.dim() < 2:
             tensor.normal_(0.0, 0.5, generator=generator)
@@ -253,6 +262,8 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts of the speculative == plain check")
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64, help="tokens each request decodes in the engine runs")
+    parser.add_argument("--fp8", action="store_true", help="the slices' experts and projections as FP8 blocks "
+                        "(W8A16, as an FP8 checkpoint loads), against which the bfloat16 run compares")
     parser.add_argument("--qwen", default="qwen3-8b", help="gpu_target_step.py's config for the Qwen3 speedups "
                         "('none' to skip; the tiny config's on --config tiny)")
     args = parser.parse_args()
@@ -270,10 +281,10 @@ def main() -> None:
           f"{f'{peak / 1e9:.0f} GB/s' if peak else 'unknown'}; torch {torch.__version__}", flush=True)
     for family in args.families.split(","):
         layers = args.layers or DEFAULT_LAYERS[family]
-        model = random_target(family_config(family, args.config, layers), device)
+        model = random_target(family_config(family, args.config, layers, args.fp8), device)
         kernels = sorted({m.glm_kernels.name for m in model.modules() if hasattr(m, "glm_kernels")})
         recurrence = getattr(model, "recurrence_name", "none")
-        print(f"{family} ({args.config}, {layers} layers): kernels {kernels}, KDA recurrence {recurrence}", flush=True)
+        print(f"{family} ({args.config}{', FP8 weights' if args.fp8 else ''}, {layers} layers): kernels {kernels}, KDA recurrence {recurrence}", flush=True)
         step_table(model, args, device, copy_bps, peak)
         speculation(model, args, family)
         del model

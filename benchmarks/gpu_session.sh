@@ -9,8 +9,8 @@
 # (benchmarks/gpu_serve_smoke.sh). Logs go to $OUT (else ./gpu-logs). About 8-12 minutes on an H200 with the smoke
 # before the GLM parts were added (2026-12-04: 194 s for the first version of this script, the machine's start not
 # counted; the GLM parts have never run): run it with timeout_s 600; ROWS_TIMEOUT / STEP_TIMEOUT / KDA_TIMEOUT /
-# GROUPED_TIMEOUT / GLM_STEP_TIMEOUT / SERVE_TIMEOUT lower where time is short (torch.compile only with
-# COMPILE_BUDGET=seconds); ONLY=glm runs the GLM parts alone (they need .whl).
+# GROUPED_TIMEOUT / GLM_STEP_TIMEOUT / GLM_FP8_TIMEOUT / LOAD_TIMEOUT / SERVE_TIMEOUT lower where time is short
+# (torch.compile only with COMPILE_BUDGET=seconds); ONLY=glm runs the GLM parts alone (they need .whl).
 #     bash benchmarks/gpu_wheels.sh            # here, first; then on the device, with carry [".whl"]:
 #     bash benchmarks/gpu_session.sh
 set -u
@@ -45,11 +45,18 @@ if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchma
         $python tests/kda_fla_interpreted.py .whl/checkpoints/glm5 >"$out/kda.log" 2>&1
     echo "kda_fla_interpreted.py on cuda: exit $?"; tail -3 "$out/kda.log"
     PYTHONPATH=${PYTHONPATH:-}:$PWD/tests DFLASH_GROUPED_DEVICE=cuda timeout ${GROUPED_TIMEOUT:-120} \
-        $python tests/glm_kernels_interpreted.py .whl/checkpoints/glm >"$out/grouped.log" 2>&1
+        $python tests/glm_kernels_interpreted.py .whl/checkpoints/glm .whl/checkpoints/glm_fp8 >"$out/grouped.log" 2>&1
     echo "glm_kernels_interpreted.py on cuda: exit $?"; tail -3 "$out/grouped.log"
     # the GLM slices' step table (time, bytes, bandwidth) and the replay drafter's speedups, Qwen3-8B-shaped too
     timeout ${GLM_STEP_TIMEOUT:-240} $python benchmarks/gpu_glm_step.py --rounds 10 >"$out/glm_step.log" 2>&1
     echo "gpu_glm_step.py: exit $?"; grep -v "Warning\|warn" "$out/glm_step.log" | tail -40
+    # the same slices with FP8 experts and projections (W8A16, as an FP8 checkpoint loads): against the table above
+    timeout ${GLM_FP8_TIMEOUT:-180} $python benchmarks/gpu_glm_step.py --fp8 --rounds 10 --qwen none \
+        --acceptances 5 >"$out/glm_step_fp8.log" 2>&1
+    echo "gpu_glm_step.py --fp8: exit $?"; grep -v "Warning\|warn" "$out/glm_step_fp8.log" | tail -30
+    # an FP8 slice checkpoint loaded straight to the GPU: host memory, load time, the plan against the allocation
+    timeout ${LOAD_TIMEOUT:-120} $python benchmarks/load_memory.py --device cuda --experts 64 >"$out/load.log" 2>&1
+    echo "load_memory.py: exit $?"; tail -4 "$out/load.log"
     if [ "${ONLY:-all}" = all ]; then
         timeout ${SERVE_TIMEOUT:-300} bash benchmarks/gpu_serve_smoke.sh "$out" >"$out/serve.log" 2>&1
         echo "gpu_serve_smoke.sh: exit $?"; tail -45 "$out/serve.log"

@@ -17,8 +17,10 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
     fla-core==0.6.0 einops==0.8.1
 PYTHONPATH=tests${PYTHONPATH:+:$PYTHONPATH} python3 -c "
 from test_glm5_next import random_glm5
-from test_glm_moe_dsa import random_glm
+from pathlib import Path
+from test_glm_moe_dsa import random_glm, write_fp8_copy
 random_glm5().save_pretrained('.whl/checkpoints/glm5')
-random_glm().save_pretrained('.whl/checkpoints/glm')"
+random_glm().save_pretrained('.whl/checkpoints/glm')
+write_fp8_copy(Path('.whl/checkpoints/glm'), Path('.whl/checkpoints/glm_fp8'))"
 ls .whl .whl/checkpoints
 du -sh .whl

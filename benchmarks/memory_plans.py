@@ -1,5 +1,5 @@
 """The memory plan (verify_worker/memory_plan.py) of the published configs (benchmarks/published_configs: GLM-5.3-Flash,
-GLM-5.2, GLM-5.2-FP8 as served today, Qwen3-8B) at TP 1/2/4/8 on one GPU size, read from config.json alone: the
+GLM-5.2, GLM-5.2-FP8, Qwen3-8B) at TP 1/2/4/8 on one GPU size, read from config.json alone: the
 table of docs/serving.md.
 
     python benchmarks/memory_plans.py [--gpu-memory-gb 141] [--context 32768] [--max-running 64] [--taps 5]
@@ -28,7 +28,7 @@ def main() -> None:
     parser.add_argument("--tp", default="1,2,4,8")
     args = parser.parse_args()
     print(f"one GPU of {args.gpu_memory_gb:g} GB; --max-model-len {args.context}, --max-running {args.max_running}, "
-          f"{args.taps} taps, block {args.block}; bfloat16 weights (FP8 dequantised at load)\n")
+          f"{args.taps} taps, block {args.block}; bfloat16 weights, FP8 ones kept FP8\n")
     print("| model | TP | weights / GPU (GiB) | one request (GiB) | activations (GiB) | requests that fit | plan |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
     for path in sorted(CONFIGS.glob("*.json")):

@@ -5,8 +5,8 @@ Triton kernels (kernel_set.TritonKernels: cuda_ext/grouped_rows, latent_attentio
 object of findings; the test asserts on them. (tests/kda_fla_interpreted.py runs the glm5_next family on its GPU
 kernels, these included.)
 
-    TRITON_INTERPRET=1 python tests/glm_kernels_interpreted.py GLM_FOLDER
-    DFLASH_GROUPED_DEVICE=cuda python tests/glm_kernels_interpreted.py GLM_FOLDER
+    TRITON_INTERPRET=1 python tests/glm_kernels_interpreted.py GLM_FOLDER [ITS_FP8_COPY]
+    DFLASH_GROUPED_DEVICE=cuda python tests/glm_kernels_interpreted.py GLM_FOLDER [ITS_FP8_COPY]
 """
 
 import json
@@ -55,22 +55,34 @@ def kernel_findings() -> dict:
 
 
 def fp8_findings() -> dict:
-    """FP8 block weights (128 x 128 blocks, partial edge blocks) multiplied in the kernel against the same weights
-    dequantized as the loader dequantizes them, for bfloat16 and float32 activations."""
+    """FP8 block weights (blocks of 128 x 64, partial edge blocks) multiplied in the kernel against the same weights
+    dequantized as the loader dequantizes them, for bfloat16 and float32 activations; a projection kept FP8
+    (fp8_rows: one group) against its dequantized twin, PyTorch's product and its rows alone."""
     generator = torch.Generator().manual_seed(3)
     counts = torch.tensor([5, 0, 19, 2])
-    n, k = 200, 136  # a 2 x 2 grid of blocks, the last row and column of them partial
+    n, k, block = 200, 136, (128, 64)  # a 2 x 3 grid of blocks, the last row and column of them partial
     weights = (torch.randn(len(counts), n, k, generator=generator) * 2).to(torch.float8_e4m3fn)
-    scales = torch.rand(len(counts), 2, 2, generator=generator) * 0.01 + 0.001
-    found = {}
+    scales = torch.rand(len(counts), 2, 3, generator=generator) * 0.01 + 0.001
+    found, triton_kernels = {}, TritonKernels()
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).split(".")[-1]
-        twin = torch.stack([dequantize(w, s, (128, 128)) for w, s in zip(weights, scales)]).to(dtype)  # at load
+        twin = torch.stack([dequantize(w, s, block) for w, s in zip(weights, scales)]).to(dtype)  # at load
         x = torch.randn(int(counts.sum()), k, generator=generator).to(dtype)
         args = [t.to(DEVICE) for t in (x, weights, counts, scales)]
-        kept = grouped_rows(args[0], args[1], args[2], out_dtype=torch.float32, scales=args[3])
+        kept = grouped_rows(args[0], args[1], args[2], out_dtype=torch.float32, scales=args[3], scale_block=block)
         dequantized = grouped_rows(args[0], twin.to(DEVICE), args[2], out_dtype=torch.float32)
         found[f"fp8_{name}_equals_dequantized"] = bool(torch.equal(kept, dequantized))
+        rows = args[0][:7].view(1, 7, k)  # a projection's input [b, s, K]
+        projected = triton_kernels.fp8_rows(rows, args[1][2], args[3][2], block)  # [1, 7, N]
+        one_group = torch.tensor([7], device=DEVICE)
+        twin_product = grouped_rows(rows[0], twin[2:3].to(DEVICE), one_group).view_as(projected)
+        oracle = TorchKernels().fp8_rows(rows, args[1][2], args[3][2], block)
+        alone = torch.cat([triton_kernels.fp8_rows(rows[:, i:i + 1], args[1][2], args[3][2], block)
+                           for i in range(7)], 1)
+        found[f"fp8_rows_{name}_equal_dequantized"] = bool(torch.equal(projected, twin_product))
+        found[f"fp8_rows_{name}_vs_torch"] = float((projected.float() - oracle.float()).abs().max()
+                                                   / oracle.float().abs().max())
+        found[f"fp8_rows_{name}_rows_equal_alone"] = bool(torch.equal(projected, alone))
     return found
 
 
@@ -143,7 +155,7 @@ def model_findings(folder: str) -> dict:
 
 
 if __name__ == "__main__":
-    folder = sys.argv[-1]
+    folder, fp8_folder = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
+    fp8_model = {f"fp8_model_{k}": v for k, v in model_findings(fp8_folder).items()} if fp8_folder else {}
     print(json.dumps({"device": DEVICE, **kernel_findings(), **fp8_findings(), **experts_findings(),
-                      **attention_findings(),
-                      **model_findings(folder)}))
+                      **attention_findings(), **model_findings(folder), **fp8_model}))

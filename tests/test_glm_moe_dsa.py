@@ -24,6 +24,7 @@ from scripted_proposer import ScriptedProposer
 
 from shared.errors import CheckpointError, ConfigError
 from verify_worker.engine import SpeculativeEngine
+from verify_worker.families.common.fp8_blocks import dequantize
 from verify_worker.families.glm_moe_dsa.config import GlmMoeDsaConfig
 from verify_worker.families.interface import StepBatch
 from verify_worker.request import GenerationRequest
@@ -283,14 +284,18 @@ def write_fp8_copy(src, dst, block: int = 16) -> dict[str, torch.Tensor]:
     return dequantized
 
 
-def test_fp8_block_checkpoint_loads_dequantized_and_matches_transformers(glm, tmp_path):
-    """Partial blocks included: kv_a_proj_with_mqa has 16 + 8 = 24 rows in blocks of 16."""
+def test_fp8_block_checkpoint_stays_fp8_and_matches_transformers(glm, tmp_path):
+    """The experts and projections stay FP8 blocks in the model (kv_b, read per head, is dequantized at load);
+    partial blocks included: kv_a_proj_with_mqa has 16 + 8 = 24 rows in blocks of 16."""
     hf, _, folder = glm
     dequantized = write_fp8_copy(folder, tmp_path / "fp8")
     target = load_target(tmp_path / "fp8", dtype="float32")
-    for name, tensor in target.state_dict().items():  # the loader's dequantization equals the reference
-        if name.endswith("kv_a_proj_with_mqa.weight"):
-            assert torch.equal(tensor, dequantized[name])
+    state = target.state_dict()
+    fp8 = {name for name, tensor in state.items() if tensor.dtype == torch.float8_e4m3fn}
+    assert "model.layers.2.mlp.experts.gate_up_proj" in fp8 and "model.layers.0.self_attn.q_b_proj.weight" in fp8
+    assert "model.layers.0.self_attn.kv_b_proj.weight" not in fp8
+    name = "model.layers.0.self_attn.kv_a_proj_with_mqa.weight"  # the loader's blocks equal the reference's
+    assert torch.equal(dequantize(state[name], state[name + "_scale_inv"], (16, 16)), dequantized[name])
     reference = random_glm()
     with torch.no_grad():
         for name, tensor in reference.state_dict().items():
@@ -436,11 +441,17 @@ def test_tp2_equals_tp1(glm_tp2):
 
 
 def test_each_tp_rank_holds_only_its_slice(glm_tp2):
+    """The weights' slices (FP8 scales aside: a rank keeps a weight FP8 only where its slice starts on a block
+    boundary, so at these tiny widths rank 0 keeps down_proj FP8 and rank 1 dequantizes it)."""
     folder, rank0, rank1 = glm_tp2
-    whole = {n: tuple(t.shape) for n, t in load_target(folder, dtype="float32").state_dict().items()}
+    whole = {n: tuple(t.shape) for n, t in load_target(folder, dtype="float32").state_dict().items()
+             if not n.endswith("_scale_inv")}
     split = ("q_b_proj", "kv_b_proj", "o_proj", "experts", "gate_proj", "up_proj", "down_proj", "embed_tokens",
              "lm_head")
+    scaled = [{n for n in shapes if n.endswith("_scale_inv")} for shapes in (rank0["shapes"], rank1)]
+    assert "model.layers.2.mlp.experts.down_proj_scale_inv" in scaled[0] - scaled[1], scaled
     for shapes in (rank0["shapes"], rank1):
+        shapes = {n: shape for n, shape in shapes.items() if not n.endswith("_scale_inv")}
         assert set(shapes) == set(whole)
         for name, full in whole.items():
             halves = torch.Size(shapes[name]).numel() * 2 == torch.Size(full).numel()
@@ -493,11 +504,13 @@ def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_p
     is imported): tests/glm_kernels_interpreted.py, on two layers (a dense one with a full indexer, an MoE one that
     shares its selection: the interpreter runs a program in milliseconds)."""
     pytest.importorskip("triton")
-    random_glm(num_hidden_layers=2, first_k_dense_replace=1, indexer_types=["full", "shared"]).save_pretrained(tmp_path)
+    folder = tmp_path / "bf16"
+    random_glm(num_hidden_layers=2, first_k_dense_replace=1, indexer_types=["full", "shared"]).save_pretrained(folder)
+    write_fp8_copy(folder, tmp_path / "fp8")  # its experts and projections kept FP8 (blocks of 16)
     here = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, str(here / "glm_kernels_interpreted.py"), str(tmp_path)], env=env,
-                         capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(here / "glm_kernels_interpreted.py"), str(folder), str(tmp_path / "fp8")],
+                         env=env, capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     # the grouped product against the float32 product of the same bfloat16 inputs (empty groups, partial tiles and
@@ -506,6 +519,9 @@ def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_p
     assert found["rows_equal_alone"] and found["rows_equal_shifted"], found
     # FP8 blocks multiplied inside it (partial edge blocks included) give the dequantized twin's products bit for bit
     assert found["fp8_bfloat16_equals_dequantized"] and found["fp8_float32_equals_dequantized"], found
+    for dtype, tolerance in (("bfloat16", 2e-2), ("float32", 1e-5)):  # a projection kept FP8 (one group)
+        assert found[f"fp8_rows_{dtype}_equal_dequantized"] and found[f"fp8_rows_{dtype}_rows_equal_alone"], found
+        assert found[f"fp8_rows_{dtype}_vs_torch"] < tolerance, found
     # the MoE experts on it: close to PyTorch's products, and each token's row the same alone
     assert found["experts_triton_vs_torch"] < 2e-2 and found["experts_rows_equal_alone"], found
     # attention and the indexer's scores against PyTorch's (float32: another order of the same sums; bfloat16: the
@@ -519,3 +535,6 @@ def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_p
     # decoding gives the CPU family's tokens or differs only at a near-tie (the script raises otherwise)
     assert found["kernels"] == ["triton"], found
     assert found["speculative_equals_plain"] and 1 < found["committed_per_step"] < 4, found
+    # and its FP8 copy, experts and projections kept FP8 (fp8_rows, the grouped product with scales)
+    assert found["fp8_model_kernels"] == ["triton"], found
+    assert found["fp8_model_speculative_equals_plain"] and 1 < found["fp8_model_committed_per_step"] < 4, found

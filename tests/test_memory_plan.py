@@ -29,22 +29,28 @@ def plan_for(config: dict, tp: int = 1, **changes) -> PlanRequest:
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, qwen3_pair):
     from test_glm5_next import random_glm5
-    from test_glm_moe_dsa import random_glm
+    from test_glm_moe_dsa import random_glm, write_fp8_copy
 
     glm, glm5 = tmp_path_factory.mktemp("plan_glm"), tmp_path_factory.mktemp("plan_glm5")
     random_glm().save_pretrained(glm)
     random_glm5().save_pretrained(glm5)
-    return {"qwen3": qwen3_pair[3], "glm_moe_dsa": glm, "glm5_next": glm5}
+    fp8 = tmp_path_factory.mktemp("plan_glm_fp8") / "fp8"
+    write_fp8_copy(glm, fp8)  # as GLM-5.2-FP8 ships: kept FP8 but for kv_b (read per head)
+    return {"qwen3": qwen3_pair[3], "glm_moe_dsa": glm, "glm5_next": glm5, "glm_moe_dsa_fp8": fp8}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "glm_moe_dsa", "glm5_next"])
+@pytest.mark.parametrize("family", ["qwen3", "glm_moe_dsa", "glm5_next", "glm_moe_dsa_fp8"])
 def test_the_plan_counts_what_the_loader_places_and_a_state_allocates(folders, family):
     folder = folders[family]
     config = json.loads((folder / "config.json").read_text())
     plan = make_plan(plan_for(config, max_model_len=48))
     target = load_target(folder, dtype="float32", pack=False)
-    placed = sum(p.numel() * p.element_size() for p in target.parameters())
-    assert sum(plan.weights.values()) == placed
+    placed: dict[str, int] = {}
+    for parameter in target.parameters():
+        dtype = str(parameter.dtype).removeprefix("torch.")
+        placed[dtype] = placed.get(dtype, 0) + parameter.numel() * parameter.element_size()
+    assert plan.weights == placed
+    assert ("float8_e4m3fn" in placed) == family.endswith("fp8")
     state = target.new_state(1, plan.context + plan.block)
     assert plan.per_request == state.nbytes()  # no drafter: the target's state alone
 
@@ -53,17 +59,20 @@ def published(name: str) -> dict:
     return json.loads((PUBLISHED / f"{name}.json").read_text())
 
 
-def test_glm_5_2_as_served_today_is_refused_on_one_h200_and_told_what_fits():
+def test_glm_5_2_fp8_is_refused_on_one_h200_and_fits_the_eight_it_was_made_for():
+    """GLM-5.2-FP8 as published (744B parameters): its experts and projections stay FP8 (about 750 GB, not the
+    1.5 TB of bfloat16), so TP 8 on H200s (141 GB) fits; one GPU is refused with that fix named."""
     request = plan_for(published("glm-5.2-fp8"), dtype="auto", device="cuda", device_bytes=141 * GB,
                        max_model_len=32768, max_running=64, block_size=8, taps=5)
     plan = make_plan(request)
-    assert 1.3e12 < sum(plan.weights.values()) < 1.6e12  # 744B parameters as bfloat16 (FP8 dequantised at load)
+    assert 7.0e11 < plan.weights["float8_e4m3fn"] < 7.6e11 and plan.weights["bfloat16"] < 1e10, plan.weights
     assert not plan.fits and plan.fitting_requests == 0
     why = refusal(plan)
-    assert "do not fit one GPU" in why and "--tp 16" in why, why
-    assert any("FP8 checkpoint is dequantised" in line for line in plan_lines(plan))
-    wider = make_plan(replace(request, world_size=16))
-    assert f"{wider.fitting_requests} requests of 32768 tokens fit" in why and 0 < wider.fitting_requests < 64
+    assert "do not fit one GPU" in why and "--tp 8" in why, why
+    assert any("experts and projections stay FP8" in line for line in plan_lines(plan))
+    eight = make_plan(replace(request, world_size=8))
+    assert f"{eight.fitting_requests} requests of 32768 tokens fit" in why and 0 < eight.fitting_requests < 64
+    assert make_plan(replace(request, world_size=8, max_running=eight.fitting_requests)).fits
 
 
 def test_too_many_long_requests_are_refused_with_the_settings_that_fit():

@@ -46,7 +46,7 @@ def test_the_glm_kernels_compile_at_the_published_widths(arch):
                                                    "tile_first_ptr": "*i32", "tile_end_ptr": "*i32"},
                             wide=("stride_wg", "stride_sg"))
         assert compile_for(_grouped_rows_kernel, grouped,
-                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SCALE_BLOCK": 128, "HAS_SCALES": scaled,
+                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SCALE_N": 128, "SCALE_K": 128, "HAS_SCALES": scaled,
                             "ROUND_BF16": True, "INTERPRETED": False}, arch)
     attention = signature(_latent_attention_kernel, {"q_ptr": bf16, "qr_ptr": bf16, "lat_ptr": bf16, "kr_ptr": bf16,
                                                      "vis_ptr": "*u8", "out_ptr": bf16}, floats=("scale",))

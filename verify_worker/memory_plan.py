@@ -92,8 +92,7 @@ def dtype_bytes(dtype: torch.dtype) -> int:
 
 
 def compute_dtype(config: dict, request: PlanRequest) -> torch.dtype:
-    """The dtype the loader computes in: an FP8 checkpoint is dequantised to bfloat16 at load (FP8 kept FP8 on a
-    GPU is not built yet)."""
+    """The dtype the loader computes in (an FP8 checkpoint's: bfloat16, its FP8 weights multiplied as W8A16)."""
     checkpoint = "bfloat16" if is_fp8(config) else TargetFacts.from_config(config).checkpoint_dtype
     return resolve_dtype(request.dtype, checkpoint, request.device)
 
@@ -104,11 +103,12 @@ def is_fp8(config: dict) -> bool:
     return (quantization or {}).get("quant_method") == "fp8"
 
 
-def rank_weights(model, dtype: torch.dtype, kept: tuple[str, ...]) -> dict[str, int]:
-    """Bytes of this rank's parameters by dtype (a name containing one of `kept` stays float32)."""
+def rank_weights(model, kept: tuple[str, ...]) -> dict[str, int]:
+    """Bytes of this rank's parameters by dtype (the skeleton's: compute, FP8 and their scales; a name containing
+    one of `kept` stays float32)."""
     out: dict[str, int] = {}
     for name, parameter in model.named_parameters():
-        placed = torch.float32 if any(part in name for part in kept) else dtype
+        placed = torch.float32 if any(part in name for part in kept) else parameter.dtype
         key = str(placed).removeprefix("torch.")
         out[key] = out.get(key, 0) + parameter.numel() * dtype_bytes(placed)
     return out
@@ -139,10 +139,9 @@ def activation_bytes(target_cfg, rows: int, dtype: torch.dtype) -> int:
 def make_plan(request: PlanRequest) -> MemoryPlan:
     config = request.target_config
     family = family_for(config)
-    model = family.skeleton(config, TensorParallel(0, request.world_size))
-    cfg = model.config
     dtype = compute_dtype(config, request)
-    model = model.to(dtype)  # meta: nothing is allocated; state_bytes_per_slot reads the compute dtype
+    model = family.skeleton(config, TensorParallel(0, request.world_size), dtype)  # meta: nothing is allocated
+    cfg = model.config
     draft_cfg = DraftConfig.from_dict(request.draft_config) if request.draft_config else None
     block = request.block_size or (draft_cfg.block_size if draft_cfg else 1)
     context = min(request.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
@@ -154,9 +153,9 @@ def make_plan(request: PlanRequest) -> MemoryPlan:
         drafter_weights, drafter_cache = drafter_bytes(request.draft_config, dtype, capacity)
     rows = max(request.max_running * block, request.max_prefill_tokens)
     activations = activation_bytes(cfg, rows, dtype)
-    notes = ("an FP8 checkpoint is dequantised to bfloat16 at load (FP8 kept FP8 on GPUs is not built yet)",) \
-        if is_fp8(config) else ()
-    return MemoryPlan(request, family.name, context, block, rows, rank_weights(model, dtype, family.float32_kept),
+    notes = ("FP8 checkpoint: experts and projections stay FP8 blocks with float32 scales; the embedding, lm_head, "
+             "kv_b (read per head), KDA projections, norms and router are not FP8",) if is_fp8(config) else ()
+    return MemoryPlan(request, family.name, context, block, rows, rank_weights(model, family.float32_kept),
                       per_request, drafter_weights, drafter_cache, activations,
                       activations if request.cuda_graphs else 0, notes)
 

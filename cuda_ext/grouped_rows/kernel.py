@@ -36,7 +36,7 @@ def _bfloat16_rounded(x):
 def _grouped_rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tile_group_ptr, tile_first_ptr, tile_end_ptr, n, k,
                          stride_xm, stride_wg, stride_wn, stride_wk, stride_sg, stride_sn, stride_sk, stride_om,
                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                         SCALE_BLOCK: tl.constexpr, HAS_SCALES: tl.constexpr, ROUND_BF16: tl.constexpr,
+                         SCALE_N: tl.constexpr, SCALE_K: tl.constexpr, HAS_SCALES: tl.constexpr, ROUND_BF16: tl.constexpr,
                          INTERPRETED: tl.constexpr):
     tile = tl.program_id(0)
     first = tl.load(tile_first_ptr + tile)
@@ -57,8 +57,8 @@ def _grouped_rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tile_group_ptr, tile_
         b = tl.load(w_ptr + group * stride_wg + cols[None, :].to(tl.int64) * stride_wn + ks[:, None] * stride_wk,
                     mask=tile_live, other=0.0)  # [BLOCK_K, BLOCK_N]
         if HAS_SCALES:  # FP8 blocks: the weight as dequantized at load, fp8 * its block's scale in the compute dtype
-            scale = tl.load(scale_ptr + group * stride_sg + (cols // SCALE_BLOCK)[None, :] * stride_sn +
-                            (ks // SCALE_BLOCK)[:, None] * stride_sk, mask=tile_live, other=0.0)
+            scale = tl.load(scale_ptr + group * stride_sg + (cols // SCALE_N)[None, :] * stride_sn +
+                            (ks // SCALE_K)[:, None] * stride_sk, mask=tile_live, other=0.0)
             b = b.to(tl.float32) * scale
             if INTERPRETED:
                 if ROUND_BF16:
@@ -74,10 +74,11 @@ def _grouped_rows_kernel(x_ptr, w_ptr, scale_ptr, out_ptr, tile_group_ptr, tile_
 
 
 def grouped_rows(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, out_dtype=None,
-                 scales: torch.Tensor | None = None, scale_block: int = 128) -> torch.Tensor:
+                 scales: torch.Tensor | None = None, scale_block: tuple[int, int] | None = None) -> torch.Tensor:
     """x [rows, K] sorted by group, weights [groups, N, K] (any strides: a transposed view is read in place), counts
     [groups] on x's device -> [rows, N] (out_dtype, default x's): row r of group g is x[r] @ weights[g]^T, float32
-    sums. With scales [groups, ceil(N / scale_block), ceil(K / scale_block)] (float32), weights are FP8 blocks:
+    sums. With scales [groups, ceil(N / scale_block[0]), ceil(K / scale_block[1])] (float32; scale_block defaults to
+    [128, 128]), weights are FP8 blocks:
     each is multiplied by its block's scale and rounded to x's dtype inside the kernel, exactly the weight an
     FP8 checkpoint dequantized at load holds, so the product equals the dequantized twin's bit for bit."""
     rows, k = x.shape
@@ -91,9 +92,10 @@ def grouped_rows(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, o
         tile_group, tile_first, tile_end = group_tiles(counts, BLOCK_M, tiles)
         grid = (tiles, triton.cdiv(n, BLOCK_N))
         scale_strides = scales.stride() if scales is not None else (0, 0, 0)
+        scale_n, scale_k = scale_block or (128, 128)
         _grouped_rows_kernel[grid](x, weights, scales if scales is not None else weights, out, tile_group, tile_first,
                                    tile_end, n, k, x.stride(0), *weights.stride(), *scale_strides, out.stride(0),
-                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SCALE_BLOCK=scale_block,
-                                   HAS_SCALES=scales is not None, ROUND_BF16=x.dtype == torch.bfloat16,
-                                   INTERPRETED=interpreted)
+                                   BLOCK_M=BLOCK_M, BLOCK_N=BLOCK_N, BLOCK_K=BLOCK_K, SCALE_N=scale_n,
+                                   SCALE_K=scale_k, HAS_SCALES=scales is not None,
+                                   ROUND_BF16=x.dtype == torch.bfloat16, INTERPRETED=interpreted)
     return out.to(dtype)

@@ -4,6 +4,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
+import torch
+
 from shared.errors import ConfigError
 from verify_worker.families.glm5_next import loader as glm5_next
 from verify_worker.families.glm_moe_dsa import loader as glm_moe_dsa
@@ -12,7 +14,7 @@ from verify_worker.families.llama.loader import llama_skeleton, load_llama
 from verify_worker.parallel.group import TensorParallel
 
 Loader = Callable[[str | Path, dict, str, str, TensorParallel, bool], TargetFamily]
-Skeleton = Callable[[dict, TensorParallel], TargetFamily]
+Skeleton = Callable[[dict, TensorParallel, torch.dtype], TargetFamily]
 
 
 @dataclass(frozen=True)
@@ -21,7 +23,7 @@ class FamilyEntry:
     architectures: tuple[str, ...]
     model_types: tuple[str, ...]
     load: Loader  # (folder, config, device, dtype, tp, pack) -> the loaded target
-    skeleton: Skeleton  # (config, tp) -> this rank's model on the meta device (the memory plan's shapes)
+    skeleton: Skeleton  # (config, tp, dtype) -> this rank's model on the meta device (the memory plan's shapes)
     float32_kept: tuple[str, ...] = ()  # parameter names (substrings) the loader keeps float32 in any dtype
     batch_invariant: bool = False  # load(..., batch_invariant=True): rows that never depend on the batch, on a GPU too
 

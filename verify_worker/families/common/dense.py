@@ -4,18 +4,27 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
+from verify_worker.families.common.kernel_set import TorchKernels
 from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
 
 
 class Linear(nn.Module):
-    """A bias-free projection computed row by row (see linear_rows); named like nn.Linear for loading."""
+    """A bias-free projection computed row by row (see linear_rows); named like nn.Linear for loading. fp8: the
+    weight may be kept as FP8 blocks (fp8_weights.keep_fp8; then `weight_scale_inv` holds its scales and the
+    product runs on the kernel set's fp8_rows); False for a weight read other than through forward."""
 
-    def __init__(self, inputs: int, outputs: int):
+    def __init__(self, inputs: int, outputs: int, fp8: bool = True):
         super().__init__()
         self.weight = nn.Parameter(torch.empty(outputs, inputs))
+        self.register_parameter("weight_scale_inv", None)
+        self.fp8_weights = ("weight",) if fp8 else ()
+        self.fp8_block: tuple[int, int] | None = None
+        self.glm_kernels = TorchKernels()  # chosen again when the model is packed
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear_rows(x, self.weight)
+        if self.weight_scale_inv is None:
+            return linear_rows(x, self.weight)
+        return self.glm_kernels.fp8_rows(x, self.weight, self.weight_scale_inv, self.fp8_block)
 
 
 class GatedMLP(nn.Module):

@@ -1,8 +1,12 @@
 """The GLM families' kernels, as a set chosen once when the model is packed (`use_kernels` gives it to every module
 with a `glm_kernels` attribute):
-- `grouped(x, weights, counts)`: rows sorted by group, each group's rows times its own weight read in place (no
-  copy of a weight per row): the MoE experts' rows grouped by expert, the absorbed MLA's per-head products by head.
-  x [rows, K], weights [groups, N, K], counts [groups] -> [rows, N] in x's dtype.
+- `grouped(x, weights, counts, scales=None, block=None)`: rows sorted by group, each group's rows times its own weight
+  read in place (no copy of a weight per row): the MoE experts' rows grouped by expert, the absorbed MLA's per-head
+  products by head. x [rows, K], weights [groups, N, K], counts [groups] -> [rows, N] in x's dtype. With scales
+  [groups, ceil(N / block[0]), ceil(K / block[1])], weights are FP8 blocks, each multiplied by its block's scale
+  and rounded to x's dtype before the product (W8A16: the weight a checkpoint dequantized at load holds).
+- `fp8_rows(x, weight, scale, block)`: a projection whose weight [N, K] is kept as FP8 blocks: x [..., K] ->
+  [..., N], each row on its own, the weight as `grouped` takes it.
 - `latent_attention(q_latent, q_rope, latent, key_rope, visible, scale)`: MLA's attention in the latent space.
   q_latent [b, s, heads, kv_lora], q_rope [b, s, heads, rope], latent [b, keys, kv_lora], key_rope [b, keys, rope],
   visible [b, s, keys] -> [b, s, heads, kv_lora].
@@ -18,6 +22,7 @@ other rows of the call.
 import torch
 
 from verify_worker.families.common.backend_choice import gpu_backend_or
+from verify_worker.families.common.fp8_blocks import dequantize
 from verify_worker.families.common.mla import latent_attention
 from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.common.sparse_indexer import index_scores
@@ -26,14 +31,21 @@ from verify_worker.families.common.sparse_indexer import index_scores
 class TorchKernels:
     name = "torch"
 
-    def grouped(self, x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+    def grouped(self, x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
+                block: tuple[int, int] | None = None) -> torch.Tensor:
         out = x.new_empty(x.shape[0], weights.shape[1])  # [rows, N]
         start = 0
         for group, count in enumerate(counts.tolist()):
             if count:
-                out[start:start + count] = linear_rows(x[start:start + count], weights[group])
+                weight = weights[group]
+                if scales is not None:  # FP8 blocks: the weight a checkpoint dequantized at load holds
+                    weight = dequantize(weight, scales[group], block).to(x.dtype)
+                out[start:start + count] = linear_rows(x[start:start + count], weight)
                 start += count
         return out
+
+    def fp8_rows(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
+        return linear_rows(x, dequantize(weight, scale, block).to(x.dtype))
 
     latent_attention = staticmethod(latent_attention)
     index_scores = staticmethod(index_scores)
@@ -47,8 +59,16 @@ class TritonKernels:
         from cuda_ext.index_scores.kernel import index_scores as index_scores_kernel
         from cuda_ext.latent_attention.kernel import latent_attention as latent_attention_kernel
 
-        self.grouped = grouped_rows
-        self._attend, self._index_scores = latent_attention_kernel, index_scores_kernel
+        self._grouped, self._attend, self._index_scores = grouped_rows, latent_attention_kernel, index_scores_kernel
+
+    def grouped(self, x, weights, counts, scales=None, block=None) -> torch.Tensor:
+        return self._grouped(x, weights, counts, scales=scales, scale_block=block)
+
+    def fp8_rows(self, x, weight, scale, block) -> torch.Tensor:
+        rows = x.reshape(-1, x.shape[-1])  # [n, K]
+        counts = torch.full((1,), rows.shape[0], dtype=torch.int64, device=x.device)  # one group: every row
+        out = self._grouped(rows, weight[None], counts, scales=scale[None], scale_block=block)  # [n, N]
+        return out.view(*x.shape[:-1], weight.shape[0])
 
     def latent_attention(self, q_latent, q_rope, latent, key_rope, visible, scale) -> torch.Tensor:
         batch, seq, heads, _ = q_latent.shape

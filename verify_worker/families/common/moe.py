@@ -39,12 +39,16 @@ class RoutedExperts(nn.Module):
     """Experts' gate|up [experts, 2 * inner, hidden] and down [experts, hidden, inner], as transformers stacks
     them. The token-expert pairs are sorted by expert and each expert's rows multiplied by its weights in place
     (kernel_set.py: a row's result does not depend on the other rows); each token's output then sums its
-    experts in its top-k order."""
+    experts in its top-k order. The stacks may be kept as FP8 blocks (fp8_weights.keep_fp8: `*_scale_inv` hold
+    their scales), multiplied as the kernel set's grouped product takes them."""
 
     def __init__(self, experts: int, hidden: int, inner: int, limit: float | None = None):
         super().__init__()
         self.gate_up_proj = nn.Parameter(torch.empty(experts, 2 * inner, hidden))
         self.down_proj = nn.Parameter(torch.empty(experts, hidden, inner))
+        self.register_parameter("gate_up_proj_scale_inv", None)  # FP8 blocks kept FP8 (fp8_weights.keep_fp8)
+        self.register_parameter("down_proj_scale_inv", None)
+        self.fp8_weights, self.fp8_block = ("gate_up_proj", "down_proj"), None
         self.limit = limit  # the swiglu clamp (see clamp_gate_up)
         self.glm_kernels = TorchKernels()  # chosen again when the model is packed
 
@@ -56,9 +60,11 @@ class RoutedExperts(nn.Module):
         counts = torch.zeros(self.gate_up_proj.shape[0], dtype=torch.int64, device=x.device)
         counts.scatter_add_(0, flat, torch.ones_like(flat))  # [experts] (no host synchronisation)
         rows = x[order // top_k]  # [t*k, hidden]
-        gate, up = self.glm_kernels.grouped(rows, self.gate_up_proj, counts).chunk(2, -1)  # [t*k, inner] each
+        gate, up = self.glm_kernels.grouped(rows, self.gate_up_proj, counts, self.gate_up_proj_scale_inv,
+                                            self.fp8_block).chunk(2, -1)  # [t*k, inner] each
         gate, up = clamp_gate_up(gate, up, self.limit)
-        down = self.glm_kernels.grouped(elementwise_rows(F.silu, gate) * up, self.down_proj, counts)  # [t*k, hidden]
+        down = self.glm_kernels.grouped(elementwise_rows(F.silu, gate) * up, self.down_proj, counts,
+                                        self.down_proj_scale_inv, self.fp8_block)  # [t*k, hidden]
         out = torch.empty_like(down).index_copy_(0, order, down).view(tokens, top_k, -1)  # back in pair order
         out = out * weights[..., None].to(out.dtype)
         total = out[:, 0]

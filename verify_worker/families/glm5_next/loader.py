@@ -1,11 +1,12 @@
-"""Strict loading of a GLM-5.3-Flash checkpoint (bf16 / fp32, or FP8 blocks dequantized at load) into
-Glm5NextModel.
+"""Strict loading of a GLM-5.3-Flash checkpoint (bf16 / fp32, or FP8 blocks kept FP8 where the model multiplies
+them so) into Glm5NextModel.
 
 As published (and as transformers writes it): the text tower under `model.language_model.` (flat `model.` exports
 are accepted too), the head at `lm_head.weight`; `hc_attn_*` / `hc_ffn_*` per layer, per-q/k/v conv kernels,
 per-expert tensors (stacked here). Skipped and named in the log: the vision tower (`model.visual.`) and the MTP
 layer(s) (`layers.{i}` for i >= num_hidden_layers, `shared_head`). Anything else unexpected, missing or
-mis-shaped is a CheckpointError naming it. The model's own state dict is the loading table.
+mis-shaped is a CheckpointError naming it, before a tensor is read. The model's own state dict is the loading table
+(common/checkpoint_reader.py).
 """
 
 import logging
@@ -15,8 +16,9 @@ from pathlib import Path
 import torch
 
 from shared.dtype_choice import resolve_dtype
-from verify_worker.families.common.checkpoint_reader import placed, read_checkpoint, stack_experts
+from verify_worker.families.common.checkpoint_reader import load_checkpoint
 from verify_worker.families.common.config_parts import Fp8Settings
+from verify_worker.families.common.fp8_layout import published_fp8
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.families.glm5_next.model import Glm5NextModel
 from verify_worker.families.glm5_next.shard_plan import shard_slices
@@ -37,26 +39,30 @@ def our_name(name: str) -> str | None:
     return HYPER.sub(lambda m: f"{m.group(1)}{m.group(2)}_hc.{m.group(3)}", name)
 
 
-def glm5_next_skeleton(config: dict, tp: TensorParallel) -> Glm5NextModel:
-    """This rank's model on the meta device (shapes only: what the memory plan counts)."""
+def fp8_settings(config: dict) -> Fp8Settings | None:
+    return Fp8Settings.from_config(config.get("text_config") or {}) or Fp8Settings.from_config(config)
+
+
+def glm5_next_skeleton(config: dict, tp: TensorParallel, dtype: torch.dtype) -> Glm5NextModel:
+    """This rank's model on the meta device in dtype, FP8 weights as a published FP8 checkpoint of this config keeps
+    them (shapes and dtypes only: what the memory plan counts)."""
+    cfg = Glm5NextConfig.from_dict(config)
     with torch.device("meta"):
-        return Glm5NextModel(Glm5NextConfig.from_dict(config), tp)
+        model = Glm5NextModel(cfg, tp).to(dtype)
+    return published_fp8(model, fp8_settings(config), shard_slices(cfg, tp) if tp.parallel else {})
 
 
 def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp: TensorParallel,
                    pack: bool) -> Glm5NextModel:
     cfg = Glm5NextConfig.from_dict(config)
-    fp8 = Fp8Settings.from_config(config.get("text_config") or {}) or Fp8Settings.from_config(config)
+    fp8 = fp8_settings(config)
     compute = resolve_dtype(dtype, "bfloat16" if fp8 is not None else cfg.checkpoint_dtype, device)
     plan = shard_slices(cfg, tp) if tp.parallel else {}
-    tensors = read_checkpoint(folder, our_name, cfg.num_layers, plan, fp8.block if fp8 else None,
-                              logging.getLogger("dflash.target"))
-    tensors = stack_experts(tensors, cfg.n_routed_experts)
     with torch.device("meta"):
         model = Glm5NextModel(cfg, tp)
-    expected = {name: tuple(t.shape) for name, t in model.state_dict().items()}
-    if cfg.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)
-    model.load_state_dict(placed(folder, tensors, expected, device, compute, FLOAT32_KEPT), strict=True, assign=True)
+    tied = cfg.tie_word_embeddings
+    load_checkpoint(model, folder, lambda name: None if tied and name == "lm_head.weight" else our_name(name),
+                    cfg.num_layers, plan, fp8.block if fp8 else None, device, compute, FLOAT32_KEPT,
+                    logging.getLogger("dflash.target"))
     model = model.eval().requires_grad_(False)
     return model.pack() if pack else model

@@ -53,16 +53,18 @@ class KdaAttention(nn.Module):
         self.heads, self.dim, self.eps = local.linear_num_heads, cfg.linear_head_dim, cfg.rms_norm_eps
         h, dim = cfg.hidden_size, cfg.linear_head_dim
         inner = self.heads * dim
-        self.q_proj, self.k_proj, self.v_proj = Linear(h, inner), Linear(h, inner), Linear(h, inner)
+        bf16 = dict(fp8=False)  # KDA's projections stay bfloat16 in GLM-5.3-Flash's FP8 checkpoints
+        self.q_proj, self.k_proj = Linear(h, inner, **bf16), Linear(h, inner, **bf16)
+        self.v_proj = Linear(h, inner, **bf16)
         self.q_conv1d, self.k_conv1d = ConvWeight(inner, cfg.conv_kernel), ConvWeight(inner, cfg.conv_kernel)
         self.v_conv1d = ConvWeight(inner, cfg.conv_kernel)
-        self.f_a_proj, self.f_b_proj = Linear(h, dim), Linear(dim, inner)
+        self.f_a_proj, self.f_b_proj = Linear(h, dim, **bf16), Linear(dim, inner, **bf16)
         self.dt_bias = nn.Parameter(torch.empty(inner, dtype=torch.float32))
         self.A_log = nn.Parameter(torch.empty(self.heads, dtype=torch.float32))
-        self.b_proj = Linear(h, self.heads)
-        self.g_a_proj, self.g_b_proj = Linear(h, dim), Linear(dim, inner)
+        self.b_proj = Linear(h, self.heads, **bf16)
+        self.g_a_proj, self.g_b_proj = Linear(h, dim, **bf16), Linear(dim, inner, **bf16)
         self.o_norm = RMSNorm(dim, cfg.rms_norm_eps)  # its weight; the gated norm is computed below
-        self.o_proj = Linear(inner, h)
+        self.o_proj = Linear(inner, h, **bf16)
         self.lower_bound = cfg.gate_lower_bound
         self.recurrence = TorchRecurrence()  # chosen again when the model is packed
 
@@ -112,7 +114,7 @@ class PooledIndexer(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.dim)
         self.wk = Linear(cfg.hidden_size, self.dim)
         self.k_norm = nn.LayerNorm(self.dim, eps=INDEXER_NORM_EPS)
-        self.weights_proj = Linear(cfg.hidden_size, self.heads)
+        self.weights_proj = Linear(cfg.hidden_size, self.heads, fp8=False)
         self.index_kpool_compress_ape = nn.Parameter(torch.empty(self.kpool, self.dim))
         self.index_kpool_compress_gate = nn.Parameter(torch.empty(self.dim, cfg.hidden_size))
         self.glm_kernels = TorchKernels()  # the scores' kernel, chosen again when the model is packed
@@ -145,7 +147,8 @@ class NopeLatentAttention(nn.Module):
         self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_nope_head_dim)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, cfg.rms_norm_eps)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                fp8=False)  # read per head (bfloat16 views)
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = PooledIndexer(cfg) if cfg.indexer_types[layer_index] == "full" else None
         self.glm_kernels = TorchKernels()  # the attention's kernels, chosen again when the model is packed
@@ -203,7 +206,7 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         self.config, self.tp = cfg, tp
         self.local = local_shapes(cfg, tp)
         self.model = DecoderStack(cfg, self.local, tp)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.local.vocab_shard)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.local.vocab_shard, fp8=False)
 
     def _attention_layers(self) -> tuple[list[int], list[int]]:
         cfg = self.config

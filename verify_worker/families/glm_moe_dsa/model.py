@@ -42,7 +42,7 @@ class Indexer(nn.Module):
         self.wq_b = Linear(cfg.q_lora_rank, self.heads * self.dim)
         self.wk = Linear(cfg.hidden_size, self.dim)
         self.k_norm = nn.LayerNorm(self.dim, eps=INDEXER_NORM_EPS)
-        self.weights_proj = Linear(cfg.hidden_size, self.heads)
+        self.weights_proj = Linear(cfg.hidden_size, self.heads, fp8=False)
         self.glm_kernels = TorchKernels()  # the scores' kernel, chosen again when the model is packed
 
     def keys(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -71,7 +71,8 @@ class LatentAttention(nn.Module):
         self.q_b_proj = Linear(cfg.q_lora_rank, heads * cfg.qk_head_dim)
         self.kv_a_proj_with_mqa = Linear(cfg.hidden_size, cfg.kv_lora_rank + cfg.qk_rope_head_dim)
         self.kv_a_layernorm = RMSNorm(cfg.kv_lora_rank, LATENT_NORM_EPS)
-        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim))
+        self.kv_b_proj = Linear(cfg.kv_lora_rank, heads * (cfg.qk_nope_head_dim + cfg.v_head_dim),
+                                fp8=False)  # read per head (bfloat16 views)
         self.o_proj = Linear(heads * cfg.v_head_dim, cfg.hidden_size)
         self.indexer = Indexer(cfg) if cfg.indexer_types[layer_index] == "full" else None
         self.scale = cfg.qk_head_dim**-0.5
@@ -134,7 +135,7 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         self.config, self.tp = cfg, tp
         self.local = local_shapes(cfg, tp)
         self.model = DecoderStack(cfg, self.local, tp)
-        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.local.vocab_shard)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.local.vocab_shard, fp8=False)
         self.register_buffer("inv_freq", inverse_frequencies(RopeSettings(cfg.rope_theta), cfg.qk_rope_head_dim),
                              persistent=False)
 

@@ -66,10 +66,10 @@ def check_row_kernels_take(model: TargetModel) -> None:
                 f"the log)")
 
 
-def llama_skeleton(config: dict, tp: TensorParallel) -> TargetModel:
-    """This rank's TargetModel on the meta device (shapes only: what the memory plan counts)."""
+def llama_skeleton(config: dict, tp: TensorParallel, dtype: torch.dtype) -> TargetModel:
+    """This rank's TargetModel on the meta device in dtype (shapes and dtypes only: what the memory plan counts)."""
     with torch.device("meta"):
-        return TargetModel(TargetConfig.from_dict(config), tp)
+        return TargetModel(TargetConfig.from_dict(config), tp).to(dtype)
 
 
 def assemble_llama(cfg: TargetConfig, tensors: dict[str, torch.Tensor], device: str,
