@@ -66,18 +66,17 @@ def write_slice(folder: Path, layers: int, experts: int, vocab: int) -> dict:
 
 def measure(folder: str, device: str) -> dict:
     """Run in the child process: load the slice, report the peak host memory and the placed bytes."""
-    import resource
-
     import torch
 
+    from verify_worker.families.common.checkpoint_reader import peak_host_bytes
     from verify_worker.memory_plan import PlanRequest, make_plan
     from verify_worker.target_loader import load_target
 
-    before = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    before = peak_host_bytes()
     started = time.monotonic()
     target = load_target(folder, device=device, dtype="bfloat16", pack=False)
     seconds = time.monotonic() - started
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = peak_host_bytes()
     placed: dict[str, int] = {}
     for parameter in target.parameters():
         key = str(parameter.dtype).removeprefix("torch.")

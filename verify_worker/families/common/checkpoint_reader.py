@@ -25,7 +25,7 @@ from verify_worker.families.common.slices import Slice
 SCALE = ".weight_scale_inv"
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
 EXPERT = re.compile(r"(model\.layers\.\d+\.mlp\.experts)\.(\d+)\.(gate|up|down)_proj\.weight")
-REMAP_BYTES = 1 << 30  # files are reopened after this many bytes read (their mapped pages leave host memory)
+REMAP_BYTES = 1 << 28  # files are reopened after this many bytes read (their mapped pages leave host memory)
 PROGRESS_STEPS = 10  # progress lines per load
 
 
@@ -289,5 +289,12 @@ def read_scale(handle, name: str, cut: Slice | None, block: tuple[int, int]) -> 
 
 
 def peak_host_bytes() -> int:
-    """The process's peak resident memory so far (Linux reports kilobytes)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    """The process's peak resident memory so far: Linux's VmHWM (getrusage's maxrss would count a parent's memory
+    at the fork), else getrusage's."""
+    try:
+        for line in Path("/proc/self/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # kilobytes on Linux
