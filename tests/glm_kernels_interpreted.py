@@ -5,8 +5,8 @@ Triton kernels (kernel_set.TritonKernels: cuda_ext/grouped_rows, latent_attentio
 object of findings; the test asserts on them. (tests/kda_fla_interpreted.py runs the glm5_next family on its GPU
 kernels, these included.)
 
-    TRITON_INTERPRET=1 python tests/glm_kernels_interpreted.py GLM_FOLDER [ITS_FP8_COPY]
-    DFLASH_GROUPED_DEVICE=cuda python tests/glm_kernels_interpreted.py GLM_FOLDER [ITS_FP8_COPY]
+    TRITON_INTERPRET=1 python tests/glm_kernels_interpreted.py GLM_FOLDER [MORE_GLM_FOLDERS...]
+    DFLASH_GROUPED_DEVICE=cuda python tests/glm_kernels_interpreted.py GLM_FOLDER [MORE_GLM_FOLDERS...]
 """
 
 import json
@@ -19,6 +19,7 @@ from family_exactness import exactness_findings
 from cuda_ext.grouped_rows import reference
 from cuda_ext.grouped_rows.kernel import BLOCK_M, grouped_rows
 from verify_worker.families.common.fp8_blocks import dequantize
+from verify_worker.families.common.kernel_check import KernelCheckError, check_kernels
 from verify_worker.families.common.kernel_set import TorchKernels, TritonKernels, use_kernels
 from verify_worker.families.common.moe import RoutedExperts
 from verify_worker.target_loader import load_target
@@ -60,9 +61,9 @@ def fp8_findings() -> dict:
     (fp8_rows: one group) against its dequantized twin, PyTorch's product and its rows alone."""
     generator = torch.Generator().manual_seed(3)
     counts = torch.tensor([5, 0, 19, 2])
-    n, k, block = 200, 136, (128, 64)  # a 2 x 3 grid of blocks, the last row and column of them partial
+    n, k, block = 136, 104, (128, 64)  # a 2 x 2 grid of blocks, the last row and column of them partial
     weights = (torch.randn(len(counts), n, k, generator=generator) * 2).to(torch.float8_e4m3fn)
-    scales = torch.rand(len(counts), 2, 3, generator=generator) * 0.01 + 0.001
+    scales = torch.rand(len(counts), 2, 2, generator=generator) * 0.01 + 0.001
     found, triton_kernels = {}, TritonKernels()
     for dtype in (torch.bfloat16, torch.float32):
         name = str(dtype).split(".")[-1]
@@ -147,6 +148,27 @@ def attention_findings() -> dict:
     return found
 
 
+def pack_check_findings() -> dict:
+    """The check kernels_for runs at pack on a GPU (kernel_check.py), here on the interpreted kernels; and what it says
+    of a kernel that cannot launch."""
+    found = {}
+    for dtype in (torch.float32, torch.bfloat16):
+        check_kernels(TritonKernels(), TorchKernels(), DEVICE, dtype)  # raises on a failure
+        found[f"pack_check_{str(dtype).split('.')[-1]}_passes"] = True
+    broken = TritonKernels()
+
+    def no_launch(*args, **kwargs):
+        raise RuntimeError("out of resource: shared memory")
+
+    broken._attend = no_launch
+    try:
+        check_kernels(broken, TorchKernels(), DEVICE, torch.bfloat16)
+        found["pack_check_names_a_failed_kernel"] = "not raised"
+    except KernelCheckError as exc:
+        found["pack_check_names_a_failed_kernel"] = str(exc)
+    return found
+
+
 def model_findings(folder: str) -> dict:
     oracle = load_target(folder)  # packed for the CPU: PyTorch's products
     target = load_target(folder, device=DEVICE)
@@ -155,7 +177,8 @@ def model_findings(folder: str) -> dict:
 
 
 if __name__ == "__main__":
-    folder, fp8_folder = sys.argv[1], sys.argv[2] if len(sys.argv) > 2 else None
-    fp8_model = {f"fp8_model_{k}": v for k, v in model_findings(fp8_folder).items()} if fp8_folder else {}
+    folders = sys.argv[1:]  # the first one's findings unprefixed, the others' prefixed "model{i}_"
+    models = {f"model{i}_{k}" if i else k: v for i, folder in enumerate(folders)
+              for k, v in model_findings(folder).items()}
     print(json.dumps({"device": DEVICE, **kernel_findings(), **fp8_findings(), **experts_findings(),
-                      **attention_findings(), **model_findings(folder), **fp8_model}))
+                      **attention_findings(), **pack_check_findings(), **models}))

@@ -501,16 +501,16 @@ def test_verify_equals_decode_in_bfloat16_too(glm):
 def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_path):
     """The family's Triton kernels (kernel_set.TritonKernels: cuda_ext/grouped_rows, latent_attention,
     index_scores) under Triton's interpreter, in a process of its own (TRITON_INTERPRET must be set before Triton
-    is imported): tests/glm_kernels_interpreted.py, on two layers (a dense one with a full indexer, an MoE one that
-    shares its selection: the interpreter runs a program in milliseconds)."""
+    is imported): tests/glm_kernels_interpreted.py, on an FP8 checkpoint of two layers (a dense one with a full
+    indexer, an MoE one that shares its selection: the interpreter runs a program in milliseconds)."""
     pytest.importorskip("triton")
     folder = tmp_path / "bf16"
     random_glm(num_hidden_layers=2, first_k_dense_replace=1, indexer_types=["full", "shared"]).save_pretrained(folder)
-    write_fp8_copy(folder, tmp_path / "fp8")  # its experts and projections kept FP8 (blocks of 16)
+    write_fp8_copy(folder, tmp_path / "fp8")  # experts and projections kept FP8 (blocks of 16); kv_b bfloat16
     here = Path(__file__).resolve().parent
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": f"{here}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    run = subprocess.run([sys.executable, str(here / "glm_kernels_interpreted.py"), str(folder), str(tmp_path / "fp8")],
-                         env=env, capture_output=True, text=True, timeout=600)
+    run = subprocess.run([sys.executable, str(here / "glm_kernels_interpreted.py"), str(tmp_path / "fp8")], env=env,
+                         capture_output=True, text=True, timeout=600)
     assert run.returncode == 0, run.stderr[-3000:]
     found = json.loads(run.stdout.strip().splitlines()[-1])
     # the grouped product against the float32 product of the same bfloat16 inputs (empty groups, partial tiles and
@@ -531,10 +531,13 @@ def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_p
     for dtype in ("float32", "bfloat16"):
         assert found[f"attention_{dtype}_rows_equal_alone"] and found[f"index_{dtype}_rows_equal_alone"], found
         assert found[f"attention_{dtype}_equal_with_fewer_keys"], found
-    # the family on them: greedy speculative == plain with right and wrong drafts (drafts accepted), and plain
-    # decoding gives the CPU family's tokens or differs only at a near-tie (the script raises otherwise)
+    # the check a GPU runs at pack passes on them, and names a kernel that cannot launch
+    assert found["pack_check_float32_passes"] and found["pack_check_bfloat16_passes"], found
+    assert "kernel 'latent_attention' failed" in found["pack_check_names_a_failed_kernel"], found
+    assert "out of resource" in found["pack_check_names_a_failed_kernel"], found
+    # the family on them, an FP8 checkpoint (every kernel: the projections' fp8_rows, the experts' grouped product
+    # with scales, MLA's per-head products without, attention, the indexer): greedy speculative == plain with right
+    # and wrong drafts (drafts accepted), and plain decoding gives the CPU family's tokens or differs only at a
+    # near-tie (the script raises otherwise)
     assert found["kernels"] == ["triton"], found
     assert found["speculative_equals_plain"] and 1 < found["committed_per_step"] < 4, found
-    # and its FP8 copy, experts and projections kept FP8 (fp8_rows, the grouped product with scales)
-    assert found["fp8_model_kernels"] == ["triton"], found
-    assert found["fp8_model_speculative_equals_plain"] and 1 < found["fp8_model_committed_per_step"] < 4, found

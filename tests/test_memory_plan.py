@@ -87,18 +87,22 @@ def test_too_many_long_requests_are_refused_with_the_settings_that_fit():
     assert make_plan(replace(request, max_model_len=shorter)).fits
 
 
-def test_dflash_serve_plan_reads_only_config_json_and_exits_by_the_fit(tmp_path):
+def test_dflash_serve_plan_reads_only_config_json_and_exits_by_the_fit(tmp_path, capsys):
+    """dflash-serve --plan (the launcher, which runs the plan with the verify worker's settings) refuses with the
+    fix; the plan's own entry point, with the settings the fix names, exits 0."""
+    from verify_worker.memory_plan import main
+
     folder = tmp_path / "glm-5.2"
     folder.mkdir()
     shutil.copy(PUBLISHED / "glm-5.2.json", folder / "config.json")  # no tokenizer, no weights
-    base = [sys.executable, "-m", "gateway.launcher", "--plan", "--target", str(folder), "--no-draft",
-            "--device", "cuda", "--gpu-memory-gb", "141", "--max-model-len", "32768"]
-    refused = subprocess.run(base + ["--tp", "8"], capture_output=True, text=True, timeout=120, cwd=ROOT)
+    settings = ["--target", str(folder), "--no-draft", "--device", "cuda", "--gpu-memory-gb", "141",
+                "--max-model-len", "32768"]
+    refused = subprocess.run([sys.executable, "-m", "gateway.launcher", "--plan", *settings, "--tp", "8"],
+                             capture_output=True, text=True, timeout=120, cwd=ROOT)
     assert refused.returncode == 1, refused.stderr
     assert "memory plan (glm_moe_dsa, TP 8, cuda" in refused.stdout and "--tp 16" in refused.stdout, refused.stdout
-    fits = subprocess.run(base + ["--tp", "16", "--max-running", "8"], capture_output=True, text=True, timeout=120,
-                          cwd=ROOT)
-    assert fits.returncode == 0 and "requests that fit" in fits.stdout, fits.stdout + fits.stderr
+    assert main([*settings, "--tp", "16", "--max-running", "8"]) == 0
+    assert "requests that fit" in capsys.readouterr().out
 
 
 def test_a_worker_refuses_only_what_cannot_fit_and_otherwise_lowers_max_running(folders, caplog):

@@ -23,6 +23,7 @@ import torch
 
 from verify_worker.families.common.backend_choice import gpu_backend_or
 from verify_worker.families.common.fp8_blocks import dequantize
+from verify_worker.families.common.kernel_check import check_kernels
 from verify_worker.families.common.mla import latent_attention
 from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.common.sparse_indexer import index_scores
@@ -83,9 +84,13 @@ class TritonKernels:
         return scores.view(batch, seq, -1)
 
 
-def kernels_for(device: torch.device | str):
-    """"triton" on CUDA where Triton is installed, else "torch"."""
-    return gpu_backend_or(device, TritonKernels, TorchKernels)
+def kernels_for(device: torch.device | str, dtype: torch.dtype):
+    """"triton" on CUDA where Triton is installed, tried first on small inputs (kernel_check.py: a failing kernel is
+    a start-up error naming it), else "torch"."""
+    kernels = gpu_backend_or(device, TritonKernels, TorchKernels)
+    if kernels.name != TorchKernels.name:
+        check_kernels(kernels, TorchKernels(), device, dtype)
+    return kernels
 
 
 def use_kernels(model: torch.nn.Module, kernels) -> None:

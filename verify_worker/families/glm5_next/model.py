@@ -285,7 +285,7 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         """The kernels for the device: on CUDA, fla's Triton KDA recurrence where fla-core is installed and the
         Triton kernels of kernel_set.py (experts, MLA heads, attention, the indexer's scores) where Triton is; else PyTorch's ops (kda_recurrence.py,
         kernel_set.py). Call before new_state: a state replays with its model's recurrence."""
-        use_kernels(self, kernels_for(self.embed_weight.device))
+        use_kernels(self, kernels_for(self.embed_weight.device, self.embed_weight.dtype))
         return self.use_recurrence(recurrence_for(self.embed_weight.device))
 
     def use_recurrence(self, recurrence) -> "Glm5NextModel":

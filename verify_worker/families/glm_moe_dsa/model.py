@@ -191,5 +191,5 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         """The kernels for the device (kernel_set.py: experts, MLA heads, attention and the indexer's scores on
         Triton kernels on CUDA where Triton is installed, else PyTorch's); the projections read the loaded weights
         row by row (linear_rows)."""
-        use_kernels(self, kernels_for(self.embed_weight.device))
+        use_kernels(self, kernels_for(self.embed_weight.device, self.embed_weight.dtype))
         return self
