@@ -21,6 +21,20 @@ from pathlib import Path
 from test_glm_moe_dsa import random_glm, write_fp8_copy
 random_glm5().save_pretrained('.whl/checkpoints/glm5')
 random_glm().save_pretrained('.whl/checkpoints/glm')
-write_fp8_copy(Path('.whl/checkpoints/glm'), Path('.whl/checkpoints/glm_fp8'))"
+write_fp8_copy(Path('.whl/checkpoints/glm'), Path('.whl/checkpoints/glm_fp8'))
+# a servable FP8 GLM-5.2-family pair (byte tokenizer, random drafter) for gpu_serve_smoke.sh's --device cuda run
+import json
+from conftest import tiny_draft_config
+from server_harness import CHAT_TEMPLATE
+from draft_worker.draft_checkpoint import random_drafter, save_drafter
+from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
+serve = Path('.whl/checkpoints/glm_serve')
+random_glm(seed=5, vocab_size=258, eos_token_id=256, max_position_embeddings=2048).save_pretrained(serve / 'bf16')
+write_fp8_copy(serve / 'bf16', serve / 'target')
+write_byte_tokenizer(serve / 'target')
+(serve / 'target' / 'tokenizer_config.json').write_text(json.dumps({'eos_token': END_OF_TEXT,
+                                                                    'chat_template': CHAT_TEMPLATE}))
+save_drafter(random_drafter(tiny_draft_config(target_layers=5, vocab=258, hidden=32, target_layer_ids=(1, 3),
+                                              block_size=4), seed=3, std=0.2), serve / 'draft')"
 ls .whl .whl/checkpoints
 du -sh .whl
