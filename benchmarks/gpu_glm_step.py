@@ -32,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 from gpu_kernels import median_ms  # noqa: E402  (this folder's kernel benchmark: CUDA events, medians)
 from replay_proposer import ReplayProposer  # noqa: E402
 from verify_worker.engine import SpeculativeEngine  # noqa: E402
+from verify_worker.families.common.kernel_set import TorchKernels, TritonKernels, use_kernels  # noqa: E402
 from verify_worker.families.common.moe import RoutedExperts  # noqa: E402
 from verify_worker.families.registry import family_for  # noqa: E402
 from verify_worker.parallel.group import TensorParallel  # noqa: E402
@@ -262,8 +263,9 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=16, help="prompts of the speculative == plain check")
     parser.add_argument("--prompt-length", type=int, default=32)
     parser.add_argument("--tokens", type=int, default=64, help="tokens each request decodes in the engine runs")
-    parser.add_argument("--fp8", action="store_true", help="the slices' experts and projections as FP8 blocks "
-                        "(W8A16, as an FP8 checkpoint loads), against which the bfloat16 run compares")
+    parser.add_argument("--fp8", nargs="?", const="w8a16", choices=("w8a16", "w8a8"), default=None,
+                        help="the slices' experts and projections as FP8 blocks, multiplied as an FP8 checkpoint "
+                        "loads (w8a16, the default) or with FP8 activations (w8a8); against the bfloat16 run")
     parser.add_argument("--qwen", default="qwen3-8b", help="gpu_target_step.py's config for the Qwen3 speedups "
                         "('none' to skip; the tiny config's on --config tiny)")
     args = parser.parse_args()
@@ -281,10 +283,16 @@ def main() -> None:
           f"{f'{peak / 1e9:.0f} GB/s' if peak else 'unknown'}; torch {torch.__version__}", flush=True)
     for family in args.families.split(","):
         layers = args.layers or DEFAULT_LAYERS[family]
-        model = random_target(family_config(family, args.config, layers, args.fp8), device)
+        model = random_target(family_config(family, args.config, layers, args.fp8 is not None), device)
+        if args.fp8 == "w8a8":  # the same kernel set, FP8 activations (kernel_set.py)
+            kernel_set = TritonKernels if any(m.glm_kernels.name == "triton" for m in model.modules()
+                                              if hasattr(m, "glm_kernels")) else TorchKernels
+            use_kernels(model, kernel_set(fp8_activations=True))
         kernels = sorted({m.glm_kernels.name for m in model.modules() if hasattr(m, "glm_kernels")})
         recurrence = getattr(model, "recurrence_name", "none")
-        print(f"{family} ({args.config}{', FP8 weights' if args.fp8 else ''}, {layers} layers): kernels {kernels}, KDA recurrence {recurrence}", flush=True)
+        weights = f", FP8 weights ({args.fp8})" if args.fp8 else ""
+        print(f"{family} ({args.config}{weights}, {layers} layers): kernels {kernels}, KDA recurrence {recurrence}",
+              flush=True)
         step_table(model, args, device, copy_bps, peak)
         speculation(model, args, family)
         del model

@@ -50,10 +50,14 @@ if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchma
     # the GLM slices' step table (time, bytes, bandwidth) and the replay drafter's speedups, Qwen3-8B-shaped too
     timeout ${GLM_STEP_TIMEOUT:-240} $python benchmarks/gpu_glm_step.py --rounds 10 >"$out/glm_step.log" 2>&1
     echo "gpu_glm_step.py: exit $?"; grep -v "Warning\|warn" "$out/glm_step.log" | tail -40
-    # the same slices with FP8 experts and projections (W8A16, as an FP8 checkpoint loads): against the table above
+    # the same slices with FP8 experts and projections (W8A16, as an FP8 checkpoint loads; then W8A8, FP8
+    # activations too): step times against the table above, greedy speculative == plain on them
     timeout ${GLM_FP8_TIMEOUT:-180} $python benchmarks/gpu_glm_step.py --fp8 --rounds 10 --qwen none \
         --acceptances 5 >"$out/glm_step_fp8.log" 2>&1
     echo "gpu_glm_step.py --fp8: exit $?"; grep -v "Warning\|warn" "$out/glm_step_fp8.log" | tail -30
+    timeout ${GLM_FP8_TIMEOUT:-180} $python benchmarks/gpu_glm_step.py --fp8 w8a8 --rounds 10 --qwen none \
+        --acceptances 5 --prompts 4 --speedup-batches 1 >"$out/glm_step_w8a8.log" 2>&1
+    echo "gpu_glm_step.py --fp8 w8a8: exit $?"; grep -v "Warning\|warn" "$out/glm_step_w8a8.log" | tail -30
     # an FP8 slice checkpoint loaded straight to the GPU: host memory, load time, the plan against the allocation
     timeout ${LOAD_TIMEOUT:-120} $python benchmarks/load_memory.py --device cuda --experts 64 >"$out/load.log" 2>&1
     echo "load_memory.py: exit $?"; tail -4 "$out/load.log"

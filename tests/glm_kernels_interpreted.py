@@ -84,6 +84,15 @@ def fp8_findings() -> dict:
         found[f"fp8_rows_{name}_vs_torch"] = float((projected.float() - oracle.float()).abs().max()
                                                    / oracle.float().abs().max())
         found[f"fp8_rows_{name}_rows_equal_alone"] = bool(torch.equal(projected, alone))
+        w8a8, w8a8_torch = TritonKernels(fp8_activations=True), TorchKernels(fp8_activations=True)
+        quantized = w8a8.grouped(args[0], args[1], args[2], args[3], block).float()  # W8A8: activations FP8 too
+        found[f"w8a8_{name}_vs_torch"] = float((quantized - w8a8_torch.grouped(args[0], args[1], args[2], args[3],
+                                                                               block).float()).abs().max()
+                                               / quantized.abs().max())
+        found[f"w8a8_{name}_vs_w8a16"] = float((quantized - kept).abs().max() / kept.abs().max())
+        alone = torch.cat([w8a8.fp8_rows(rows[:, i:i + 1], args[1][2], args[3][2], block) for i in range(7)], 1)
+        found[f"w8a8_{name}_rows_equal_alone"] = bool(torch.equal(w8a8.fp8_rows(rows, args[1][2], args[3][2], block),
+                                                                  alone))
     return found
 
 

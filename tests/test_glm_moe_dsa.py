@@ -522,6 +522,11 @@ def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_p
     for dtype, tolerance in (("bfloat16", 2e-2), ("float32", 1e-5)):  # a projection kept FP8 (one group)
         assert found[f"fp8_rows_{dtype}_equal_dequantized"] and found[f"fp8_rows_{dtype}_rows_equal_alone"], found
         assert found[f"fp8_rows_{dtype}_vs_torch"] < tolerance, found
+        # W8A8 (activations quantized per row and 64 columns): PyTorch's W8A8 but for the order of the sums, rows
+        # independent, and within the activations' rounding (e4m3: 3 mantissa bits) of W8A16
+        w8a8_tolerance = {"bfloat16": 5e-4, "float32": 1e-6}[dtype]
+        assert found[f"w8a8_{dtype}_vs_torch"] < w8a8_tolerance and found[f"w8a8_{dtype}_rows_equal_alone"], found
+        assert 1e-4 < found[f"w8a8_{dtype}_vs_w8a16"] < 0.1, found
     # the MoE experts on it: close to PyTorch's products, and each token's row the same alone
     assert found["experts_triton_vs_torch"] < 2e-2 and found["experts_rows_equal_alone"], found
     # attention and the indexer's scores against PyTorch's (float32: another order of the same sums; bfloat16: the

@@ -26,3 +26,14 @@ def test_the_glm_step_benchmark_runs_on_cpu_and_its_replay_drafter_is_exact():
         assert line, run.stdout
         # 12 tokens: a prefill token, then steps of 3 until the last one is cut short
         assert 2.5 <= float(line.group(1)) <= 3.0 and line.group(2) == "0", line.group(0)
+
+
+def test_the_fp8_slices_with_fp8_activations_decode_exactly():
+    """--fp8 w8a8: FP8 weights and activations (kernel_set.py), the GLM-5.2 family; speculative == plain still."""
+    run = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "gpu_glm_step.py"), "--device", "cpu",
+                          "--config", "tiny", "--families", "glm52", "--fp8", "w8a8", "--batches", "2", "--rounds",
+                          "1", "--speedup-batches", "2", "--prompts", "2", "--tokens", "12", "--acceptances", "3",
+                          "--qwen", "none"], capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0, run.stderr[-3000:]
+    assert "glm52 (tiny, FP8 weights (w8a8), 2 layers)" in run.stdout, run.stdout
+    assert re.search(r"^  glm52 batch  2: .*acceptance 3 .*, 0/2 mismatches", run.stdout, re.M), run.stdout

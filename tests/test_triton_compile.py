@@ -40,14 +40,16 @@ def compile_for(kernel, types: dict[str, str], constants: dict, arch: int) -> by
 @pytest.mark.parametrize("arch", [90, 121])
 def test_the_glm_kernels_compile_at_the_published_widths(arch):
     bf16 = "*bf16"
-    for weights, scaled in ((bf16, False), ("*fp8e4nv", True)):  # bfloat16 weights; FP8 blocks with their scales
-        grouped = signature(_grouped_rows_kernel, {"x_ptr": bf16, "w_ptr": weights, "scale_ptr": "*fp32",
-                                                   "out_ptr": bf16, "tile_group_ptr": "*i32",
+    fp8 = "*fp8e4nv"
+    for x, weights, scaled, act_fp8 in ((bf16, bf16, False, False), (bf16, fp8, True, False), (fp8, fp8, True, True)):
+        # bfloat16 weights; FP8 blocks with their scales, W8A16 and W8A8
+        grouped = signature(_grouped_rows_kernel, {"x_ptr": x, "x_scale_ptr": "*fp32", "w_ptr": weights,
+                                                   "scale_ptr": "*fp32", "out_ptr": bf16, "tile_group_ptr": "*i32",
                                                    "tile_first_ptr": "*i32", "tile_end_ptr": "*i32"},
                             wide=("stride_wg", "stride_sg"))
         assert compile_for(_grouped_rows_kernel, grouped,
-                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SCALE_N": 128, "SCALE_K": 128, "HAS_SCALES": scaled,
-                            "ROUND_BF16": True, "INTERPRETED": False}, arch)
+                           {"BLOCK_M": 16, "BLOCK_N": 64, "BLOCK_K": 64, "SCALE_N": 128, "SCALE_K": 128,
+                            "HAS_SCALES": scaled, "ACT_FP8": act_fp8, "ROUND_BF16": True, "INTERPRETED": False}, arch)
     attention = signature(_latent_attention_kernel, {"q_ptr": bf16, "qr_ptr": bf16, "lat_ptr": bf16, "kr_ptr": bf16,
                                                      "vis_ptr": "*u8", "out_ptr": bf16}, floats=("scale",))
     rope = arch == 90  # GLM-5.2 (rope 64) on H100/H200; GLM-5.3-Flash (NoPE) on the Sparks

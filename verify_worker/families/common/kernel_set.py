@@ -7,6 +7,10 @@ with a `glm_kernels` attribute):
   and rounded to x's dtype before the product (W8A16: the weight a checkpoint dequantized at load holds).
 - `fp8_rows(x, weight, scale, block)`: a projection whose weight [N, K] is kept as FP8 blocks: x [..., K] ->
   [..., N], each row on its own, the weight as `grouped` takes it.
+  A set made with fp8_activations=True multiplies FP8 weights as W8A8 instead: the activations quantized per row
+  and group of block[1] columns (dynamic 1 x 128 for the published blocks), FP8 products scaled per K block. Rows
+  stay independent (speculative == plain holds); the products differ from the dequantized twin's by the
+  activations' rounding. Not the default: the benchmarks measure it (benchmarks/gpu_glm_step.py --fp8 w8a8).
 - `latent_attention(q_latent, q_rope, latent, key_rope, visible, scale)`: MLA's attention in the latent space.
   q_latent [b, s, heads, kv_lora], q_rope [b, s, heads, rope], latent [b, keys, kv_lora], key_rope [b, keys, rope],
   visible [b, s, keys] -> [b, s, heads, kv_lora].
@@ -21,6 +25,7 @@ other rows of the call.
 
 import torch
 
+from cuda_ext.grouped_rows.reference import quantize_rows
 from verify_worker.families.common.backend_choice import gpu_backend_or
 from verify_worker.families.common.fp8_blocks import dequantize
 from verify_worker.families.common.kernel_check import check_kernels
@@ -32,21 +37,35 @@ from verify_worker.families.common.sparse_indexer import index_scores
 class TorchKernels:
     name = "torch"
 
+    def __init__(self, fp8_activations: bool = False):
+        self.fp8_activations = fp8_activations  # W8A8 for FP8 weights (see fp8_product)
+
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
                 block: tuple[int, int] | None = None) -> torch.Tensor:
         out = x.new_empty(x.shape[0], weights.shape[1])  # [rows, N]
         start = 0
         for group, count in enumerate(counts.tolist()):
             if count:
-                weight = weights[group]
-                if scales is not None:  # FP8 blocks: the weight a checkpoint dequantized at load holds
-                    weight = dequantize(weight, scales[group], block).to(x.dtype)
-                out[start:start + count] = linear_rows(x[start:start + count], weight)
+                rows = x[start:start + count]
+                out[start:start + count] = linear_rows(rows, weights[group]) if scales is None else \
+                    self.fp8_product(rows, weights[group], scales[group], block)
                 start += count
         return out
 
     def fp8_rows(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
-        return linear_rows(x, dequantize(weight, scale, block).to(x.dtype))
+        return self.fp8_product(x, weight, scale, block)
+
+    def fp8_product(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
+        """x [..., K] times an FP8 block weight [N, K]. W8A16: the weight as a checkpoint dequantized at load holds
+        it. W8A8: x quantized per row and group of block[1] columns first (quantize_rows), both sides dequantized
+        to float32 and multiplied there: the Triton kernel's product up to its order of the sums."""
+        if not self.fp8_activations:
+            return linear_rows(x, dequantize(weight, scale, block).to(x.dtype))
+        rows = x.reshape(-1, x.shape[-1])  # [n, K]
+        q, row_scales = quantize_rows(rows, block[1])  # fp8 [n, K], float32 [n, ceil(K / block[1])]
+        activations = dequantize(q, row_scales, (1, block[1]))  # float32 [n, K]
+        out = linear_rows(activations, dequantize(weight, scale, block))  # float32 [n, N]
+        return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     latent_attention = staticmethod(latent_attention)
     index_scores = staticmethod(index_scores)
@@ -55,7 +74,8 @@ class TorchKernels:
 class TritonKernels:
     name = "triton"
 
-    def __init__(self):  # Triton: the optional gpu extra
+    def __init__(self, fp8_activations: bool = False):  # Triton: the optional gpu extra
+        self.fp8_activations = fp8_activations  # W8A8 for FP8 weights (grouped_rows' fp8_activations)
         from cuda_ext.grouped_rows.kernel import grouped_rows
         from cuda_ext.index_scores.kernel import index_scores as index_scores_kernel
         from cuda_ext.latent_attention.kernel import latent_attention as latent_attention_kernel
@@ -63,12 +83,14 @@ class TritonKernels:
         self._grouped, self._attend, self._index_scores = grouped_rows, latent_attention_kernel, index_scores_kernel
 
     def grouped(self, x, weights, counts, scales=None, block=None) -> torch.Tensor:
-        return self._grouped(x, weights, counts, scales=scales, scale_block=block)
+        return self._grouped(x, weights, counts, scales=scales, scale_block=block,
+                             fp8_activations=self.fp8_activations and scales is not None)
 
     def fp8_rows(self, x, weight, scale, block) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [n, K]
         counts = torch.full((1,), rows.shape[0], dtype=torch.int64, device=x.device)  # one group: every row
-        out = self._grouped(rows, weight[None], counts, scales=scale[None], scale_block=block)  # [n, N]
+        out = self._grouped(rows, weight[None], counts, scales=scale[None], scale_block=block,
+                            fp8_activations=self.fp8_activations)  # [n, N]
         return out.view(*x.shape[:-1], weight.shape[0])
 
     def latent_attention(self, q_latent, q_rope, latent, key_rope, visible, scale) -> torch.Tensor:
