@@ -64,6 +64,7 @@ def test_an_fp8_target_equals_its_dequantized_twin_and_speculates_exactly(family
     assert not any("kv_b_proj" in name for name in kept), kept
     assert any("100%" in r.getMessage() for r in caplog.records), [r.getMessage() for r in caplog.records]
     assert any(f"{len(kept)} tensor(s) kept FP8" in r.getMessage() for r in caplog.records)
+    assert not any("memory plan counted" in r.getMessage() for r in caplog.records)  # as published: as planned
     ids = prompt_ids(20, 5)
     pairs = [(target, oracle), (load_target(fp8, dtype="bfloat16"), load_target(twin, dtype="bfloat16"))]
     for model, twin_model in pairs:
@@ -72,3 +73,14 @@ def test_an_fp8_target_equals_its_dequantized_twin_and_speculates_exactly(family
     found = exactness_findings(target, oracle)
     assert found["speculative_equals_plain"] and found["tokens_equal_oracle"], found
     assert 1 < found["committed_per_step"] < 4, found  # drafts accepted and rejected
+
+
+def test_a_checkpoint_with_fewer_fp8_weights_than_published_says_the_plan_undercounts(tmp_path, caplog):
+    random_glm(num_hidden_layers=2, first_k_dense_replace=1, indexer_types=["full", "shared"]).save_pretrained(
+        tmp_path / "src")
+    fp8, _ = write_pair(tmp_path / "src", tmp_path, 8, tuple(q for q in GLM_QUANTIZED if q != "indexer.wk.weight"))
+    with caplog.at_level(logging.INFO, logger="dflash.target"):
+        target = load_target(fp8)
+    assert target.state_dict()["model.layers.0.self_attn.indexer.wk.weight"].dtype != torch.float8_e4m3fn
+    warned = [r.getMessage() for r in caplog.records if "memory plan counted" in r.getMessage()]
+    assert warned and "0 more" in warned[0] and "1 fewer" in warned[0] and "indexer.wk.weight" in warned[0], warned

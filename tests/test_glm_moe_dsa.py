@@ -359,6 +359,28 @@ def test_an_fp8_scale_that_does_not_fit_is_refused(glm, tmp_path):
         load_target(tmp_path / "fp8", dtype="float32")
 
 
+def test_a_checkpoint_that_does_not_fit_the_slices_or_the_format_is_refused_before_reading(glm, tmp_path):
+    """Checked from the files' headers: a tensor a rank cuts from must have the size the split assumes (rank 1 of
+    TP 2 would otherwise read rows that are not its own), and a weight with FP8 scales must be e4m3."""
+    from verify_worker.parallel.group import TensorParallel
+
+    _, _, folder = glm
+    write_fp8_copy(folder, tmp_path / "fp8")
+    tensors = load_file(str(tmp_path / "fp8" / "model.safetensors"))
+    short = dict(tensors)
+    for name in ("model.layers.1.self_attn.o_proj.weight", "model.layers.1.self_attn.o_proj.weight_scale_inv"):
+        short[name] = short[name][:, : 16 if name.endswith("weight") else 1].contiguous()  # half its columns
+    (tmp_path / "short").mkdir()
+    save_file(short, str(tmp_path / "short" / "model.safetensors"))
+    (tmp_path / "short" / "config.json").write_text((tmp_path / "fp8" / "config.json").read_text())
+    with pytest.raises(CheckpointError, match=r"o_proj\.weight'.*\[32, 16\]: 32 along dimension 1 expected"):
+        load_target(tmp_path / "short", dtype="float32", tp=TensorParallel(1, 2), pack=False)
+    tensors["model.layers.0.self_attn.q_a_proj.weight"] = tensors["model.layers.0.self_attn.q_a_proj.weight"].float()
+    save_file(tensors, str(tmp_path / "fp8" / "model.safetensors"))
+    with pytest.raises(CheckpointError, match=r"q_a_proj\.weight has a weight_scale_inv but is F32"):
+        load_target(tmp_path / "fp8", dtype="float32")
+
+
 def test_random_schedules_of_shared_layers_stay_lossless(tmp_path):
     """full / shared runs in another order, and index_topk above some contexts (dense rows mixed in)."""
     rng = random.Random(7)
@@ -441,15 +463,16 @@ def test_tp2_equals_tp1(glm_tp2):
 
 
 def test_each_tp_rank_holds_only_its_slice(glm_tp2):
-    """The weights' slices (FP8 scales aside: a rank keeps a weight FP8 only where its slice starts on a block
-    boundary, so at these tiny widths rank 0 keeps down_proj FP8 and rank 1 dequantizes it)."""
+    """The weights' slices (FP8 scales aside: a weight stays FP8 only where every rank's slice is whole blocks, so at
+    these tiny widths TP 1 keeps the experts FP8 and both ranks of TP 2 dequantize them, alike)."""
     folder, rank0, rank1 = glm_tp2
     whole = {n: tuple(t.shape) for n, t in load_target(folder, dtype="float32").state_dict().items()
              if not n.endswith("_scale_inv")}
     split = ("q_b_proj", "kv_b_proj", "o_proj", "experts", "gate_proj", "up_proj", "down_proj", "embed_tokens",
              "lm_head")
     scaled = [{n for n in shapes if n.endswith("_scale_inv")} for shapes in (rank0["shapes"], rank1)]
-    assert "model.layers.2.mlp.experts.down_proj_scale_inv" in scaled[0] - scaled[1], scaled
+    assert scaled[0] == scaled[1] and "model.layers.0.self_attn.q_a_proj.weight_scale_inv" in scaled[0], scaled
+    assert not any("experts" in name for name in scaled[0]), scaled
     for shapes in (rank0["shapes"], rank1):
         shapes = {n: shape for n, shape in shapes.items() if not n.endswith("_scale_inv")}
         assert set(shapes) == set(whole)

@@ -105,10 +105,11 @@ def grouped_rows(x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, o
     if fp8_activations:
         if scales is None:
             raise ValueError("fp8_activations needs FP8 weights (scales)")
-        block_k = min(BLOCK_K, scale_k)  # fixed by the weight's blocks: a K step inside one scale group
-        if scale_k % block_k:
-            raise ValueError(f"W8A8 needs the blocks' {scale_k} columns to be a multiple of {BLOCK_K} or to divide it")
-        x, x_scales = quantize_rows(x, scale_k)  # fp8 [rows, K], float32 [rows, ceil(K / scale_k)]
+        if scale_k % 32:  # an FP8 tl.dot takes K steps of 32 at least, powers of two
+            raise ValueError(f"W8A8 needs blocks of a multiple of 32 columns, not {scale_k}")
+        block_k = BLOCK_K if scale_k % BLOCK_K == 0 else 32  # fixed by the weight's blocks: inside one scale group
+        if rows:
+            x, x_scales = quantize_rows(x, scale_k)  # fp8 [rows, K], float32 [rows, ceil(K / scale_k)]
     x = x.contiguous()
     interpreted = x.device.type == "cpu"  # the interpreter truncates float32 to bfloat16: torch rounds it instead
     out = torch.empty(rows, n, dtype=torch.float32 if interpreted else dtype, device=x.device)

@@ -18,7 +18,9 @@ from safetensors import safe_open
 
 from shared.checkpoint_io import safetensors_files
 from shared.errors import CheckpointError
+from verify_worker.families.common.config_parts import Fp8Settings
 from verify_worker.families.common.fp8_blocks import dequantize, scale_grid
+from verify_worker.families.common.fp8_layout import published_names
 from verify_worker.families.common.fp8_weights import FP8, SCALE_SUFFIX, fp8_capable, keep_fp8
 from verify_worker.families.common.slices import Slice
 
@@ -50,19 +52,27 @@ class Part:
 
 
 def load_checkpoint(model: torch.nn.Module, folder: str | Path, rename: Callable[[str], str | None],
-                    num_layers: int, plan: dict[str, Slice], fp8_block: tuple[int, int] | None, device,
+                    num_layers: int, plan: dict[str, Slice], fp8: Fp8Settings | None, device,
                     compute: torch.dtype, float32_kept: tuple[str, ...], log: logging.Logger) -> torch.nn.Module:
     """Fill `model` (on the meta device) from the checkpoint in `folder`. rename maps a checkpoint name to ours (None:
     a part the verify worker does not use); layers past num_layers (MTP) are skipped; plan names the slices this rank
     reads (of our names). FP8 weights (with a `weight_scale_inv`) stay FP8 where the model's module can keep them
-    (fp8_weights.fp8_capable) and the rank's slice starts on a block boundary; the others are dequantized to the
+    (fp8_weights.fp8_capable) and the ranks' slices are whole blocks; the others are dequantized to the
     compute dtype. Tensors land in `compute` (float32 for names ending in float32_kept), each in a fresh
-    allocation: a GEMM's roundings depend on its operands' alignment."""
+    allocation: a GEMM's roundings depend on its operands' alignment. Where the checkpoint keeps other weights FP8
+    than a published one would (what the memory plan counted), the log says so."""
     started = time.monotonic()
+    fp8_block = fp8.block if fp8 is not None else None
     stored = index_checkpoint(folder, rename, num_layers, fp8_block, log)
     parts = plan_parts(stored, plan, model, fp8_block)
     capable = fp8_capable(model)
     kept = kept_fp8(parts, capable, fp8_block)
+    if fp8 is not None:
+        planned = set(published_names(model, fp8, plan))
+        if planned != set(kept):
+            more, fewer = sorted(set(kept) - planned), sorted(planned - set(kept))
+            log.warning("the memory plan counted the FP8 weights of a published checkpoint; this one keeps %d more "
+                        "(e.g. %s) and %d fewer (e.g. %s) FP8", len(more), more[:1], len(fewer), fewer[:1])
     for name in kept:
         module, attribute = capable[name]
         keep_fp8(module, attribute, fp8_block)
@@ -118,6 +128,9 @@ def index_checkpoint(folder, rename, num_layers: int, fp8_block, log) -> dict[st
     out = {}
     for name, (ours, entry) in found.items():
         scale = scales.get(name)
+        if scale is not None and entry.dtype != "F8_E4M3":
+            raise CheckpointError(f"{name} has a weight_scale_inv but is {entry.dtype}, not F8_E4M3 (quant_method "
+                                  f"fp8 stores e4m3 blocks)")
         if scale is not None:
             grid = scale_grid(entry.shape, fp8_block) if len(entry.shape) == 2 else None
             if scale.shape != grid:
@@ -173,9 +186,9 @@ def model_shapes(model) -> dict[str, tuple[int, ...]]:
 
 
 def kept_fp8(parts: list[Part], capable: dict, block: tuple[int, int] | None) -> list[str]:
-    """The model tensors that stay FP8: every part of them FP8 blocks, the module able to keep them, the rank's
-    slice starting on a block boundary and whole blocks of its own (a stacked gate|up needs whole row blocks per
-    expert half, else its scale grids do not concatenate)."""
+    """The model tensors that stay FP8: every part of them FP8 blocks, the module able to keep them, the ranks'
+    slices whole blocks (aligned_cut; a stacked gate|up needs whole row blocks per expert half, else its scale
+    grids do not concatenate)."""
     by_target: dict[str, list[Part]] = {}
     for part in parts:
         by_target.setdefault(part.target, []).append(part)
@@ -189,8 +202,10 @@ def kept_fp8(parts: list[Part], capable: dict, block: tuple[int, int] | None) ->
 
 
 def aligned_cut(part: Part, block: tuple[int, int]) -> bool:
+    """Whole blocks on every rank: a cut of a whole number of blocks (then every rank's starts on a boundary, and
+    every rank decides alike, as the memory plan assumes)."""
     cut, slot = part.cut, part.slot
-    if cut is not None and (cut.padded is not None or cut.start % block[cut.dim]):
+    if cut is not None and (cut.padded is not None or (cut.stop - cut.start) % block[cut.dim]):
         return False
     if len(slot) == 2:  # a gate|up half: it must start and end on row blocks
         return slot[1].start % block[0] == 0 and slot[1].stop % block[0] == 0
@@ -208,6 +223,10 @@ def check_names(folder, parts: list[Part], kept: list[str], table: dict) -> None
 
 def check_shapes(folder, parts: list[Part], kept: list[str], state: dict[str, torch.Tensor]) -> None:
     for part in parts:
+        cut = part.cut
+        if cut is not None and cut.whole is not None and part.stored.shape[cut.dim] != cut.whole:
+            raise CheckpointError(f"tensor {part.stored.name!r} in {str(folder)!r} has shape "
+                                  f"{list(part.stored.shape)}: {cut.whole} along dimension {cut.dim} expected")
         local = local_shape(part)
         want = tuple(state[part.target][part.slot].shape)
         if local != want:
@@ -229,8 +248,12 @@ def final_dtype(name: str, table_dtype: torch.dtype, compute: torch.dtype, float
     return torch.float32 if name.endswith(float32_kept) else compute
 
 
+ELEMENT_BYTES = {"F8_E4M3": 1, "F8_E5M2": 1, "BOOL": 1, "U8": 1, "I8": 1, "BF16": 2, "F16": 2, "I16": 2, "F32": 4,
+                 "I32": 4, "F64": 8, "I64": 8}
+
+
 def part_bytes(part: Part) -> int:
-    size = 1 if part.stored.dtype.startswith("F8") else 4 if part.stored.dtype in ("F32", "I32") else 2
+    size = ELEMENT_BYTES.get(part.stored.dtype, 4)
     count = 1
     for n in local_shape(part):
         count *= n

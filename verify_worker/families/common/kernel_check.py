@@ -11,10 +11,12 @@ class KernelCheckError(DFlashError):
     pass
 
 
-def check_kernels(kernels, oracle, device: torch.device | str, dtype: torch.dtype, tolerance: float = 5e-2) -> None:
+def check_kernels(kernels, oracle, device: torch.device | str, dtype: torch.dtype, fp8: bool = True,
+                  tolerance: float = 5e-2) -> None:
     """Run every operation of `kernels` and of `oracle` (TorchKernels) on the same small random inputs on device, in
-    dtype; raise KernelCheckError naming the first operation that raises or differs by more than `tolerance`
-    (relative to the oracle's largest magnitude: the two sum in different orders, bfloat16 included)."""
+    dtype (the FP8 ones where fp8: a model with FP8 weights); raise KernelCheckError naming the first operation that
+    raises or differs by more than `tolerance` (relative to the oracle's largest magnitude: the two sum in
+    different orders, bfloat16 included)."""
     generator = torch.Generator().manual_seed(0)
 
     def randn(*shape, to=dtype):
@@ -22,7 +24,7 @@ def check_kernels(kernels, oracle, device: torch.device | str, dtype: torch.dtyp
 
     counts = torch.tensor([3, 0, 18, 1], device=device)  # an empty group, one past a whole tile
     weights = randn(4, 40, 72)
-    fp8 = (torch.randn(4, 40, 72, generator=generator) * 2).to(torch.float8_e4m3fn).to(device)
+    blocks = (torch.randn(4, 40, 72, generator=generator) * 2).to(torch.float8_e4m3fn).to(device)
     scales = (torch.rand(4, 2, 2, generator=generator) * 0.01 + 0.001).to(device)
     x = randn(22, 72)
     q, q_rope, latent, key_rope = randn(1, 2, 3, 32), randn(1, 2, 3, 8), randn(1, 70, 32), randn(1, 70, 8)
@@ -31,19 +33,25 @@ def check_kernels(kernels, oracle, device: torch.device | str, dtype: torch.dtyp
     index_q, index_keys, head_weights = randn(1, 2, 4, 16), randn(1, 40, 16), randn(1, 2, 4, to=torch.float32)
     calls = {
         "grouped": lambda k: k.grouped(x, weights, counts),
-        "grouped (FP8 blocks)": lambda k: k.grouped(x, fp8, counts, scales, (32, 64)),
-        "fp8_rows": lambda k: k.fp8_rows(x[None, :5], fp8[0], scales[0], (32, 64)),
+        "grouped (FP8 blocks)": lambda k: k.grouped(x, blocks, counts, scales, (32, 64)),
+        "fp8_rows": lambda k: k.fp8_rows(x[None, :5], blocks[0], scales[0], (32, 64)),
         "latent_attention": lambda k: k.latent_attention(q, q_rope, latent, key_rope, visible, 0.2),
         "index_scores": lambda k: k.index_scores(index_q, index_keys, head_weights, 0.25),
     }
+    if not fp8:
+        del calls["grouped (FP8 blocks)"], calls["fp8_rows"]
     for name, call in calls.items():
         want = call(oracle).float()
         try:
             got = call(kernels).float()
         except Exception as exc:  # a compiler or launch failure of any kind: named, with its cause
+            hint = " (Triton's FP8 needs compute capability 8.9 or newer)" if "fp8" in name.lower() else ""
             raise KernelCheckError(f"the GLM {kernels.name} kernel {name!r} failed on {device} ({dtype}): "
-                                   f"{type(exc).__name__}: {exc}") from exc
+                                   f"{type(exc).__name__}: {exc}{hint}") from exc
+        if got.shape != want.shape:
+            raise KernelCheckError(f"the GLM {kernels.name} kernel {name!r} on {device} gave shape "
+                                   f"{tuple(got.shape)}, not {tuple(want.shape)}")
         error = float((got - want).abs().max() / want.abs().max().clamp_min(1e-30))
-        if got.shape != want.shape or not error <= tolerance:
+        if not error <= tolerance:
             raise KernelCheckError(f"the GLM {kernels.name} kernel {name!r} on {device} ({dtype}) differs from "
                                    f"PyTorch's by {error:.3g} (relative; at most {tolerance} expected)")

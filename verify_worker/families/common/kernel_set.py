@@ -106,13 +106,18 @@ class TritonKernels:
         return scores.view(batch, seq, -1)
 
 
-def kernels_for(device: torch.device | str, dtype: torch.dtype):
-    """"triton" on CUDA where Triton is installed, tried first on small inputs (kernel_check.py: a failing kernel is
-    a start-up error naming it), else "torch"."""
+def kernels_for(device: torch.device | str, dtype: torch.dtype, fp8: bool):
+    """"triton" on CUDA where Triton is installed, tried first on small inputs in dtype, its FP8 products too where
+    fp8 (the model keeps FP8 weights): a failing kernel is a start-up error naming it (kernel_check.py); else
+    "torch"."""
     kernels = gpu_backend_or(device, TritonKernels, TorchKernels)
     if kernels.name != TorchKernels.name:
-        check_kernels(kernels, TorchKernels(), device, dtype)
+        check_kernels(kernels, TorchKernels(), device, dtype, fp8)
     return kernels
+
+
+def keeps_fp8(model: torch.nn.Module) -> bool:
+    return any(name.endswith("_scale_inv") for name, _ in model.named_parameters())
 
 
 def use_kernels(model: torch.nn.Module, kernels) -> None:

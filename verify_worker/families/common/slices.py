@@ -12,18 +12,19 @@ class Slice:
     start: int
     stop: int
     padded: int | None = None  # zero-pad dim to this size (the last vocabulary shard)
+    whole: int | None = None  # the size along dim of the tensor it is cut from (checked against the file's)
 
 
 def even_slice(dim: int, size: int, tp: TensorParallel) -> Slice:
     """This rank's contiguous 1/N of `size` (which N divides) along dim."""
     local = size // tp.world_size
-    return Slice(dim, tp.rank * local, (tp.rank + 1) * local)
+    return Slice(dim, tp.rank * local, (tp.rank + 1) * local, whole=size)
 
 
 def vocab_slice(vocab_size: int, tp: TensorParallel) -> Slice:
     shard = vocab_shard(vocab_size, tp.world_size)
     start = tp.rank * shard
-    return Slice(0, min(start, vocab_size), min(start + shard, vocab_size), padded=shard)
+    return Slice(0, min(start, vocab_size), min(start + shard, vocab_size), padded=shard, whole=vocab_size)
 
 
 def mlp_slices(plan: dict[str, Slice], cfg, layer: int, tp: TensorParallel) -> None:

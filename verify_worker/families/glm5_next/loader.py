@@ -62,7 +62,7 @@ def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp
         model = Glm5NextModel(cfg, tp)
     tied = cfg.tie_word_embeddings
     load_checkpoint(model, folder, lambda name: None if tied and name == "lm_head.weight" else our_name(name),
-                    cfg.num_layers, plan, fp8.block if fp8 else None, device, compute, FLOAT32_KEPT,
+                    cfg.num_layers, plan, fp8, device, compute, FLOAT32_KEPT,
                     logging.getLogger("dflash.target"))
     model = model.eval().requires_grad_(False)
     return model.pack() if pack else model

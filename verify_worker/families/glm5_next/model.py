@@ -17,7 +17,7 @@ from shared.attention import invariant_key_length
 from shared.layers import RMSNorm
 from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
-from verify_worker.families.common.kernel_set import TorchKernels, kernels_for, use_kernels
+from verify_worker.families.common.kernel_set import TorchKernels, keeps_fp8, kernels_for, use_kernels
 from verify_worker.families.common.hyper_connection import HyperConnection, expand, stream_mean
 from verify_worker.families.common.kda import causal_conv, l2_normalize
 from verify_worker.families.common.kda_recurrence import TorchRecurrence, recurrence_for
@@ -285,7 +285,7 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         """The kernels for the device: on CUDA, fla's Triton KDA recurrence where fla-core is installed and the
         Triton kernels of kernel_set.py (experts, MLA heads, attention, the indexer's scores) where Triton is; else PyTorch's ops (kda_recurrence.py,
         kernel_set.py). Call before new_state: a state replays with its model's recurrence."""
-        use_kernels(self, kernels_for(self.embed_weight.device, self.embed_weight.dtype))
+        use_kernels(self, kernels_for(self.embed_weight.device, self.embed_weight.dtype, keeps_fp8(self)))
         return self.use_recurrence(recurrence_for(self.embed_weight.device))
 
     def use_recurrence(self, recurrence) -> "Glm5NextModel":

@@ -43,7 +43,7 @@ def load_glm_moe_dsa(folder: str | Path, config: dict, device: str, dtype: str, 
         model = GlmMoeDsaModel(cfg, tp)
     tied = cfg.tie_word_embeddings
     load_checkpoint(model, folder, lambda name: None if tied and name == "lm_head.weight" else name, cfg.num_layers,
-                    plan, cfg.fp8.block if cfg.fp8 else None, device, compute, FLOAT32_KEPT,
+                    plan, cfg.fp8, device, compute, FLOAT32_KEPT,
                     logging.getLogger("dflash.target"))
     model.inv_freq = inverse_frequencies(RopeSettings(cfg.rope_theta), cfg.qk_rope_head_dim).to(device)  # not saved
     model = model.eval().requires_grad_(False)

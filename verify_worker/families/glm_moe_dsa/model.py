@@ -21,7 +21,7 @@ from shared.rope import inverse_frequencies
 from shared.rope_settings import RopeSettings
 from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
-from verify_worker.families.common.kernel_set import TorchKernels, kernels_for, use_kernels
+from verify_worker.families.common.kernel_set import TorchKernels, keeps_fp8, kernels_for, use_kernels
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention, interleaved_rotary, rotary_angles
 from verify_worker.families.common.moe import MoE
@@ -191,5 +191,5 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         """The kernels for the device (kernel_set.py: experts, MLA heads, attention and the indexer's scores on
         Triton kernels on CUDA where Triton is installed, else PyTorch's); the projections read the loaded weights
         row by row (linear_rows)."""
-        use_kernels(self, kernels_for(self.embed_weight.device, self.embed_weight.dtype))
+        use_kernels(self, kernels_for(self.embed_weight.device, self.embed_weight.dtype, keeps_fp8(self)))
         return self
