@@ -1,13 +1,13 @@
 """Loading a GLM-5.2-FP8-shaped slice checkpoint: peak host memory against the checkpoint's size, load time, and the
 memory plan's weight bytes against what the loader placed (and, on a GPU, torch.cuda.max_memory_allocated).
 
-The slice has the published widths (hidden 6144, 64 heads, q_lora 2048, kv_lora 512, rope 64, expert width 2048,
-128 x 128 FP8 blocks) with fewer layers, experts and words (--layers, --experts, --vocab) so that it fits any machine; it is
+The slice has the published widths (hidden 6144, 64 heads, q_lora 2048, kv_lora 512, rope 64, expert width 2048, 128 x
+128 FP8 blocks) with fewer layers, experts and words (--layers, --experts, --vocab) so that it fits any machine; it is
 written in shards of one layer, as published checkpoints are sharded. The load runs in a fresh process (its peak
-resident memory is the load's alone): the loader reads one tensor at a time into its place on --device, so the
-host holds the model only when the model lives on the host (--device cpu), never a second copy of it.
+resident memory is the load's alone): the loader reads one tensor at a time into its place on --device, so the host
+holds the model only when the model lives on the host (--device cpu), never a second copy of it.
 
-    python benchmarks/load_memory.py                          # CPU: 2 layers, 16 experts (about 1.3 GB)
+    python benchmarks/load_memory.py                          # CPU: 2 layers, 16 experts (1.9 GiB)
     python benchmarks/load_memory.py --device cuda --experts 64
 """
 
@@ -30,7 +30,8 @@ GLM52_FP8 = {  # GLM-5.2-FP8's config (benchmarks/published_configs/glm-5.2-fp8.
     "n_group": 1, "topk_group": 1, "index_topk": 2048, "index_head_dim": 128, "index_n_heads": 32,
     "first_k_dense_replace": 0, "dtype": "bfloat16", "max_position_embeddings": 4096,
     "quantization_config": {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-                            "weight_block_size": [128, 128], "modules_to_not_convert": ["model.embed_tokens", "lm_head"]},
+                            "weight_block_size": [128, 128],
+                            "modules_to_not_convert": ["model.embed_tokens", "lm_head"]},
 }
 UNQUANTIZED = ("norm.weight", "norm.bias", "mlp.gate.weight", "e_score_correction_bias", "embed_tokens.weight",
                "lm_head.weight", "weights_proj.weight")
@@ -105,7 +106,8 @@ def main() -> None:
         started = time.monotonic()
         write_slice(folder, args.layers, args.experts, args.vocab)
         size = sum(f.stat().st_size for f in folder.glob("*.safetensors"))
-        print(f"slice: {args.layers} layers, {args.experts} experts, vocabulary {args.vocab}, {size / 2**30:.2f} GiB in "
+        print(f"slice: {args.layers} layers, {args.experts} experts, vocabulary {args.vocab}, "
+              f"{size / 2**30:.2f} GiB in "
               f"{len(list(folder.glob('*.safetensors')))} shards (written in {time.monotonic() - started:.0f} s)",
               flush=True)
         run = subprocess.run([sys.executable, __file__, "--child", str(folder), "--device", args.device],
@@ -122,7 +124,8 @@ def main() -> None:
           f"{planned / 2**30:.2f} GiB ({planned / placed - 1:+.1%})")
     if found["cuda_max_allocated"] is not None:
         allocated = found["cuda_max_allocated"]
-        print(f"torch.cuda.max_memory_allocated {allocated / 2**30:.2f} GiB; plan / allocated {planned / allocated:.3f}")
+        print(f"torch.cuda.max_memory_allocated {allocated / 2**30:.2f} GiB; "
+              f"plan / allocated {planned / allocated:.3f}")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
-"""FP8 block checkpoints kept FP8 in the model (both GLM families; the default compute dtype and bfloat16): the
-logits of the FP8 target equal those of its dequantized twin bit for bit on CPU (the torch path dequantizes a weight just before
-its product, to the value a load-time dequantization gives it), greedy speculative == plain on it, and the loader
-says what it kept, with its progress."""
+"""FP8 block checkpoints kept FP8 in the model (both GLM families; the default compute dtype and bfloat16): the logits
+of the FP8 target equal those of its dequantized twin bit for bit on CPU (the torch path dequantizes a weight just
+before its product, to the value a load-time dequantization gives it), greedy speculative == plain on it, and the
+loader says what it kept, with its progress.
+"""
 
 import json
 import logging

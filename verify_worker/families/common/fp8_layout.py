@@ -1,6 +1,8 @@
 """Which weights a published FP8 block checkpoint keeps FP8 in the model, decided from config.json alone (the memory
 plan reads no tensor): every weight a module can keep FP8 (fp8_weights.fp8_capable), except the modules the
-quantization_config leaves unconverted and the weights whose tensor-parallel slices are not whole blocks (the loader dequantizes those, as it does any FP8 tensor it cannot keep: checkpoint_reader.kept_fp8)."""
+quantization_config leaves unconverted and the weights whose tensor-parallel slices are not whole blocks (the loader
+dequantizes those, as it does any FP8 tensor it cannot keep: checkpoint_reader.kept_fp8).
+"""
 
 import torch
 
