@@ -143,18 +143,29 @@ def test_bf16_exact():
 
 
 def test_builds_into_the_cache_folder(tmp_path, monkeypatch):
-    """A fresh cache folder gets a build keyed by the source; a second load reuses it."""
-    monkeypatch.setenv("DFLASH_KERNEL_CACHE", str(tmp_path))
-    library.cpu_kernels.cache_clear()
-    try:
-        kernels = library.cpu_kernels()
-        built = list(tmp_path.glob("*/libdflash_cpu.so"))
-        assert isinstance(kernels, CpuKernels) and len(built) == 1
-        stamp = built[0].stat().st_mtime_ns
-        library.cpu_kernels.cache_clear()
-        assert library.cpu_kernels() is not None and built[0].stat().st_mtime_ns == stamp
-    finally:
-        library.cpu_kernels.cache_clear()
+    """The build cache the C++ kernels load through (shared/native_build.py), on a one-function library: a fresh
+    $DFLASH_KERNEL_CACHE gets a build keyed by the command and the source; a second call reuses it; a changed
+    source builds anew beside it. (Every other test here loads the kernels themselves through it.)"""
+    import ctypes
+    import shutil
+
+    from shared.native_build import cached_library
+
+    compiler = shutil.which("g++") or shutil.which("c++")
+    if compiler is None:
+        pytest.skip("no C++ compiler")
+    monkeypatch.setenv("DFLASH_KERNEL_CACHE", str(tmp_path / "cache"))
+    source = tmp_path / "seven.cpp"
+    source.write_text('extern "C" int seven() { return 7; }\n')
+    command = [compiler, "-shared", "-fPIC", "-O1"]
+    built = cached_library("libseven.so", command, [source])
+    assert built.parent.parent == tmp_path / "cache" and ctypes.CDLL(str(built)).seven() == 7
+    stamp = built.stat().st_mtime_ns
+    assert cached_library("libseven.so", command, [source]) == built and built.stat().st_mtime_ns == stamp
+    source.write_text('extern "C" int seven() { return 8; }\n')
+    rebuilt = cached_library("libseven.so", command, [source])
+    assert rebuilt != built and ctypes.CDLL(str(rebuilt)).seven() == 8
+    assert sorted(p.name for p in (tmp_path / "cache").glob("*/libseven.so")) == ["libseven.so"] * 2
 
 
 def test_switched_off_by_the_environment(monkeypatch):
