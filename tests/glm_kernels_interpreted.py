@@ -147,6 +147,24 @@ def attention_findings() -> dict:
         found[f"attention_{name}_vs_torch"] = float((got.float() - want.float()).abs().max() / want.float().abs().max())
         found[f"attention_{name}_rows_equal_alone"] = bool(torch.equal(got, alone))
         found[f"attention_{name}_equal_with_fewer_keys"] = bool(torch.equal(got, shorter))
+        # the selected keys alone (width: a bound on any row's selection, as the indexer's top-k is)
+        width = int(visible.sum(-1).max()) + 3
+        picked = triton_kernels.latent_attention(q, q_rope, latent, key_rope, visible, 0.3, width)
+        picked_alone = torch.cat([triton_kernels.latent_attention(q[b:b + 1, i:i + 1], q_rope[b:b + 1, i:i + 1],
+                                                                  latent[b:b + 1], key_rope[b:b + 1],
+                                                                  visible[b:b + 1, i:i + 1], 0.3, width)
+                                  for b in range(batch) for i in range(seq)]).view_as(got)
+        picked_shorter = triton_kernels.latent_attention(q, q_rope, latent[:, :131], key_rope[:, :131],
+                                                         visible[..., :131], 0.3, width)
+        found[f"selected_{name}_vs_torch"] = float((picked.float() - want.float()).abs().max()
+                                                   / want.float().abs().max())
+        found[f"selected_{name}_rows_equal_alone"] = bool(torch.equal(picked, picked_alone))
+        found[f"selected_{name}_equal_with_fewer_keys"] = bool(torch.equal(picked, picked_shorter))
+        try:
+            triton_kernels.latent_attention(q, q_rope, latent, key_rope, visible, 0.3, width - 4)
+            found[f"selected_{name}_too_narrow"] = "not raised"
+        except RuntimeError as exc:
+            found[f"selected_{name}_too_narrow"] = str(exc)
         index_q, index_keys = randn(batch, seq, 6, 32, dtype=dtype), randn(batch, keys, 32, dtype=dtype)
         head_weights = randn(batch, seq, 6, dtype=torch.float32)
         scores = triton_kernels.index_scores(index_q, index_keys, head_weights, 0.2)

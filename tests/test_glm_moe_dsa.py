@@ -559,6 +559,11 @@ def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_p
     for dtype in ("float32", "bfloat16"):
         assert found[f"attention_{dtype}_rows_equal_alone"] and found[f"index_{dtype}_rows_equal_alone"], found
         assert found[f"attention_{dtype}_equal_with_fewer_keys"], found
+        # the selected keys' latents alone (a width bounds the selection): as close, each row the same alone and
+        # with fewer keys; a selection wider than the width is an error, not a silent cut
+        assert found[f"selected_{dtype}_vs_torch"] < {"float32": 1e-5, "bfloat16": 2e-2}[dtype], found
+        assert found[f"selected_{dtype}_rows_equal_alone"] and found[f"selected_{dtype}_equal_with_fewer_keys"], found
+        assert "more keys than the selection's width" in found[f"selected_{dtype}_too_narrow"], found
     # the check a GPU runs at pack passes on them, and names a kernel that cannot launch
     assert found["pack_check_float32_passes"] and found["pack_check_bfloat16_passes"], found
     assert "kernel 'latent_attention' failed" in found["pack_check_names_a_failed_kernel"], found

@@ -53,9 +53,11 @@ def test_the_glm_kernels_compile_at_the_published_widths(arch):
     attention = signature(_latent_attention_kernel, {"q_ptr": bf16, "qr_ptr": bf16, "lat_ptr": bf16, "kr_ptr": bf16,
                                                      "vis_ptr": "*u8", "out_ptr": bf16}, floats=("scale",))
     rope = arch == 90  # GLM-5.2 (rope 64) on H100/H200; GLM-5.3-Flash (NoPE) on the Sparks
-    assert compile_for(_latent_attention_kernel, attention,
-                       {"BLOCK_H": 16, "BLOCK_T": 64, "BLOCK_D": 512, "BLOCK_R": 64, "HAS_ROPE": rope,
-                        "INTERPRETED": False}, arch)
+    for indexed in (False, True):  # every key masked; the selected keys alone
+        kinds = {**attention, "vis_ptr": "*i32"} if indexed else attention
+        assert compile_for(_latent_attention_kernel, kinds,
+                           {"BLOCK_H": 16, "BLOCK_T": 64, "BLOCK_D": 512, "BLOCK_R": 64, "HAS_ROPE": rope,
+                            "INDEXED": indexed, "INTERPRETED": False}, arch)
     scores = signature(_index_scores_kernel, {"q_ptr": bf16, "k_ptr": bf16, "w_ptr": "*fp32", "out_ptr": "*fp32"},
                        floats=("scale",))
     assert compile_for(_index_scores_kernel, scores, {"BLOCK_H": 32, "BLOCK_T": 32, "BLOCK_D": 128,

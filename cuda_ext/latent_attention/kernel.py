@@ -9,6 +9,10 @@ not depend on how far past the row's keys the call reaches. So a verify block's 
 bit. Under Triton's interpreter (CPU tensors: tests) the tile products are explicit float32 sums, as in
 cuda_ext/grouped_rows/kernel.py, for the same reasons.
 
+With a width (the indexer's top-k, a bound fixed by the config), a program walks its row's selected positions
+instead (ascending, in chunks of BLOCK_T of the list) and reads those latents alone: a row's result then depends on
+its selection alone, whatever the context or the call's key length, and its cost on the selection, not the context.
+
 Shapes: q_latent [rows, heads, kv_lora], q_rope [rows, heads, rope], latent [batch, keys, kv_lora], key_rope
 [batch, keys, rope], visible [rows, keys] (rows = batch * seq, row r in batch entry r // seq) -> [rows, heads,
 kv_lora] in the latent's dtype.
@@ -22,11 +26,12 @@ BLOCK_H, BLOCK_T = 16, 64  # fixed: every sum's order depends on these and the w
 
 
 @triton.jit
-def _latent_attention_kernel(q_ptr, qr_ptr, lat_ptr, kr_ptr, vis_ptr, out_ptr, heads, keys, seq, latent_dim,
+def _latent_attention_kernel(q_ptr, qr_ptr, lat_ptr, kr_ptr, vis_ptr, out_ptr, heads, span, seq, latent_dim,
                              rope_dim, scale, stride_qm, stride_qh, stride_qrm, stride_qrh, stride_lb, stride_lt,
                              stride_kb, stride_kt, stride_vm, stride_om, stride_oh,
                              BLOCK_H: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_D: tl.constexpr,
-                             BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr, INTERPRETED: tl.constexpr):
+                             BLOCK_R: tl.constexpr, HAS_ROPE: tl.constexpr, INDEXED: tl.constexpr,
+                             INTERPRETED: tl.constexpr):
     row = tl.program_id(0).to(tl.int64)
     batch = row // seq
     hs = tl.program_id(1) * BLOCK_H + tl.arange(0, BLOCK_H)  # [BLOCK_H]
@@ -42,9 +47,15 @@ def _latent_attention_kernel(q_ptr, qr_ptr, lat_ptr, kr_ptr, vis_ptr, out_ptr, h
     running_max = tl.full((BLOCK_H,), -1e30, tl.float32)  # finite: a first chunk the row does not see stays 0
     total = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, BLOCK_D), tl.float32)
-    for start in range(0, keys, BLOCK_T):
-        ts = start + tl.arange(0, BLOCK_T)  # [BLOCK_T]
-        t_live = ts < keys
+    for start in range(0, span, BLOCK_T):  # span: the keys (masked), or the width of the lists (INDEXED)
+        if INDEXED:  # vis_ptr: the row's selected positions, ascending, -1 past its last
+            entries = start + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+            ts = tl.load(vis_ptr + row * stride_vm + entries, mask=entries < span, other=-1)
+            t_live = ts >= 0
+            ts = tl.where(t_live, ts, 0)
+        else:
+            ts = start + tl.arange(0, BLOCK_T)  # [BLOCK_T]
+            t_live = ts < span
         lat = tl.load(lat_ptr + batch * stride_lb + ts[:, None] * stride_lt + ds[None, :],
                       mask=t_live[:, None] & d_live[None, :], other=0.0)  # [BLOCK_T, BLOCK_D]
         if INTERPRETED:
@@ -58,7 +69,10 @@ def _latent_attention_kernel(q_ptr, qr_ptr, lat_ptr, kr_ptr, vis_ptr, out_ptr, h
                 scores += tl.sum(q_rope.to(tl.float32)[:, None, :] * k_rope.to(tl.float32)[None, :, :], axis=2)
             else:
                 scores += tl.dot(q_rope, tl.trans(k_rope), input_precision="ieee")
-        seen = tl.load(vis_ptr + row * stride_vm + ts, mask=t_live, other=0) != 0  # [BLOCK_T]
+        if INDEXED:
+            seen = t_live
+        else:
+            seen = tl.load(vis_ptr + row * stride_vm + ts, mask=t_live, other=0) != 0  # [BLOCK_T]
         scores = tl.where(seen[None, :], scores * scale, float("-inf"))
         new_max = tl.maximum(running_max, tl.max(scores, axis=1))  # [BLOCK_H]
         probs = tl.exp(scores - new_max[:, None])  # [BLOCK_H, BLOCK_T]; exact zeros where unseen
@@ -76,23 +90,39 @@ def _latent_attention_kernel(q_ptr, qr_ptr, lat_ptr, kr_ptr, vis_ptr, out_ptr, h
              mask=h_live[:, None] & d_live[None, :])
 
 
+def selected_positions(visible: torch.Tensor, width: int) -> torch.Tensor:
+    """visible [rows, keys] bool -> int32 [rows, width]: each row's visible positions in ascending order, -1 past
+    its last. A row that sees more than width keys is an error (raised on the device, without waiting for it)."""
+    torch._assert_async(visible.sum(-1).max() <= width, "a row selects more keys than the selection's width")
+    order = torch.sort(visible.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :width]
+    positions = torch.where(visible.gather(-1, order), order, -1).to(torch.int32)  # [rows, <= width]
+    return torch.nn.functional.pad(positions, (0, width - positions.shape[-1]), value=-1).contiguous()
+
+
 def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
-                     visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """See the module docstring for the shapes."""
+                     visible: torch.Tensor, scale: float, width: int | None = None) -> torch.Tensor:
+    """See the module docstring for the shapes. width: at most this many keys per row are visible (the indexer's
+    top-k): the kernel then reads those keys' latents alone, walked in ascending order in chunks of BLOCK_T, instead
+    of every key's (its cost then grows with the selection, not the context)."""
     rows, heads, latent_dim = q_latent.shape
     batch, keys, _ = latent.shape
     rope_dim = q_rope.shape[-1]
     q_latent, q_rope = q_latent.to(latent.dtype).contiguous(), q_rope.to(latent.dtype).contiguous()
     latent, key_rope = latent.contiguous(), key_rope.contiguous()
-    visible = visible.reshape(rows, keys).to(torch.uint8).contiguous()
+    visible = visible.reshape(rows, keys)
+    if width is None:
+        visible, span = visible.to(torch.uint8).contiguous(), keys
+    else:
+        visible, span = selected_positions(visible, width), width
     interpreted = latent.device.type == "cpu"  # the interpreter truncates float32 to bfloat16: torch rounds instead
     out = torch.empty(rows, heads, latent_dim, device=latent.device,
                       dtype=torch.float32 if interpreted else latent.dtype)
     grid = (rows, triton.cdiv(heads, BLOCK_H))
     _latent_attention_kernel[grid](
-        q_latent, q_rope, latent, key_rope, visible, out, heads, keys, rows // batch, latent_dim, rope_dim, scale,
+        q_latent, q_rope, latent, key_rope, visible, out, heads, span, rows // batch, latent_dim, rope_dim, scale,
         q_latent.stride(0), q_latent.stride(1), q_rope.stride(0), q_rope.stride(1), latent.stride(0),
         latent.stride(1), key_rope.stride(0), key_rope.stride(1), visible.stride(0), out.stride(0), out.stride(1),
         BLOCK_H=BLOCK_H, BLOCK_T=BLOCK_T, BLOCK_D=max(16, triton.next_power_of_2(latent_dim)),
-        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))), HAS_ROPE=rope_dim > 0, INTERPRETED=interpreted)
+        BLOCK_R=max(16, triton.next_power_of_2(max(rope_dim, 1))), HAS_ROPE=rope_dim > 0, INDEXED=width is not None,
+        INTERPRETED=interpreted)
     return out.to(latent.dtype)

@@ -36,6 +36,8 @@ def check_kernels(kernels, oracle, device: torch.device | str, dtype: torch.dtyp
         "grouped (FP8 blocks)": lambda k: k.grouped(x, blocks, counts, scales, (32, 64)),
         "fp8_rows": lambda k: k.fp8_rows(x[None, :5], blocks[0], scales[0], (32, 64)),
         "latent_attention": lambda k: k.latent_attention(q, q_rope, latent, key_rope, visible, 0.2),
+        "latent_attention (selected keys)": lambda k: k.latent_attention(q, q_rope, latent, key_rope, visible, 0.2,
+                                                                         70),
         "index_scores": lambda k: k.index_scores(index_q, index_keys, head_weights, 0.25),
     }
     if not fp8:

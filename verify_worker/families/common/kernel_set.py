@@ -11,9 +11,10 @@ with a `glm_kernels` attribute):
   and group of block[1] columns (dynamic 1 x 128 for the published blocks), FP8 products scaled per K block. Rows
   stay independent (speculative == plain holds); the products differ from the dequantized twin's by the
   activations' rounding. Not the default: the benchmarks measure it (benchmarks/gpu_glm_step.py --fp8 w8a8).
-- `latent_attention(q_latent, q_rope, latent, key_rope, visible, scale)`: MLA's attention in the latent space.
-  q_latent [b, s, heads, kv_lora], q_rope [b, s, heads, rope], latent [b, keys, kv_lora], key_rope [b, keys, rope],
-  visible [b, s, keys] -> [b, s, heads, kv_lora].
+- `latent_attention(q_latent, q_rope, latent, key_rope, visible, scale, width=None)`: MLA's attention in the latent
+  space. q_latent [b, s, heads, kv_lora], q_rope [b, s, heads, rope], latent [b, keys, kv_lora], key_rope [b, keys,
+  rope], visible [b, s, keys] -> [b, s, heads, kv_lora]. width: a bound on the keys a row sees (the indexer's
+  selection), which the Triton kernel reads alone.
 - `index_scores(q, keys, head_weights, scale)`: the DSA indexer's scores. q [b, s, heads, dim], keys [b, T, dim],
   head_weights [b, s, heads] -> float32 [b, s, T].
 
@@ -67,7 +68,9 @@ class TorchKernels:
         out = linear_rows(activations, dequantize(weight, scale, block))  # float32 [n, N]
         return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
-    latent_attention = staticmethod(latent_attention)
+    def latent_attention(self, q_latent, q_rope, latent, key_rope, visible, scale, width=None) -> torch.Tensor:
+        return latent_attention(q_latent, q_rope, latent, key_rope, visible, scale)  # every key, masked
+
     index_scores = staticmethod(index_scores)
 
 
@@ -93,10 +96,10 @@ class TritonKernels:
                             fp8_activations=self.fp8_activations)  # [n, N]
         return out.view(*x.shape[:-1], weight.shape[0])
 
-    def latent_attention(self, q_latent, q_rope, latent, key_rope, visible, scale) -> torch.Tensor:
+    def latent_attention(self, q_latent, q_rope, latent, key_rope, visible, scale, width=None) -> torch.Tensor:
         batch, seq, heads, _ = q_latent.shape
         out = self._attend(q_latent.reshape(batch * seq, heads, -1), q_rope.reshape(batch * seq, heads, -1),
-                           latent, key_rope, visible, scale)  # [b * s, heads, kv_lora]
+                           latent, key_rope, visible, scale, width)  # [b * s, heads, kv_lora]
         return out.view(batch, seq, heads, -1)
 
     def index_scores(self, q, keys, head_weights, scale) -> torch.Tensor:

@@ -29,14 +29,16 @@ def rotary_angles(inv_freq: torch.Tensor, positions: torch.Tensor, dtype: torch.
 
 def absorbed_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
                        w_uk: torch.Tensor, w_uv: torch.Tensor, visible: torch.Tensor, scale: float,
-                       kernels) -> torch.Tensor:
+                       kernels, width: int | None = None) -> torch.Tensor:
     """q_nope [b, s, heads, nope], q_rope [b, s, heads, rope]; latent [b, keys, kv_lora], key_rope [b, keys, rope];
     w_uk [heads, nope, kv_lora], w_uv [heads, v, kv_lora]; visible [b, s, keys] (bool); kernels: the family's
-    kernel set (kernel_set.py). Returns [b, s, heads * v]: the queries taken into the latent space per head, the
-    attention there (kernels.latent_attention), the result taken out per head."""
+    kernel set (kernel_set.py); width: a bound on the keys a row sees (the indexer's selection). Returns
+    [b, s, heads * v]: the queries taken into the latent space per head, the attention there
+    (kernels.latent_attention), the result taken out per head."""
     batch, seq, _, _ = q_nope.shape
     q_latent = per_head(q_nope, w_uk, kernels)  # [b, s, heads, kv_lora]
-    out_latent = kernels.latent_attention(q_latent, q_rope, latent, key_rope, visible, scale)  # [b, s, heads, kv_lora]
+    out_latent = kernels.latent_attention(q_latent, q_rope, latent, key_rope, visible, scale,
+                                          width)  # [b, s, heads, kv_lora]
     return per_head(out_latent, w_uv.transpose(1, 2), kernels).reshape(batch, seq, -1)
 
 

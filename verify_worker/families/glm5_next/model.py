@@ -166,8 +166,11 @@ class NopeLatentAttention(nn.Module):
         if self.indexer is not None:
             selected = self.indexer.select(x, q_resid, cached, positions)
         w = self.kv_b_proj.weight.view(self.num_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, cfg.kv_lora_rank)
+        kpool = cfg.index_kpool  # a selection: top_pools whole pools, and the query's own incomplete one
+        width = cfg.index_topk // kpool * kpool + (kpool - 1 if cfg.always_select_tail else 0)
         out = absorbed_attention(q, q[..., :0], latents, key_ropes, w[:, : cfg.qk_nope_head_dim],
-                                 w[:, cfg.qk_nope_head_dim:], selected, cfg.qk_nope_head_dim**-0.5, self.glm_kernels)
+                                 w[:, cfg.qk_nope_head_dim:], selected, cfg.qk_nope_head_dim**-0.5, self.glm_kernels,
+                                 width)
         return self.tp.all_reduce(self.o_proj(out)), selected
 
 

@@ -101,7 +101,8 @@ class LatentAttention(nn.Module):
         if self.indexer is not None:
             selected = self.indexer.select(x, q_resid, cos, sin, cached_index_keys, visible)
         w_uk, w_uv = self.absorbed_weights()
-        out = absorbed_attention(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, selected, self.scale, self.glm_kernels)
+        out = absorbed_attention(q_nope, q_rope, latents, key_ropes, w_uk, w_uv, selected, self.scale, self.glm_kernels,
+                                 cfg.index_topk)  # a selection is at most index_topk keys
         return self.tp.all_reduce(self.o_proj(out)), selected
 
 
