@@ -99,7 +99,7 @@ class KdaAttention(nn.Module):
         series = torch.cat([window, raw.transpose(1, 2).float()], -1)  # [b, C, K-1+s]
         take = lengths[:, None] + torch.arange(window.shape[-1], device=x.device)  # the last K-1 real inputs
         state.tip_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
-        state.record(slots.tolist(), lengths.tolist(), TokenInputs(k, v, decay, g, beta, raw))
+        state.record(slots, lengths, TokenInputs(k, v, decay, g, beta, raw))
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, seq, heads, dim).float()
         normed = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         normed = normed * elementwise_rows(torch.sigmoid, gate)
@@ -271,7 +271,6 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         return TargetOutput(hidden=self.model.norm(stream_mean(streams)), taps=tapped)
 
     def commit(self, state: Glm5NextState, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        slots, kept = slots.tolist(), kept.tolist()
         for recurrent in state.recurrent.values():
             recurrent.commit(slots, kept)
 

@@ -29,8 +29,20 @@ class TokenInputs:
     raw: torch.Tensor  # [b, s, conv channels]: the conv's inputs
 
 
+@dataclass
+class PendingStep:
+    """One forward's recorded rows in a KDA layer: their inputs, slots [b] and real tokens [b] (device tensors), and
+    which rows are still pending (not yet committed or reset) [b] bool."""
+
+    inputs: TokenInputs
+    slots: torch.Tensor
+    lengths: torch.Tensor
+    live: torch.Tensor
+
+
 class RecurrentState:
-    """One KDA layer's states for every slot."""
+    """One KDA layer's states for every slot. The bookkeeping of pending tokens is device tensors: a step records
+    its rows with no read of the host, and a commit looks at the host once for the whole batch, not per row."""
 
     def __init__(self, num_slots: int, heads: int, dk: int, dv: int, channels: int, kernel: int, device,
                  recurrence=None):
@@ -40,70 +52,95 @@ class RecurrentState:
         self.tip = torch.zeros(num_slots, heads, dk, dv, **f32)
         self.committed_window = torch.zeros(num_slots, channels, kernel - 1, **f32)
         self.tip_window = torch.zeros(num_slots, channels, kernel - 1, **f32)
-        self.pending: dict[int, list[tuple[TokenInputs, int, int]]] = {}  # slot -> (inputs, row, real tokens)
+        self.pending_tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
+        self.steps: list[PendingStep] = []  # in order
 
     def tensors(self) -> list[torch.Tensor]:
         return [self.committed, self.tip, self.committed_window, self.tip_window]
 
-    def record(self, slots: list[int], lengths: list[int], inputs: TokenInputs) -> None:
-        for row, (slot, n) in enumerate(zip(slots, lengths)):
-            self.pending.setdefault(slot, []).append((inputs, row, n))
+    def record(self, slots: torch.Tensor, lengths: torch.Tensor, inputs: TokenInputs) -> None:
+        """A forward's rows: slots [b], lengths [b] (each row's real tokens, the first of its s)."""
+        slots, lengths = slots.to(torch.long), lengths.to(torch.long)
+        self.steps.append(PendingStep(inputs, slots, lengths, torch.ones_like(slots, dtype=torch.bool)))
+        self.pending_tokens.index_add_(0, slots, lengths)
 
-    def commit(self, slots: list[int], kept: list[int]) -> None:
+    def commit(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
         """Each slot keeps its first kept pending tokens: the tip when all are kept, the committed state when none
         are, else the committed state with the kept prefix replayed through the same update the forward ran
         (all such slots in one batched replay)."""
-        adopt, drop, partial = [], [], []
-        for slot, n in zip(slots, kept):
-            records = self.pending.pop(slot, [])
-            total = sum(count for _, _, count in records)
-            if n > total:
-                raise ValueError(f"slot {slot} keeps {n} tokens but {total} are pending")
-            if n == total:
-                adopt.append(slot)
-            else:
-                drop.append(slot)
-                if n:
-                    partial.append((slot, records, n))
-        if partial:
-            self._replay(partial)
-        if adopt:
-            index = torch.tensor(adopt, device=self.tip.device)
-            self.committed[index], self.committed_window[index] = self.tip[index], self.tip_window[index]
-        if drop:
-            index = torch.tensor(drop, device=self.tip.device)
-            self.tip[index], self.tip_window[index] = self.committed[index], self.committed_window[index]
+        slots = slots.to(device=self.tip.device, dtype=torch.long)
+        kept = kept.to(device=self.tip.device, dtype=torch.long)
+        total = self.pending_tokens[slots]  # [n]
+        over = kept > total
+        if bool(over.any()):
+            index = int(over.nonzero()[0, 0])
+            raise ValueError(f"slot {int(slots[index])} keeps {int(kept[index])} tokens but {int(total[index])} are "
+                             "pending")
+        adopt = kept == total
+        partial = ~adopt & (kept > 0)
+        if bool(partial.any()):
+            self._replay(slots[partial], kept[partial])
+        adopted, dropped = slots[adopt], slots[~adopt]
+        self.committed[adopted], self.committed_window[adopted] = self.tip[adopted], self.tip_window[adopted]
+        self.tip[dropped], self.tip_window[dropped] = self.committed[dropped], self.committed_window[dropped]
+        self._forget(slots)
 
-    def _replay(self, partial: list[tuple[int, list[tuple[TokenInputs, int, int]], int]]) -> None:
+    def _forget(self, slots: torch.Tensor) -> None:
+        """These slots have nothing pending any more; steps with no pending row are dropped."""
+        self.pending_tokens[slots] = 0
+        for step in self.steps:
+            step.live &= ~torch.isin(step.slots, slots)
+        self.steps = [step for step in self.steps if bool(step.live.any())]
+
+    def _replay(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
         """The committed states of these slots advanced through their kept tokens, batched over the slots (each
         slot's heads are updated on their own, so the batch does not change a bit)."""
-        longest = max(n for _, _, n in partial)
+        longest = int(kept.max())
         names = ("k", "v", "decay", "g", "beta", "raw")
-        first = partial[0][1][0][0]
-        if all(len(records) == 1 and records[0][0] is first for _, records, _ in partial):  # one forward's rows
-            rows = torch.tensor([records[0][1] for _, records, _ in partial], device=self.tip.device)
-            k, v, decay, g, beta, raw = (getattr(first, f)[rows, :longest] for f in names)  # [P, longest, ...]
-        else:  # a slot's pending tokens span forwards (a prompt chunk, then a decode block)
-            fields = {f: [] for f in names}
-            for _, records, n in partial:
-                for f in names:
-                    joined = torch.cat([getattr(inputs, f)[row, :count] for inputs, row, count in records])[:n]
-                    pad = [0] * (2 * (joined.dim() - 1)) + [0, longest - n]
-                    fields[f].append(torch.nn.functional.pad(joined, pad))
-            k, v, decay, g, beta, raw = (torch.stack(fields[f]) for f in names)  # [P, longest, ...]
-        index = torch.tensor([slot for slot, _, _ in partial], device=self.tip.device)
-        kept = torch.tensor([n for _, _, n in partial], device=self.tip.device)
+        last = self.steps[-1]
+        rows = self._rows_in(last, slots)  # [P]: each slot's row in the last step, -1 where none
+        found = rows >= 0
+        within = bool(found.all()) and bool((last.lengths[rows.clamp(min=0)] == self.pending_tokens[slots]).all())
+        if within:  # every slot's pending tokens are one forward's row (a decode block): gathered at once
+            k, v, decay, g, beta, raw = (getattr(last.inputs, f)[rows, :longest] for f in names)  # [P, longest, ...]
+        else:  # a slot's pending tokens span forwards (a prompt chunk, then a decode block): laid end to end
+            k, v, decay, g, beta, raw = self._joined(slots, kept, longest, names)  # [P, longest, ...]
         live = torch.arange(longest, device=kept.device)[None] < kept[:, None]  # [P, longest]
-        self.committed[index], _ = self.recurrence.run(self.committed[index], None, k, v, decay, g, beta, live)
-        window = self.committed_window[index]  # [P, C, K-1]
+        self.committed[slots], _ = self.recurrence.run(self.committed[slots], None, k, v, decay, g, beta, live)
+        window = self.committed_window[slots]  # [P, C, K-1]
         series = torch.cat([window, raw.transpose(1, 2).float()], -1)
         take = kept[:, None] + torch.arange(window.shape[-1], device=window.device)
-        self.committed_window[index] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
+        self.committed_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
+
+    def _joined(self, slots: torch.Tensor, kept: torch.Tensor, longest: int, names) -> list[torch.Tensor]:
+        """Each slot's first kept pending tokens' inputs, its steps' rows laid end to end: per name [P, longest, ...]
+        (zeros past a slot's kept tokens)."""
+        first = self.steps[0].inputs
+        fields = [getattr(first, f).new_zeros(len(slots), longest, *getattr(first, f).shape[2:]) for f in names]
+        before = torch.zeros_like(kept)  # [P] tokens laid so far
+        for step in self.steps:
+            rows = self._rows_in(step, slots)  # [P]
+            counts = torch.where(rows >= 0, step.lengths[rows.clamp(min=0)], 0)  # [P]
+            offsets = torch.arange(step.inputs.k.shape[1], device=kept.device)  # [s]
+            places = before[:, None] + offsets[None]  # [P, s]
+            valid = (offsets[None] < counts[:, None]) & (places < kept[:, None])
+            slot_index, token = valid.nonzero(as_tuple=True)
+            for field, name in zip(fields, names):
+                field[slot_index, places[slot_index, token]] = getattr(step.inputs, name)[rows[slot_index], token]
+            before += counts
+        return fields
+
+    def _rows_in(self, step: PendingStep, slots: torch.Tensor) -> torch.Tensor:
+        """Each slot's pending row in step [P] (-1 where the slot has none there; a step holds a slot once)."""
+        row_of = torch.full_like(self.pending_tokens, -1)  # [slots]
+        rows = torch.arange(step.slots.shape[0], device=slots.device)
+        row_of[step.slots[step.live]] = rows[step.live]
+        return row_of[slots]
 
     def reset(self, slot: int) -> None:
         for tensor in self.tensors():
             tensor[slot] = 0
-        self.pending.pop(slot, None)
+        self._forget(torch.tensor([slot], device=self.tip.device))
 
 
 class Glm5NextState:
