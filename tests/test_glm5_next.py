@@ -195,6 +195,37 @@ def test_a_commit_of_nothing_and_a_reset_restore_the_slot(glm5):
     assert all(not t.any() for t in kda_tensors(state, 0))
 
 
+def test_a_forward_that_raises_midway_is_undone_and_the_slot_decodes_on_exactly(glm5):
+    """A step that raises after the first KDA layer recorded its rows and before the others did (the engine then
+    commits nothing for its slots): every layer's state is restored, and the slot's next verify block and partial
+    commit give the states of a slot that never saw the failure."""
+    _, target, _ = glm5
+    ids = prompt_ids(20, 6)
+    states = [target.new_state(1, 64) for _ in range(2)]
+    for state in states:
+        run(target, state, ids[:, :12], 0, 0)
+        target.commit(state, torch.tensor([0]), torch.tensor([12]))
+    failed = states[0]
+    before = [t.clone() for t in kda_tensors(failed, 0)]
+    second = target.model.layers[list(failed.recurrent)[1]].self_attn
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("a kernel failed")
+
+    second.forward = boom  # the instance's own: the class's forward again once deleted
+    try:
+        with pytest.raises(RuntimeError, match="a kernel failed"):
+            run(target, failed, ids[:, 12:16], 12, 0)
+    finally:
+        del second.forward
+    target.commit(failed, torch.tensor([0]), torch.tensor([0]))
+    assert all(torch.equal(a, b) for a, b in zip(kda_tensors(failed, 0), before))
+    for state in states:
+        run(target, state, ids[:, 12:18], 12, 0)
+        target.commit(state, torch.tensor([0]), torch.tensor([4]))
+    assert all(torch.equal(a, b) for a, b in zip(kda_tensors(states[0], 0), kda_tensors(states[1], 0)))
+
+
 def test_speculative_greedy_equals_plain_and_transformers(glm5):
     hf, target, _ = glm5
     prompts = [prompt_ids(n, 10 + n)[0].tolist() for n in (2, 9, 17, 26, 31)]

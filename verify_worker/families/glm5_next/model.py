@@ -222,9 +222,12 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         latent = LatentCache(attention, indexed, num_slots, capacity, cfg.kv_lora_rank, 0, 2 * cfg.index_head_dim,
                              self.embed_weight.dtype, device)
         heads, dim = self.local.linear_num_heads, cfg.linear_head_dim
-        recurrent = {i: RecurrentState(num_slots, heads, dim, dim, 3 * heads * dim, cfg.conv_kernel, device,
-                                       self.model.layers[i].self_attn.recurrence)
-                     for i, t in enumerate(cfg.layer_types) if t == "linear"}
+        recurrent, counts = {}, None  # the first KDA layer counts the pending tokens for all of them
+        for i, kind in enumerate(cfg.layer_types):
+            if kind == "linear":
+                recurrent[i] = RecurrentState(num_slots, heads, dim, dim, 3 * heads * dim, cfg.conv_kernel, device,
+                                              self.model.layers[i].self_attn.recurrence, counts)
+                counts = recurrent[i].pending_tokens
         return Glm5NextState(latent, recurrent)
 
     def state_bytes_per_slot(self, capacity: int) -> int:
@@ -271,8 +274,12 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         return TargetOutput(hidden=self.model.norm(stream_mean(streams)), taps=tapped)
 
     def commit(self, state: Glm5NextState, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        for recurrent in state.recurrent.values():
-            recurrent.commit(slots, kept)
+        layers = list(state.recurrent.values())
+        if not layers:
+            return
+        plan = layers[0].plan(slots, kept)  # the same pending tokens in every KDA layer: worked out once
+        for recurrent in layers:
+            recurrent.apply(plan)
 
     def reset(self, state: Glm5NextState, slot: int) -> None:
         for recurrent in state.recurrent.values():

@@ -38,21 +38,43 @@ class PendingStep:
     slots: torch.Tensor
     lengths: torch.Tensor
     live: torch.Tensor
+    source: torch.Tensor  # the forward's slots tensor as given: the same object in every layer of one forward
+
+
+@dataclass
+class CommitPlan:
+    """What a commit does, worked out once for every KDA layer (their pending tokens are the same)."""
+
+    slots: torch.Tensor  # [n] the committed slots
+    kept: torch.Tensor  # [n] how many of their pending tokens each keeps
+    sources: list[torch.Tensor]  # the pending forwards it was worked out from (PendingStep.source)
+    adopted: torch.Tensor  # slots that keep every pending token: the tip becomes the committed state
+    dropped: torch.Tensor  # the others: the tip goes back to the committed state (after any replay)
+    partial: torch.Tensor  # [P] slots that keep some, not all: replayed
+    partial_kept: torch.Tensor  # [P] how many
+    longest: int  # the most kept by a replayed slot
+    last_rows: torch.Tensor | None  # [P] their rows in the last forward, where that forward holds all they keep
+    step_rows: list[torch.Tensor]  # [P] per pending forward: their rows there (-1: none)
+    live: list[torch.Tensor]  # per pending forward: its rows still pending after the commit
+    kept_steps: list[bool]  # per pending forward: whether it still holds a pending row
 
 
 class RecurrentState:
-    """One KDA layer's states for every slot. The bookkeeping of pending tokens is device tensors: a step records
-    its rows with no read of the host, and a commit looks at the host once for the whole batch, not per row."""
+    """One KDA layer's states for every slot. The count of pending tokens is a device tensor shared by the
+    layers (the first, its owner, keeps it), so a step records its rows without reading the host, and a commit
+    reads the host once for the batch and every layer (plan), not per row or per layer."""
 
     def __init__(self, num_slots: int, heads: int, dk: int, dv: int, channels: int, kernel: int, device,
-                 recurrence=None):
+                 recurrence=None, pending_tokens: torch.Tensor | None = None):
         self.recurrence = recurrence or TorchRecurrence()  # the model's, so that a replay equals the forward
         f32 = dict(dtype=torch.float32, device=device)
         self.committed = torch.zeros(num_slots, heads, dk, dv, **f32)
         self.tip = torch.zeros(num_slots, heads, dk, dv, **f32)
         self.committed_window = torch.zeros(num_slots, channels, kernel - 1, **f32)
         self.tip_window = torch.zeros(num_slots, channels, kernel - 1, **f32)
-        self.pending_tokens = torch.zeros(num_slots, dtype=torch.long, device=device)  # [slots]
+        self.owner = pending_tokens is None
+        self.pending_tokens = torch.zeros(num_slots, dtype=torch.long, device=device) if self.owner else \
+            pending_tokens  # [slots]
         self.steps: list[PendingStep] = []  # in order
 
     def tensors(self) -> list[torch.Tensor]:
@@ -60,17 +82,24 @@ class RecurrentState:
 
     def record(self, slots: torch.Tensor, lengths: torch.Tensor, inputs: TokenInputs) -> None:
         """A forward's rows: slots [b], lengths [b] (each row's real tokens, the first of its s)."""
+        source = slots
         slots, lengths = slots.to(torch.long), lengths.to(torch.long)
-        self.steps.append(PendingStep(inputs, slots, lengths, torch.ones_like(slots, dtype=torch.bool)))
-        self.pending_tokens.index_add_(0, slots, lengths)
+        self.steps.append(PendingStep(inputs, slots, lengths, torch.ones_like(slots, dtype=torch.bool), source))
+        if self.owner:
+            self.pending_tokens.index_add_(0, slots, lengths)
 
-    def commit(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        """Each slot keeps its first kept pending tokens: the tip when all are kept, the committed state when none
-        are, else the committed state with the kept prefix replayed through the same update the forward ran
-        (all such slots in one batched replay)."""
+    def plan(self, slots: torch.Tensor, kept: torch.Tensor, own: bool = False) -> CommitPlan:
+        """Each slot keeps its first kept pending tokens (a ValueError where more than are pending). own: count
+        this layer's pending tokens from its own forwards, not the shared count (a layer whose forwards differ from
+        the owner's: a forward that raised before reaching it)."""
         slots = slots.to(device=self.tip.device, dtype=torch.long)
         kept = kept.to(device=self.tip.device, dtype=torch.long)
-        total = self.pending_tokens[slots]  # [n]
+        counts = self.pending_tokens
+        if own:
+            counts = torch.zeros_like(self.pending_tokens)
+            for step in self.steps:
+                counts.index_add_(0, step.slots[step.live], step.lengths[step.live])
+        total = counts[slots]  # [n]
         over = kept > total
         if bool(over.any()):
             index = int(over.nonzero()[0, 0])
@@ -78,33 +107,55 @@ class RecurrentState:
                              "pending")
         adopt = kept == total
         partial = ~adopt & (kept > 0)
-        if bool(partial.any()):
-            self._replay(slots[partial], kept[partial])
-        adopted, dropped = slots[adopt], slots[~adopt]
-        self.committed[adopted], self.committed_window[adopted] = self.tip[adopted], self.tip_window[adopted]
-        self.tip[dropped], self.tip_window[dropped] = self.committed[dropped], self.committed_window[dropped]
-        self._forget(slots)
+        replayed, replayed_kept = slots[partial], kept[partial]
+        step_rows = [self._rows_in(step, replayed) for step in self.steps]
+        longest, last_rows = 0, None
+        if replayed.numel():
+            longest = int(replayed_kept.max())
+            rows = step_rows[-1]
+            if bool((rows >= 0).all()) and bool((self.steps[-1].lengths[rows.clamp(min=0)] ==
+                                                 total[partial]).all()):
+                last_rows = rows  # a decode block's rows: one gather
+        live = [step.live & ~torch.isin(step.slots, slots) for step in self.steps]
+        kept_steps = torch.stack([mask.any() for mask in live]).tolist() if live else []
+        return CommitPlan(slots, kept, [step.source for step in self.steps], slots[adopt], slots[~adopt], replayed,
+                          replayed_kept, longest, last_rows, step_rows, live, kept_steps)
 
-    def _forget(self, slots: torch.Tensor) -> None:
-        """These slots have nothing pending any more; steps with no pending row are dropped."""
-        self.pending_tokens[slots] = 0
-        for step in self.steps:
-            step.live &= ~torch.isin(step.slots, slots)
-        self.steps = [step for step in self.steps if bool(step.live.any())]
+    def apply(self, plan: CommitPlan) -> None:
+        """The commit: the tip when all are kept, the committed state when none are, else the committed state with
+        the kept prefix replayed through the same update the forward ran (all such slots in one batched replay).
+        A layer whose pending forwards are not the plan's works out its own."""
+        if len(self.steps) != len(plan.sources) or any(step.source is not source
+                                                       for step, source in zip(self.steps, plan.sources)):
+            plan = self.plan(plan.slots, plan.kept, own=True)
+        if plan.partial.numel():
+            self._replay(plan)
+        if plan.adopted.numel():
+            adopted = plan.adopted
+            self.committed[adopted], self.committed_window[adopted] = self.tip[adopted], self.tip_window[adopted]
+        if plan.dropped.numel():
+            dropped = plan.dropped
+            self.tip[dropped], self.tip_window[dropped] = self.committed[dropped], self.committed_window[dropped]
+        for step, live in zip(self.steps, plan.live):
+            step.live = live
+        self.steps = [step for step, keep in zip(self.steps, plan.kept_steps) if keep]
+        if self.owner:
+            self.pending_tokens[plan.slots] = 0
 
-    def _replay(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        """The committed states of these slots advanced through their kept tokens, batched over the slots (each
-        slot's heads are updated on their own, so the batch does not change a bit)."""
-        longest = int(kept.max())
+    def commit(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
+        """plan and apply, for this layer alone."""
+        self.apply(self.plan(slots, kept))
+
+    def _replay(self, plan: CommitPlan) -> None:
+        """The committed states of the replayed slots advanced through their kept tokens, batched over the slots
+        (each slot's heads are updated on their own, so the batch does not change a bit)."""
+        slots, kept, longest = plan.partial, plan.partial_kept, plan.longest
         names = ("k", "v", "decay", "g", "beta", "raw")
-        last = self.steps[-1]
-        rows = self._rows_in(last, slots)  # [P]: each slot's row in the last step, -1 where none
-        found = rows >= 0
-        within = bool(found.all()) and bool((last.lengths[rows.clamp(min=0)] == self.pending_tokens[slots]).all())
-        if within:  # every slot's pending tokens are one forward's row (a decode block): gathered at once
-            k, v, decay, g, beta, raw = (getattr(last.inputs, f)[rows, :longest] for f in names)  # [P, longest, ...]
+        if plan.last_rows is not None:  # every slot's pending tokens are one forward's row (a decode block)
+            inputs = self.steps[-1].inputs
+            k, v, decay, g, beta, raw = (getattr(inputs, f)[plan.last_rows, :longest] for f in names)
         else:  # a slot's pending tokens span forwards (a prompt chunk, then a decode block): laid end to end
-            k, v, decay, g, beta, raw = self._joined(slots, kept, longest, names)  # [P, longest, ...]
+            k, v, decay, g, beta, raw = self._joined(plan, names)  # [P, longest, ...]
         live = torch.arange(longest, device=kept.device)[None] < kept[:, None]  # [P, longest]
         self.committed[slots], _ = self.recurrence.run(self.committed[slots], None, k, v, decay, g, beta, live)
         window = self.committed_window[slots]  # [P, C, K-1]
@@ -112,14 +163,14 @@ class RecurrentState:
         take = kept[:, None] + torch.arange(window.shape[-1], device=window.device)
         self.committed_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
 
-    def _joined(self, slots: torch.Tensor, kept: torch.Tensor, longest: int, names) -> list[torch.Tensor]:
-        """Each slot's first kept pending tokens' inputs, its steps' rows laid end to end: per name [P, longest, ...]
-        (zeros past a slot's kept tokens)."""
+    def _joined(self, plan: CommitPlan, names) -> list[torch.Tensor]:
+        """Each replayed slot's first kept pending tokens' inputs, its forwards' rows laid end to end: per name
+        [P, longest, ...] (zeros past a slot's kept tokens)."""
+        kept, longest = plan.partial_kept, plan.longest
         first = self.steps[0].inputs
-        fields = [getattr(first, f).new_zeros(len(slots), longest, *getattr(first, f).shape[2:]) for f in names]
+        fields = [getattr(first, f).new_zeros(len(kept), longest, *getattr(first, f).shape[2:]) for f in names]
         before = torch.zeros_like(kept)  # [P] tokens laid so far
-        for step in self.steps:
-            rows = self._rows_in(step, slots)  # [P]
+        for step, rows in zip(self.steps, plan.step_rows):
             counts = torch.where(rows >= 0, step.lengths[rows.clamp(min=0)], 0)  # [P]
             offsets = torch.arange(step.inputs.k.shape[1], device=kept.device)  # [s]
             places = before[:, None] + offsets[None]  # [P, s]
@@ -140,7 +191,12 @@ class RecurrentState:
     def reset(self, slot: int) -> None:
         for tensor in self.tensors():
             tensor[slot] = 0
-        self._forget(torch.tensor([slot], device=self.tip.device))
+        index = torch.tensor([slot], device=self.tip.device)
+        for step in self.steps:
+            step.live = step.live & (step.slots != slot)
+        self.steps = [step for step in self.steps if bool(step.live.any())]
+        if self.owner:
+            self.pending_tokens[index] = 0
 
 
 class Glm5NextState:
