@@ -195,10 +195,11 @@ def test_a_commit_of_nothing_and_a_reset_restore_the_slot(glm5):
     assert all(not t.any() for t in kda_tensors(state, 0))
 
 
-def test_a_forward_that_raises_midway_is_undone_and_the_slot_decodes_on_exactly(glm5):
-    """A step that raises after the first KDA layer recorded its rows and before the others did (the engine then
-    commits nothing for its slots): every layer's state is restored, and the slot's next verify block and partial
-    commit give the states of a slot that never saw the failure."""
+@pytest.mark.parametrize("where", ["forward", "record"])
+def test_a_forward_that_raises_midway_is_undone_and_the_slot_decodes_on_exactly(glm5, where):
+    """A step that raises after the first KDA layer recorded its rows and before the others did, at the second's
+    start or after it wrote its tip (the engine then commits nothing for its slots): every layer's state is
+    restored, and the slot's next verify block and partial commit give the states of a slot that never failed."""
     _, target, _ = glm5
     ids = prompt_ids(20, 6)
     states = [target.new_state(1, 64) for _ in range(2)]
@@ -207,17 +208,18 @@ def test_a_forward_that_raises_midway_is_undone_and_the_slot_decodes_on_exactly(
         target.commit(state, torch.tensor([0]), torch.tensor([12]))
     failed = states[0]
     before = [t.clone() for t in kda_tensors(failed, 0)]
-    second = target.model.layers[list(failed.recurrent)[1]].self_attn
+    layer = list(failed.recurrent)[1]
+    second = target.model.layers[layer].self_attn if where == "forward" else failed.recurrent[layer]
 
     def boom(*args, **kwargs):
         raise RuntimeError("a kernel failed")
 
-    second.forward = boom  # the instance's own: the class's forward again once deleted
+    setattr(second, where, boom)  # the instance's own: the class's method again once deleted
     try:
         with pytest.raises(RuntimeError, match="a kernel failed"):
             run(target, failed, ids[:, 12:16], 12, 0)
     finally:
-        del second.forward
+        delattr(second, where)
     target.commit(failed, torch.tensor([0]), torch.tensor([0]))
     assert all(torch.equal(a, b) for a, b in zip(kda_tensors(failed, 0), before))
     for state in states:

@@ -91,12 +91,14 @@ def _latent_attention_kernel(q_ptr, qr_ptr, lat_ptr, kr_ptr, vis_ptr, out_ptr, h
 
 
 def selected_positions(visible: torch.Tensor, width: int) -> torch.Tensor:
-    """visible [rows, keys] bool -> int32 [rows, width]: each row's visible positions in ascending order, -1 past
-    its last. A row that sees more than width keys is an error (raised on the device, without waiting for it)."""
-    torch._assert_async(visible.sum(-1).max() <= width, "a row selects more keys than the selection's width")
+    """visible [rows, keys] bool -> int32 [rows, min(width, keys)]: each row's visible positions in ascending order,
+    -1 past its last. A row that sees more than width keys is an error, raised on the device without waiting for
+    it (on CUDA a device-side assertion, which ends the worker: the families' widths are proven bounds, so it
+    marks a bug, never a request's input)."""
+    if visible.shape[-1] > width:
+        torch._assert_async(visible.sum(-1).max() <= width, "a row selects more keys than the selection's width")
     order = torch.sort(visible.to(torch.uint8), dim=-1, descending=True, stable=True).indices[:, :width]
-    positions = torch.where(visible.gather(-1, order), order, -1).to(torch.int32)  # [rows, <= width]
-    return torch.nn.functional.pad(positions, (0, width - positions.shape[-1]), value=-1).contiguous()
+    return torch.where(visible.gather(-1, order), order, -1).to(torch.int32).contiguous()  # [rows, min(width, keys)]
 
 
 def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch.Tensor, key_rope: torch.Tensor,
@@ -112,8 +114,9 @@ def latent_attention(q_latent: torch.Tensor, q_rope: torch.Tensor, latent: torch
     visible = visible.reshape(rows, keys)
     if width is None:
         visible, span = visible.to(torch.uint8).contiguous(), keys
-    else:
-        visible, span = selected_positions(visible, width), width
+    else:  # lists of min(width, keys): a chunk of -1 changes nothing, so the bits are those of any longer list
+        visible = selected_positions(visible, width)
+        span = visible.shape[-1]
     interpreted = latent.device.type == "cpu"  # the interpreter truncates float32 to bfloat16: torch rounds instead
     out = torch.empty(rows, heads, latent_dim, device=latent.device,
                       dtype=torch.float32 if interpreted else latent.dtype)

@@ -62,7 +62,7 @@ class CommitPlan:
 class RecurrentState:
     """One KDA layer's states for every slot. The count of pending tokens is a device tensor shared by the
     layers (the first, its owner, keeps it), so a step records its rows without reading the host, and a commit
-    reads the host once for the batch and every layer (plan), not per row or per layer."""
+    is worked out once for the batch and every layer (plan), reading the host a few times, not per row or layer."""
 
     def __init__(self, num_slots: int, heads: int, dk: int, dv: int, channels: int, kernel: int, device,
                  recurrence=None, pending_tokens: torch.Tensor | None = None):
@@ -81,9 +81,11 @@ class RecurrentState:
         return [self.committed, self.tip, self.committed_window, self.tip_window]
 
     def record(self, slots: torch.Tensor, lengths: torch.Tensor, inputs: TokenInputs) -> None:
-        """A forward's rows: slots [b], lengths [b] (each row's real tokens, the first of its s)."""
+        """A forward's rows: slots [b] (each slot once), lengths [b] (each row's real tokens, the first of its s);
+        copied, so a caller may reuse its buffers."""
         source = slots
-        slots, lengths = slots.to(torch.long), lengths.to(torch.long)
+        slots = slots.to(device=self.tip.device, dtype=torch.long, copy=True)
+        lengths = lengths.to(device=self.tip.device, dtype=torch.long, copy=True)
         self.steps.append(PendingStep(inputs, slots, lengths, torch.ones_like(slots, dtype=torch.bool), source))
         if self.owner:
             self.pending_tokens.index_add_(0, slots, lengths)
@@ -105,8 +107,8 @@ class RecurrentState:
             index = int(over.nonzero()[0, 0])
             raise ValueError(f"slot {int(slots[index])} keeps {int(kept[index])} tokens but {int(total[index])} are "
                              "pending")
-        adopt = kept == total
-        partial = ~adopt & (kept > 0)
+        adopt = (kept == total) & (kept > 0)  # a commit of nothing always restores the tip (a layer may have
+        partial = ~adopt & (kept > 0)  # written its tip before a failure kept it from recording its rows)
         replayed, replayed_kept = slots[partial], kept[partial]
         step_rows = [self._rows_in(step, replayed) for step in self.steps]
         longest, last_rows = 0, None
@@ -143,8 +145,8 @@ class RecurrentState:
             self.pending_tokens[plan.slots] = 0
 
     def commit(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        """plan and apply, for this layer alone."""
-        self.apply(self.plan(slots, kept))
+        """plan and apply, for this layer alone (a layer that does not own the shared count counts its own)."""
+        self.apply(self.plan(slots, kept, own=not self.owner))
 
     def _replay(self, plan: CommitPlan) -> None:
         """The committed states of the replayed slots advanced through their kept tokens, batched over the slots
