@@ -77,3 +77,18 @@ def test_per_head_products_equal_the_per_row_copies_and_their_rows_alone(dtype):
     assert torch.equal(grouped, copies)
     alone = per_head(x[1:2, 3:4], w, TorchKernels())
     assert torch.equal(grouped[1:2, 3:4], alone)
+
+
+def test_the_torch_attention_holds_the_selection_bound_the_triton_kernel_relies_on():
+    """A width (the indexer's bound on a selection) is checked on the PyTorch path too: within it the result is the
+    masked attention's, past it an error, never a silent cut (the Triton kernel reads that many keys alone)."""
+    generator = torch.Generator().manual_seed(0)
+    q, latent = torch.randn(1, 2, 3, 8, generator=generator), torch.randn(1, 10, 8, generator=generator)
+    no_rope = (q[..., :0], latent[..., :0])
+    visible = torch.zeros(1, 2, 10, dtype=torch.bool)
+    visible[..., :6] = True
+    kernels = TorchKernels()
+    masked = kernels.latent_attention(q, no_rope[0], latent, no_rope[1], visible, 0.3)
+    assert torch.equal(kernels.latent_attention(q, no_rope[0], latent, no_rope[1], visible, 0.3, 6), masked)
+    with pytest.raises(RuntimeError, match="more keys than the selection's width"):
+        kernels.latent_attention(q, no_rope[0], latent, no_rope[1], visible, 0.3, 5)

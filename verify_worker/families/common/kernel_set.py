@@ -69,6 +69,8 @@ class TorchKernels:
         return out.to(x.dtype).view(*x.shape[:-1], weight.shape[0])
 
     def latent_attention(self, q_latent, q_rope, latent, key_rope, visible, scale, width=None) -> torch.Tensor:
+        if width is not None and visible.shape[-1] > width:  # the bound the Triton kernel relies on, checked alike
+            torch._assert_async(visible.sum(-1).max() <= width, "a row selects more keys than the selection's width")
         return latent_attention(q_latent, q_rope, latent, key_rope, visible, scale)  # every key, masked
 
     index_scores = staticmethod(index_scores)
