@@ -154,7 +154,7 @@ def make_plan(request: PlanRequest) -> MemoryPlan:
     rows = max(request.max_running * block, request.max_prefill_tokens)
     activations = activation_bytes(cfg, rows, dtype)
     notes = ("FP8 checkpoint: experts and projections stay FP8 blocks with float32 scales; the embedding, lm_head, "
-             "kv_b (read per head), KDA projections, norms and router are not FP8",) if is_fp8(config) else ()
+             "kv_b (read per head), norms and router (and KDA's projections) are not FP8",) if is_fp8(config) else ()
     return MemoryPlan(request, family.name, context, block, rows, rank_weights(model, family.float32_kept),
                       per_request, drafter_weights, drafter_cache, activations,
                       activations if request.cuda_graphs else 0, notes)
