@@ -10,7 +10,8 @@
 # before the GLM parts were added (2026-12-04: 194 s for the first version of this script, the machine's start not
 # counted; the GLM parts have never run): run it with timeout_s 600; ROWS_TIMEOUT / STEP_TIMEOUT / KDA_TIMEOUT /
 # GROUPED_TIMEOUT / GLM_STEP_TIMEOUT / GLM_FP8_TIMEOUT / LOAD_TIMEOUT / SERVE_TIMEOUT lower where time is short
-# (torch.compile only with COMPILE_BUDGET=seconds); ONLY=glm runs the GLM parts alone (they need .whl).
+# (torch.compile only with COMPILE_BUDGET=seconds); ONLY=glm runs the GLM parts alone (they need .whl); ONLY=fp8
+# runs the FP8 slices (W8A16, W8A8) and the FP8 slice checkpoint's load, a second call of about 8 minutes.
 #     bash benchmarks/gpu_wheels.sh            # here, first; then on the device, with carry [".whl"]:
 #     bash benchmarks/gpu_session.sh
 set -u
@@ -38,6 +39,8 @@ fi
 if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchmarks/gpu_wheels.sh, carried as .whl)
     $python -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
         && export PYTHONPATH=/tmp/site:$PWD${PYTHONPATH:+:$PYTHONPATH}
+    only=${ONLY:-all}
+    if [ "$only" != fp8 ]; then
     # the GLM families' CUDA kernels on the tiny checkpoints gpu_wheels.sh wrote: fla's KDA recurrence (block ==
     # one-token steps bit for bit) and cuda_ext/grouped_rows for the experts (a row's bits wherever it sits), each
     # family's greedy speculative == plain on them
@@ -50,6 +53,8 @@ if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchma
     # the GLM slices' step table (time, bytes, bandwidth) and the replay drafter's speedups, Qwen3-8B-shaped too
     timeout ${GLM_STEP_TIMEOUT:-240} $python benchmarks/gpu_glm_step.py --rounds 10 >"$out/glm_step.log" 2>&1
     echo "gpu_glm_step.py: exit $?"; grep -v "Warning\|warn" "$out/glm_step.log" | tail -40
+    fi
+    if [ "$only" = fp8 ]; then  # a call of its own: the runs above and these do not fit one 600 s call together
     # the same slices with FP8 experts and projections (W8A16, as an FP8 checkpoint loads; then W8A8, FP8
     # activations too): step times against the table above, greedy speculative == plain on them
     timeout ${GLM_FP8_TIMEOUT:-180} $python benchmarks/gpu_glm_step.py --fp8 --rounds 10 --qwen none \
@@ -61,7 +66,8 @@ if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchma
     # an FP8 slice checkpoint loaded straight to the GPU: host memory, load time, the plan against the allocation
     timeout ${LOAD_TIMEOUT:-120} $python benchmarks/load_memory.py --device cuda --experts 64 >"$out/load.log" 2>&1
     echo "load_memory.py: exit $?"; tail -4 "$out/load.log"
-    if [ "${ONLY:-all}" = all ]; then
+    fi
+    if [ "$only" = all ]; then
         timeout ${SERVE_TIMEOUT:-300} bash benchmarks/gpu_serve_smoke.sh "$out" >"$out/serve.log" 2>&1
         echo "gpu_serve_smoke.sh: exit $?"; tail -45 "$out/serve.log"
     fi
