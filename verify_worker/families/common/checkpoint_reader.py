@@ -22,7 +22,7 @@ from verify_worker.families.common.config_parts import Fp8Settings
 from verify_worker.families.common.fp8_blocks import dequantize, scale_grid
 from verify_worker.families.common.fp8_layout import published_names
 from verify_worker.families.common.fp8_weights import FP8, SCALE_SUFFIX, fp8_capable, keep_fp8
-from verify_worker.families.common.slices import Slice
+from verify_worker.families.common.slices import Slice, whole_blocks
 
 SCALE = ".weight_scale_inv"
 LAYER = re.compile(r"model\.layers\.(\d+)\.")
@@ -151,7 +151,8 @@ def plan_parts(stored: dict[str, Stored], plan: dict[str, Slice], model, block: 
     """Every stored tensor's place in the model, in file order; per-expert tensors go to their expert's slot of the
     stacks experts.gate_up_proj [E, 2I, H] (gate then up) and experts.down_proj [E, H, I], as transformers stacks
     them (I: the model's own width, so a mis-shaped expert is caught by the shape checks)."""
-    widths = {name: shape[-1] for name, shape in model_shapes(model).items() if name.endswith(".down_proj")}
+    shapes = {name: tuple(t.shape) for name, t in model.state_dict().items()}
+    widths = {name: shape[-1] for name, shape in shapes.items() if name.endswith(".down_proj")}
     parts, experts = [], {}
     for ours, entry in sorted(stored.items(), key=lambda item: (str(item[1].path), item[1].name)):
         cut = plan.get(ours)
@@ -170,7 +171,7 @@ def plan_parts(stored: dict[str, Stored], plan: dict[str, Slice], model, block: 
         parts.append(Part(entry, cut, prefix + ".gate_up_proj", (expert, slice(first, first + inner)),
                           (expert, slice(*rows))))
     for prefix, found in experts.items():
-        count = model_shapes(model).get(prefix + ".down_proj", (0,))[0]
+        count = shapes.get(prefix + ".down_proj", (0,))[0]
         missing = [f"{prefix}.{e}.{kind}_proj.weight" for e in range(count) for kind in ("gate", "up", "down")
                    if (e, kind) not in found]
         if missing:
@@ -179,10 +180,6 @@ def plan_parts(stored: dict[str, Stored], plan: dict[str, Slice], model, block: 
         if extra:
             raise CheckpointError(f"unexpected tensor(s): {prefix}.{extra[0]}.*")
     return parts
-
-
-def model_shapes(model) -> dict[str, tuple[int, ...]]:
-    return {name: tuple(t.shape) for name, t in model.state_dict().items()}
 
 
 def kept_fp8(parts: list[Part], capable: dict, block: tuple[int, int] | None) -> list[str]:
@@ -204,8 +201,8 @@ def kept_fp8(parts: list[Part], capable: dict, block: tuple[int, int] | None) ->
 def aligned_cut(part: Part, block: tuple[int, int]) -> bool:
     """Whole blocks on every rank: a cut of a whole number of blocks (then every rank's starts on a boundary, and
     every rank decides alike, as the memory plan assumes)."""
-    cut, slot = part.cut, part.slot
-    if cut is not None and (cut.padded is not None or (cut.stop - cut.start) % block[cut.dim]):
+    slot = part.slot
+    if not whole_blocks(part.cut, block):
         return False
     if len(slot) == 2:  # a gate|up half: it must start and end on row blocks
         return slot[1].start % block[0] == 0 and slot[1].stop % block[0] == 0

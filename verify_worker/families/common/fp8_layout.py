@@ -8,7 +8,7 @@ import torch
 
 from verify_worker.families.common.config_parts import Fp8Settings
 from verify_worker.families.common.fp8_weights import fp8_capable, keep_fp8
-from verify_worker.families.common.slices import Slice
+from verify_worker.families.common.slices import Slice, whole_blocks
 
 TEXT_PREFIX = "model.language_model."  # GLM-5.3-Flash's text tower as published
 
@@ -48,4 +48,4 @@ def aligned(name: str, shape: tuple[int, ...], plan: dict[str, Slice], block: tu
         cut = plan.get(name[: -len("down_proj")] + "0.down_proj.weight")
     else:
         cut = plan.get(name)
-    return cut is None or (cut.padded is None and (cut.stop - cut.start) % block[cut.dim] == 0)
+    return whole_blocks(cut, block)

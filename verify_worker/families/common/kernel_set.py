@@ -39,7 +39,7 @@ class TorchKernels:
     name = "torch"
 
     def __init__(self, fp8_activations: bool = False):
-        self.fp8_activations = fp8_activations  # W8A8 for FP8 weights (see fp8_product)
+        self.fp8_activations = fp8_activations  # W8A8 for FP8 weights (see fp8_rows)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
                 block: tuple[int, int] | None = None) -> torch.Tensor:
@@ -49,14 +49,11 @@ class TorchKernels:
             if count:
                 rows = x[start:start + count]
                 out[start:start + count] = linear_rows(rows, weights[group]) if scales is None else \
-                    self.fp8_product(rows, weights[group], scales[group], block)
+                    self.fp8_rows(rows, weights[group], scales[group], block)
                 start += count
         return out
 
     def fp8_rows(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
-        return self.fp8_product(x, weight, scale, block)
-
-    def fp8_product(self, x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, block: tuple[int, int]):
         """x [..., K] times an FP8 block weight [N, K]. W8A16: the weight as a checkpoint dequantized at load holds
         it. W8A8: x quantized per row and group of block[1] columns first (quantize_rows), both sides dequantized
         to float32 and multiplied there: the Triton kernel's product up to its order of the sums."""

@@ -15,6 +15,12 @@ class Slice:
     whole: int | None = None  # the size along dim of the tensor it is cut from (checked against the file's)
 
 
+def whole_blocks(cut: Slice | None, block: tuple[int, int]) -> bool:
+    """Whether a rank's cut (None: the whole tensor) is a whole number of FP8 blocks along its dimension, so every
+    rank's slice starts on a block boundary and every rank keeps the weight FP8 alike."""
+    return cut is None or (cut.padded is None and (cut.stop - cut.start) % block[cut.dim] == 0)
+
+
 def even_slice(dim: int, size: int, tp: TensorParallel) -> Slice:
     """This rank's contiguous 1/N of `size` (which N divides) along dim."""
     local = size // tp.world_size
