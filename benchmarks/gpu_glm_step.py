@@ -7,8 +7,9 @@ assigned, then packed for the device: kernel_set.py's Triton kernels and fla's K
 For batch B and T new tokens per row (1: a decode step; --block: a verify block) over --context cached positions:
 the step's time (forward + logits; medians of CUDA events), the weights it reads (every dense weight, the experts
 the step's routing hits, counted from that routing) and the cache and state bytes, and the achieved bytes/s
-against the device's copy bandwidth (measured here) and its datasheet peak. Graphed steps: not built for the GLM
-families yet (their steps read the host: docs/gpu.md). Then, through the engine (verify_worker/engine), with the
+against the device's copy bandwidth (measured here) and its datasheet peak; on CUDA the same step captured in a
+CUDA graph (verify_worker/cuda_graph_step.py) and replayed, and whether the replay gives the eager step's logits.
+Then, through the engine (verify_worker/engine), with the
 benchmark's replay drafter (replay_proposer.py: the target's own greedy continuation, one draft per block made
 wrong so each step commits --acceptances tokens): greedy speculative == plain on --prompts prompts (mismatches
 counted), and speculative / plain decode speed at each acceptance for --speedup-batches; the same for the
@@ -31,6 +32,7 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_kernels import median_ms  # noqa: E402  (this folder's kernel benchmark: CUDA events, medians)
 from replay_proposer import ReplayProposer  # noqa: E402
+from verify_worker.cuda_graph_step import CudaGraphStep, StepShape  # noqa: E402
 from verify_worker.engine import SpeculativeEngine  # noqa: E402
 from verify_worker.families.common.kernel_set import TorchKernels, TritonKernels, use_kernels  # noqa: E402
 from verify_worker.families.common.moe import RoutedExperts  # noqa: E402
@@ -161,10 +163,10 @@ def step_table(model, args, device: str, copy_bps: float, peak: float | None) ->
     dense, per_expert = weight_bytes(model)
     print(f"  weights: {dense / 2**20:.1f} MiB outside the routed experts, {per_expert / 2**20:.2f} MiB an expert")
     capacity = args.context + args.block + 1
-    state = model.new_state(max(args.batches), capacity)
-    per_slot = model.state_bytes_per_slot(args.context)
-    print(f"  {'B x T':>7} {'ms':>9} {'weights read':>13} {'cache+state':>12} {'GB/s':>8} {'of copy':>8} "
-          f"{'of peak':>8}  commit ms")
+    state = model.new_state(max(args.batches), capacity, args.block)
+    per_slot = model.state_bytes_per_slot(args.context, args.block)
+    print(f"  {'B x T':>7} {'ms':>9} {'graphed':>9} {'weights read':>13} {'cache+state':>12} {'GB/s':>8} "
+          f"{'of copy':>8} {'of peak':>8}  commit ms")
     generator = torch.Generator().manual_seed(1)
     one_token = {}
     for batch in args.batches:
@@ -178,6 +180,7 @@ def step_table(model, args, device: str, copy_bps: float, peak: float | None) ->
                 return model.logits(model.step(step, state).hidden)
 
             ms = median_ms(run, args.rounds, device)
+            graphed = graphed_ms(model, state, step, args.rounds) if device == "cuda" else "-"
             read = dense + experts_hit(model, run) * per_expert
             cache = batch * per_slot
             bps = (read + cache) / (ms / 1e3)
@@ -188,9 +191,29 @@ def step_table(model, args, device: str, copy_bps: float, peak: float | None) ->
             if tokens == 1:
                 one_token[batch] = ms
             ratio = f"  ({ms / one_token[batch]:.2f}x the 1-token step)" if tokens > 1 else ""
-            print(f"  {batch:>3} x {tokens:<2} {ms:9.3f} {read / 2**20:10.1f} MiB {cache / 2**20:9.1f} MiB "
+            print(f"  {batch:>3} x {tokens:<2} {ms:9.3f} {graphed:>9} {read / 2**20:10.1f} MiB "
+                  f"{cache / 2**20:9.1f} MiB "
                   f"{bps / 1e9:8.1f} {bps / copy_bps:8.0%} {(f'{bps / peak:.0%}' if peak else 'n/a'):>8}  "
                   f"{commit or '-'}{ratio}", flush=True)
+
+
+def graphed_ms(model, state, step: StepBatch, rounds: int) -> str:
+    """The step (forward + logits) captured in a CUDA graph: its replay's median ms, and "!" after it where the
+    replay's logits are not the eager step's bit for bit; the failure's name where it cannot be captured."""
+    shape = StepShape(step.input_ids.shape[0], step.input_ids.shape[1], step.key_length)
+    try:
+        graph = CudaGraphStep(model, state, shape, step.input_ids, step.positions, step.slots)
+    except Exception as error:  # noqa: BLE001 - a benchmark reports what failed and goes on
+        print(f"    capture failed for {shape}: {type(error).__name__}: {error}", flush=True)
+        return type(error).__name__[:9]
+    ms = median_ms(lambda: graph.run(step.input_ids, step.positions, step.slots), rounds, "cuda")
+    nothing = torch.zeros_like(step.slots)
+    model.commit(state, step.slots, nothing)  # each from the committed state (KDA tips go back)
+    replayed = graph.run(step.input_ids, step.positions, step.slots).logits.clone()
+    model.commit(state, step.slots, nothing)
+    eager = model.logits(model.step(step, state).hidden)
+    model.commit(state, step.slots, nothing)
+    return f"{ms:.3f}{'' if torch.equal(replayed, eager) else '!'}"
 
 
 def commit_ms(model, state, run, slots, kept, rounds: int, device: str) -> float:
@@ -213,8 +236,12 @@ def prompts(count: int, length: int, vocab: int) -> list[tuple[int, ...]]:
     return [tuple(torch.randint(0, vocab, (length,), generator=generator).tolist()) for _ in range(count)]
 
 
-def engine_run(model, proposer, requests, max_requests: int, max_len: int):
-    engine = SpeculativeEngine(model, proposer, max_requests=max_requests, max_model_len=max_len)
+def engine_run(model, proposer, requests, max_requests: int, max_len: int, graphs: bool = False):
+    """The engine's results and seconds for requests; graphs: its decode steps replayed from CUDA graphs
+    (--cuda-graphs), all captured before the clock starts."""
+    engine = SpeculativeEngine(model, proposer, max_requests=max_requests, max_model_len=max_len,
+                               step_buckets="cuda-graphs" if graphs else None)
+    engine.warm_up()
     if model.embed_weight.device.type == "cuda":
         torch.cuda.synchronize()
     started = time.perf_counter()
@@ -233,14 +260,15 @@ def speculation(model, args, label: str) -> None:
                     for i, p in enumerate(prompts(batch, args.prompt_length, vocab))]
         plain_requests = [GenerationRequest(r.prompt_ids, r.max_tokens, request_id=r.request_id) for r in requests]
         max_len = args.prompt_length + args.tokens + args.block
+        graphs = args.engine_graphs
         engine_run(model, None, plain_requests[:1], batch, max_len)  # warm-up (kernels compiled, caches made)
-        plain, plain_s = engine_run(model, None, plain_requests, batch, max_len)
+        plain, plain_s = engine_run(model, None, plain_requests, batch, max_len, graphs)
         continuations = {r.request_id: list(r.prompt_ids) + p.token_ids for r, p in zip(requests, plain)}
         tokens = sum(len(p.token_ids) for p in plain)
-        line = f"  {label} batch {batch:>2}: plain {tokens / plain_s:8.1f} tok/s"
+        line = f"  {label}{' (graphed)' if graphs else ''} batch {batch:>2}: plain {tokens / plain_s:8.1f} tok/s"
         for acceptance in args.acceptances:
             drafter = ReplayProposer(continuations, acceptance, args.block, layers, vocab)
-            spec, spec_s = engine_run(model, drafter, requests, batch, max_len)
+            spec, spec_s = engine_run(model, drafter, requests, batch, max_len, graphs)
             mismatches = sum(s.token_ids != p.token_ids for s, p in zip(spec, plain))
             committed = sum(s.stats.committed_tokens for s in spec) / max(sum(s.stats.verify_steps for s in spec), 1)
             line += (f" | acceptance {acceptance} ({committed:.2f}/step): {plain_s / spec_s:5.2f}x, "
@@ -266,9 +294,13 @@ def main() -> None:
     parser.add_argument("--fp8", nargs="?", const="w8a16", choices=("w8a16", "w8a8"), default=None,
                         help="the slices' experts and projections as FP8 blocks, multiplied as an FP8 checkpoint "
                         "loads (w8a16, the default) or with FP8 activations (w8a8); against the bfloat16 run")
+    parser.add_argument("--engine-graphs", action="store_true", help="the engine runs replay CUDA graphs "
+                        "(--cuda-graphs: each engine captures its shapes before it is timed)")
     parser.add_argument("--qwen", default="qwen3-8b", help="gpu_target_step.py's config for the Qwen3 speedups "
                         "('none' to skip; the tiny config's on --config tiny)")
     args = parser.parse_args()
+    if args.engine_graphs and not args.device.startswith("cuda"):
+        parser.error("--engine-graphs needs a CUDA device")
     args.batches = [int(v) for v in args.batches.split(",")]
     args.acceptances = [int(v) for v in args.acceptances.split(",")]
     args.speedup_batches = [int(v) for v in args.speedup_batches.split(",")]

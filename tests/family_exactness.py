@@ -23,9 +23,17 @@ def exactness_findings(target, oracle, max_tokens: int = 6) -> dict:
     want = SpeculativeEngine(oracle, None, max_requests=2, max_model_len=64).generate(requests)
     for prompt, got, expected in zip(PROMPTS, plain, want):
         assert_same_or_near_tie(oracle, prompt, got.token_ids, expected.token_ids)
-    return {
+    found = {
         "kernels": sorted({m.glm_kernels.name for m in target.modules() if hasattr(m, "glm_kernels")}),
         "speculative_equals_plain": [r.token_ids for r in spec] == [r.token_ids for r in plain],
         "committed_per_step": sum(r.stats.committed_tokens for r in spec) / sum(r.stats.verify_steps for r in spec),
         "tokens_equal_oracle": [r.token_ids for r in plain] == [r.token_ids for r in want],
     }
+    if target.embed_weight.device.type == "cuda":  # decode steps replayed from CUDA graphs, as --cuda-graphs runs
+        drafts = ScriptedProposer(sequences, block_size=4, num_layers=oracle.config.num_layers)
+        drafts.target_layer_ids = (0, oracle.config.num_layers - 1)
+        engine = SpeculativeEngine(target, drafts, max_requests=2, max_model_len=64, step_buckets="cuda-graphs")
+        found["graph_shapes"] = [engine.warm_up(), len(engine.buckets.all_shapes(2))]  # captured of all
+        graphed = engine.generate(requests)
+        found["graphed_speculative_equals_plain"] = [r.token_ids for r in graphed] == [r.token_ids for r in plain]
+    return found

@@ -195,11 +195,12 @@ def test_a_commit_of_nothing_and_a_reset_restore_the_slot(glm5):
     assert all(not t.any() for t in kda_tensors(state, 0))
 
 
-@pytest.mark.parametrize("where", ["forward", "record"])
+@pytest.mark.parametrize("where", ["forward", "keep"])
 def test_a_forward_that_raises_midway_is_undone_and_the_slot_decodes_on_exactly(glm5, where):
-    """A step that raises after the first KDA layer recorded its rows and before the others did, at the second's
-    start or after it wrote its tip (the engine then commits nothing for its slots): every layer's state is
-    restored, and the slot's next verify block and partial commit give the states of a slot that never failed."""
+    """A step that raises after the first KDA layer kept its rows' inputs and before the others did, at the
+    second's start or after it wrote its tip (the engine then commits nothing for its slots): every layer's state
+    is restored, and the slot's next verify block and partial commit give the states of a slot that never
+    failed."""
     _, target, _ = glm5
     ids = prompt_ids(20, 6)
     states = [target.new_state(1, 64) for _ in range(2)]
@@ -240,11 +241,49 @@ def test_speculative_greedy_equals_plain_and_transformers(glm5):
                               do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert result.token_ids == out[0, len(prompt):].tolist()
     sequences = {r.request_id: list(r.prompt_ids) + p.token_ids for r, p in zip(requests, plain)}
-    proposer = ScriptedProposer(sequences, block_size=8, num_layers=TEXT["num_hidden_layers"])
-    spec = SpeculativeEngine(target, proposer, max_requests=5, max_model_len=128).generate(requests)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    steps = sum(r.stats.verify_steps for r in spec)
-    assert sum(r.stats.committed_tokens for r in spec) / steps > 2  # drafts were accepted, and rejected
+    for buckets in (None, "eager"):  # "eager": each decode step padded as --cuda-graphs pads it (step_buckets.py)
+        proposer = ScriptedProposer(sequences, block_size=8, num_layers=TEXT["num_hidden_layers"])
+        spec = SpeculativeEngine(target, proposer, max_requests=5, max_model_len=128,
+                                 step_buckets=buckets).generate(requests)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], buckets
+        steps = sum(r.stats.verify_steps for r in spec)
+        assert sum(r.stats.committed_tokens for r in spec) / steps > 2  # drafts were accepted, and rejected
+
+
+def test_a_padded_step_gives_the_real_rows_and_leaves_their_states_as_the_unpadded_one(glm5):
+    """What --cuda-graphs runs (verify_worker/step_buckets.py): rows padded to a power of two in a scratch slot,
+    tokens padded to the block after a row's real ones, keys to the bucket. The real rows' outputs equal the
+    unpadded step's bit for bit, and after a partial commit so do their KDA states and conv windows; the next
+    step's too."""
+    from verify_worker.step_buckets import StepBuckets
+
+    _, target, _ = glm5
+    taps = (1, 3)
+    states = [target.new_state(4, 64, 8) for _ in range(2)]  # slot 3: the padded state's scratch slot
+    for state in states:
+        for slot in range(3):
+            run(target, state, prompt_ids(20 + slot, 60 + slot), 0, slot)
+            target.commit(state, torch.tensor([slot]), torch.tensor([20 + slot]))
+    plain, padded = states
+    buckets = StepBuckets(target, padded, scratch_slot=3, block_size=8, taps=taps)
+    slots, lengths, kept = [2, 0, 1], [8, 5, 3], [3, 5, 1]
+    starts = torch.tensor([22, 20, 21])  # each slot's committed tokens
+    for round_ in range(2):
+        ids = torch.randint(0, TEXT["vocab_size"], (3, 8), generator=torch.Generator().manual_seed(round_))
+        positions = starts[:, None] + torch.arange(8)
+        want = target.step(StepBatch(ids, positions, torch.tensor(slots), torch.tensor(lengths)), plain, taps)
+        got = buckets.step(ids, positions, slots, int(positions.max()) + 1, lengths)
+        for row, n in enumerate(lengths):  # a row's real tokens
+            assert torch.equal(got.hidden[row, :n], want.hidden[row, :n]), (round_, row)
+            assert torch.equal(got.taps[row, :n], want.taps[row, :n]), (round_, row)
+        assert padded.pending_tokens[slots].tolist() == lengths  # the real tokens alone are pending
+        scratch = [t[3] for layer in padded.recurrent.values() for t in layer.tensors()]
+        assert not any(t.any() for t in scratch)  # the padded row took in no token
+        for state in states:
+            target.commit(state, torch.tensor(slots), torch.tensor(kept))
+        for slot in range(3):
+            assert all(torch.equal(a, b) for a, b in zip(kda_tensors(padded, slot), kda_tensors(plain, slot)))
+        starts += torch.tensor(kept)
 
 
 def test_a_random_dflash2_drafter_attaches_and_stays_lossless(glm5):

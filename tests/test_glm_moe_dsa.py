@@ -185,11 +185,13 @@ def test_speculative_greedy_equals_plain_and_transformers(glm):
                               do_sample=False, attention_mask=torch.ones(1, len(prompt), dtype=torch.long))
         assert result.token_ids == out[0, len(prompt):].tolist()
     sequences = {r.request_id: list(r.prompt_ids) + p.token_ids for r, p in zip(requests, plain)}
-    proposer = ScriptedProposer(sequences, block_size=8, num_layers=TINY["num_hidden_layers"])
-    spec = SpeculativeEngine(target, proposer, max_requests=3, max_model_len=128).generate(requests)
-    assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
-    steps = sum(r.stats.verify_steps for r in spec)
-    assert sum(r.stats.committed_tokens for r in spec) / steps > 2  # drafts were accepted, and rejected
+    for buckets in (None, "eager"):  # "eager": each decode step padded as --cuda-graphs pads it (step_buckets.py)
+        proposer = ScriptedProposer(sequences, block_size=8, num_layers=TINY["num_hidden_layers"])
+        spec = SpeculativeEngine(target, proposer, max_requests=3, max_model_len=128,
+                                 step_buckets=buckets).generate(requests)
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], buckets
+        steps = sum(r.stats.verify_steps for r in spec)
+        assert sum(r.stats.committed_tokens for r in spec) / steps > 2  # drafts were accepted, and rejected
 
 
 def test_a_verify_block_then_rollback_continues_like_transformers(glm):

@@ -51,8 +51,8 @@ def test_the_plan_counts_what_the_loader_places_and_a_state_allocates(folders, f
         placed[dtype] = placed.get(dtype, 0) + parameter.numel() * parameter.element_size()
     assert plan.weights == placed
     assert ("float8_e4m3fn" in placed) == family.endswith("fp8")
-    state = target.new_state(1, plan.context + plan.block)
-    assert plan.per_request == state.nbytes()  # no drafter: the target's state alone
+    states = [target.new_state(slots, plan.context + plan.block, plan.block).nbytes() for slots in (1, 2)]
+    assert plan.per_request == states[1] - states[0]  # a request's share; no drafter: the target's state alone
 
 
 def published(name: str) -> dict:

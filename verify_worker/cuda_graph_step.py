@@ -35,11 +35,12 @@ class CudaGraphStep:
     really run, and write the state, so they run that step (twice: the same writes), not placeholder rows that
     could overwrite a request's cache. `outputs` then hold that step's results; `run` copies the next inputs into
     the captured buffers and replays. pool: a CUDA graph memory pool shared with the other shapes' graphs
-    (torch.cuda.graph_pool_handle()), or None for a pool of its own."""
+    (torch.cuda.graph_pool_handle()), or None for a pool of its own. lengths [b]: each row's real tokens (None:
+    all of them), a buffer of the graph too, so a replay's rows may take in fewer (a recurrent state's padding)."""
 
     def __init__(self, target: TargetFamily, state: TargetState, shape: StepShape, input_ids: torch.Tensor,
                  positions: torch.Tensor, slots: torch.Tensor, taps: tuple[int, ...] = (), logits: bool = True,
-                 warmups: int = 2, pool=None):
+                 warmups: int = 2, pool=None, lengths: torch.Tensor | None = None):
         if not torch.cuda.is_available():
             raise RuntimeError("a CUDA graph step needs a CUDA device")
         self.shape = shape
@@ -50,7 +51,10 @@ class CudaGraphStep:
         self.input_ids = input_ids.to(device, torch.long).clone()  # [b, s]
         self.positions = positions.to(device, torch.long).clone()  # [b, s]
         self.slots = slots.to(device, torch.long).clone()  # [b]
-        batch = StepBatch(self.input_ids, self.positions, self.slots, key_length=shape.key_length)
+        if lengths is None:
+            lengths = torch.full((shape.batch,), shape.tokens)
+        self.lengths = lengths.to(device, torch.long).clone()  # [b]
+        batch = StepBatch(self.input_ids, self.positions, self.slots, self.lengths, key_length=shape.key_length)
 
         def step() -> GraphOutputs:
             out = target.step(batch, state, taps)
@@ -73,12 +77,17 @@ class CudaGraphStep:
             raise ValueError(f"this graph is for {expected[0]} rows of {expected[1]} tokens; got ids "
                              f"{tuple(input_ids.shape)}, positions {tuple(positions.shape)}, {len(slots)} slots")
 
-    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor) -> GraphOutputs:
-        """input_ids, positions [batch, tokens] and slots [batch] of the captured shape; every position must be
-        below the shape's key_length (not checked here: that would read the device)."""
+    def run(self, input_ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+            lengths: torch.Tensor | None = None) -> GraphOutputs:
+        """input_ids, positions [batch, tokens] and slots, lengths [batch] (None: all tokens) of the captured shape;
+        every position must be below the shape's key_length (not checked here: that would read the device)."""
         self._check(input_ids, positions, slots)
         self.input_ids.copy_(input_ids)
         self.positions.copy_(positions)
         self.slots.copy_(slots)
+        if lengths is None:
+            self.lengths.fill_(self.shape.tokens)
+        else:
+            self.lengths.copy_(lengths)
         self.graph.replay()
         return self.outputs

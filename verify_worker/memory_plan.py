@@ -147,7 +147,7 @@ def make_plan(request: PlanRequest) -> MemoryPlan:
     context = min(request.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
     capacity = context + block
     taps = request.taps if request.taps is not None else len(draft_cfg.target_layer_ids) if draft_cfg else 0
-    per_request = model.state_bytes_per_slot(capacity) + capacity * taps * cfg.hidden_size * dtype_bytes(dtype)
+    per_request = model.state_bytes_per_slot(capacity, block) + capacity * taps * cfg.hidden_size * dtype_bytes(dtype)
     drafter_weights = drafter_cache = 0
     if request.draft_config:
         drafter_weights, drafter_cache = drafter_bytes(request.draft_config, dtype, capacity)

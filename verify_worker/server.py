@@ -49,12 +49,13 @@ def served_max_len(model: ModelSettings, cfg) -> int:
     return min(model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
-def request_bytes(target, capacity: int, num_taps: int) -> int:
-    """The memory one request holds in this worker at `capacity` positions: the target's state (its KV cache) and,
-    where a drafter is fed, the tapped feature rows the engine keeps for it (num_taps x hidden per committed token,
-    in the activations' dtype, kept for the request's life so that a restarted drafter can be resynchronised)."""
+def request_bytes(target, capacity: int, num_taps: int, block: int = 1) -> int:
+    """The memory one request holds in this worker at `capacity` positions: the target's state (its KV cache, and
+    a recurrent family's kept inputs of a verify block of `block` tokens) and, where a drafter is fed, the tapped
+    feature rows the engine keeps for it (num_taps x hidden per committed token, in the activations' dtype, kept
+    for the request's life so that a restarted drafter can be resynchronised)."""
     feature_row = num_taps * target.config.hidden_size * target.embed_weight.element_size()
-    return target.state_bytes_per_slot(capacity) + capacity * feature_row
+    return target.state_bytes_per_slot(capacity, block) + capacity * feature_row
 
 
 def local_proposer(settings: VerifyCommand, device: str, target, max_running: int) -> LocalProposer:
@@ -77,8 +78,8 @@ def fitting_requests(settings: VerifyCommand, target, draft_cfg: DraftConfig | N
     if engine.kv_cache_budget_mb is None:
         return max_running
     max_len = served_max_len(settings.model, target.config)
-    capacity = max_len + ((settings.model.block_size or draft_cfg.block_size) if draft_cfg else 1)
-    slot_bytes = request_bytes(target, capacity, len(draft_cfg.target_layer_ids) if draft_cfg else 0)
+    block = (settings.model.block_size or draft_cfg.block_size) if draft_cfg else 1
+    slot_bytes = request_bytes(target, max_len + block, len(draft_cfg.target_layer_ids) if draft_cfg else 0, block)
     fit = int(engine.kv_cache_budget_mb * 2**20 // slot_bytes)
     if fit < 1:
         raise DFlashError(f"--kv-cache-budget-mb {engine.kv_cache_budget_mb} holds no request of {max_len} tokens "
@@ -128,8 +129,9 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
                                max_prefill_tokens=engine_settings.max_prefill_tokens, policy=policy,
                                step_buckets="cuda-graphs" if engine_settings.cuda_graphs else None)
     capacity = engine.state.capacity
-    per_request = target.state_bytes_per_slot(capacity)
-    features = request_bytes(target, capacity, len(engine.tap_layers)) - per_request
+    block = max(engine.block_size, 1)
+    per_request = target.state_bytes_per_slot(capacity, block)
+    features = request_bytes(target, capacity, len(engine.tap_layers), block) - per_request
     log.info("target %s: %d layers, cache %d slots x %d positions (%.1f MiB: %.1f MiB per request, %.1f KiB per "
              "token); drafter feature rows up to %.1f MiB per request", model.target, target.config.num_layers,
              max_running, capacity, engine.state.nbytes() / 2**20, per_request / 2**20, per_request / capacity / 2**10,

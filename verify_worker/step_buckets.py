@@ -6,13 +6,16 @@ least 256, at most the cache's capacity). The padding is inert for the real rows
 - padded rows write into a scratch slot no request holds, at positions 0..T-1;
 - a real row's padded tokens sit after its real ones (positions continue), so no real query sees them, and their
   cache entries lie past what the row commits (a positional cache never attends those);
-- keys beyond a row's own positions are masked.
+- keys beyond a row's own positions are masked;
+- the step's lengths give each real row its real tokens and each padded row none, so a recurrent state (KDA)
+  takes in the real tokens alone and the scratch slot's stays as it was.
 So a real row is computed as in the unpadded step, up to how the device's kernels round rows of a larger product:
 on CPU the target's kernels are row-invariant and the bits are the same (tests/test_step_buckets.py); on a GPU
 only with --batch-invariant (cuda_ext's row kernels; docs/gpu.md).
 
-Only for families whose `graphable_steps` is true (a positional KV cache: padding never touches a committed state)
-and for decode steps; a prefill chunk runs unpadded.
+Only for families whose `graphable_steps` is true (padding never touches a committed state, and a step changes the
+state by device operations alone: the positional caches, and GLM-5.3-Flash's KDA states with their pending count
+and kept inputs on the device) and for decode steps; a prefill chunk runs unpadded.
 """
 
 import logging
@@ -58,10 +61,12 @@ class StepBuckets:
         return StepShape(row_bucket(rows), 1 if tokens == 1 else self.block_size,
                          key_bucket(key_length, self.state.capacity))
 
-    def step(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], key_length: int) -> TargetOutput:
+    def step(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], key_length: int,
+             lengths: list[int] | None = None) -> TargetOutput:
         """ids, positions [b, s] (on the host or the device), slots: the rows' state slots; key_length: the host's
-        max(positions) + 1. Returns the real rows' TargetOutput ([b, s, ...]; views of a graph's buffers, valid
-        until the next step)."""
+        max(positions) + 1; lengths: each row's real tokens (None: all s; a recurrent state takes in these alone).
+        Returns the real rows' TargetOutput ([b, s, ...]; views of a graph's buffers, valid until the next
+        step)."""
         rows, tokens = ids.shape
         shape = self.shape(rows, tokens, key_length)
         if tokens > shape.tokens:
@@ -72,17 +77,19 @@ class StepBuckets:
         padded_positions = torch.arange(shape.tokens).repeat(shape.batch, 1)  # [B, T]: padded rows at 0..T-1
         padded_positions[:rows] = positions[:, :1].cpu() + torch.arange(shape.tokens)  # real rows continue
         padded_slots = torch.tensor(slots + [self.scratch_slot] * (shape.batch - rows))  # [B]
+        padded_lengths = torch.zeros(shape.batch, dtype=torch.long)  # [B]: padded rows take in no token
+        padded_lengths[:rows] = tokens if lengths is None else torch.tensor(lengths)
         padded_ids, padded_positions = padded_ids.to(device), padded_positions.to(device)
-        padded_slots = padded_slots.to(device)
+        padded_slots, padded_lengths = padded_slots.to(device), padded_lengths.to(device)
         out = None
         if self.graphs:
             graph = self.captured.get(shape)
             if graph is not None:
-                out = graph.run(padded_ids, padded_positions, padded_slots).step
+                out = graph.run(padded_ids, padded_positions, padded_slots, padded_lengths).step
             else:  # captured from this step (its warm-up calls run it): its outputs are this step's
-                out = self._capture(shape, padded_ids, padded_positions, padded_slots)
+                out = self._capture(shape, padded_ids, padded_positions, padded_slots, padded_lengths)
         if out is None:
-            batch = StepBatch(padded_ids, padded_positions, padded_slots, key_length=shape.key_length)
+            batch = StepBatch(padded_ids, padded_positions, padded_slots, padded_lengths, key_length=shape.key_length)
             out = self.target.step(batch, self.state, self.taps)
         taps = None if out.taps is None else out.taps[:rows, :tokens]  # [b, s, taps * hidden]
         return TargetOutput(hidden=out.hidden[:rows, :tokens], taps=taps)
@@ -121,14 +128,14 @@ class StepBuckets:
                          f"step shapes ({time.perf_counter() - started:.1f} s)")
         return done
 
-    def _capture(self, shape: StepShape, ids: torch.Tensor, positions: torch.Tensor,
-                 slots: torch.Tensor, quiet: bool = False) -> TargetOutput | None:
+    def _capture(self, shape: StepShape, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
+                 lengths: torch.Tensor | None = None, quiet: bool = False) -> TargetOutput | None:
         """Capture the shape's graph from this step and return the step's outputs; where the capture fails, say so
         once and run every later step eagerly (None: the caller runs this one eagerly too)."""
         started = time.perf_counter()
         try:
             graph = CudaGraphStep(self.target, self.state, shape, ids, positions, slots, self.taps, logits=False,
-                                  pool=self.pool)
+                                  pool=self.pool, lengths=lengths)
         except Exception as error:  # noqa: BLE001 - any failure to capture leaves the eager step, which is exact
             self.log.warning("capturing a CUDA graph for %s failed (%s: %s): decode steps run eagerly from now on",
                              shape, type(error).__name__, error)

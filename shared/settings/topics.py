@@ -51,7 +51,7 @@ class EngineSettings:
                                          "a step takes", minimum=0, env="DFLASH_STALL_TIMEOUT")
     cuda_graphs: bool = option(False, "replay decode steps from CUDA graphs, one per shape bucket (rows padded to a "
                                       "power of two, a verify step to the block size, keys to a power of two), all "
-                                      "captured at start-up (--device cuda, tensor parallelism 1, a Qwen3/Llama target)")
+                                      "captured at start-up (--device cuda, tensor parallelism 1)")
     batch_invariant: bool = option(False, "on a GPU, the target's projections, norms and attention through cuda_ext's "
                                           "row kernels (a row's sums never depend on the batch), for greedy "
                                           "speculative output equal to plain decoding (--device cuda, bfloat16, "

@@ -76,7 +76,7 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
                               f"tokens, or its step is mirrored on other ranks")
         # a padded step's extra rows write into one more slot, which no request holds
         self.state = target.new_state(max_requests + (step_buckets is not None),
-                                      self.max_model_len + max(self.block_size, 1))
+                                      self.max_model_len + max(self.block_size, 1), max(self.block_size, 1))
         self.free_slots = list(range(max_requests))  # a heap (see _take_slot)
         self.buckets = None if step_buckets is None else StepBuckets(
             target, self.state, max_requests, max(self.block_size, 1), self.tap_layers,
@@ -140,7 +140,10 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         chunks = plan_prefill([s for s in self.prefilling if s.request_id in group], self.max_prefill_tokens)
         for similar in padding_groups(chunks):  # one forward per group of similar lengths (padding costs rows)
             self._prefill(similar, events, report, kept)
-        decoding = sorted((s for s in self.running.values() if s.request_id in group), key=lambda s: s.slot)
+        # a state that commits tokens rolls back within one verify block: a request whose prompt ended in this
+        # step's prefill decodes from the next step (its prompt chunk is committed first)
+        decoding = sorted((s for s in self.running.values() if s.request_id in group
+                           and not (self.target.commits_state and s.slot in kept)), key=lambda s: s.slot)
         if decoding:
             self._decode(decoding, events, report, kept)
         if kept and self.target.commits_state:  # a positional cache needs no commit: nothing to build per step
@@ -222,7 +225,8 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
         positions = torch.tensor([s.cache_len for s in states])[:, None] + torch.arange(n + 1)  # [b, n+1]
         if self.buckets is not None:
-            out = self.buckets.step(block, positions, [s.slot for s in states], int(positions.max()) + 1)
+            out = self.buckets.step(block, positions, [s.slot for s in states], int(positions.max()) + 1,
+                                    [c + 1 for c in counts])
         else:
             out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
         return out, self.target.logits(out.hidden)

@@ -14,6 +14,8 @@ from typing import Protocol
 
 import torch
 
+DEFAULT_BLOCK_TOKENS = 16  # new_state's block_tokens where a caller names none: DFlash's usual block size
+
 
 @dataclass(frozen=True)
 class StepBatch:
@@ -59,9 +61,11 @@ class TargetFamily(Protocol):
     @property
     def lm_head_weight(self) -> torch.Tensor: ...
 
-    def new_state(self, num_slots: int, capacity: int) -> TargetState: ...
+    def new_state(self, num_slots: int, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> TargetState:
+        """num_slots slots of capacity positions; block_tokens: the most pending tokens a commit may roll back
+        within (the verify block; a recurrent family keeps their inputs, a positional cache ignores it)."""
 
-    def state_bytes_per_slot(self, capacity: int) -> int: ...
+    def state_bytes_per_slot(self, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int: ...
 
     def step(self, batch: StepBatch, state: TargetState, taps: tuple[int, ...] = ()) -> TargetOutput: ...
 

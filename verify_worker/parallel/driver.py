@@ -14,7 +14,7 @@ import time
 import torch
 
 from shared.errors import DFlashError, WorkerFault
-from verify_worker.families.interface import StepBatch, TargetFamily, TargetOutput, TargetState
+from verify_worker.families.interface import DEFAULT_BLOCK_TOKENS, StepBatch, TargetFamily, TargetOutput, TargetState
 
 HEADER_LEN = 16
 
@@ -22,7 +22,7 @@ HEADER_LEN = 16
 class Op(enum.IntEnum):
     FORWARD = 1  # [op, batch, seq, num_taps, taps...]
     LOGITS = 2  # [op, ndim, shape...]
-    NEW_STATE = 3  # [op, num_slots, capacity]
+    NEW_STATE = 3  # [op, num_slots, capacity, block_tokens]
     PING = 4
     STOP = 5
     COMMIT = 6  # [op, batch]
@@ -77,12 +77,12 @@ class TargetLeader:
             raise ParallelFailure(f"tensor-parallel call failed ({type(exc).__name__}: {exc}): the ranks may be "
                                   "out of step") from None
 
-    def new_state(self, num_slots: int, capacity: int) -> TargetState:
-        self._announce(_header(Op.NEW_STATE, num_slots, capacity))
-        return self.target.new_state(num_slots, capacity)
+    def new_state(self, num_slots: int, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> TargetState:
+        self._announce(_header(Op.NEW_STATE, num_slots, capacity, block_tokens))
+        return self.target.new_state(num_slots, capacity, block_tokens)
 
-    def state_bytes_per_slot(self, capacity: int) -> int:
-        return self.target.state_bytes_per_slot(capacity)
+    def state_bytes_per_slot(self, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+        return self.target.state_bytes_per_slot(capacity, block_tokens)
 
     def step(self, batch: StepBatch, state: TargetState, taps: tuple[int, ...] = ()) -> TargetOutput:
         rows, seq = batch.input_ids.shape
@@ -138,7 +138,7 @@ def follow(target: TargetFamily) -> None:
             if op == Op.STOP:
                 return
             if op == Op.NEW_STATE:
-                state = target.new_state(fields[0], fields[1])
+                state = target.new_state(fields[0], fields[1], fields[2])
             elif op == Op.FORWARD:
                 rows, seq, num_taps = fields[:3]
                 ids = receive((rows, seq), torch.long)

@@ -29,7 +29,7 @@ from verify_worker.families.common.row_invariant import elementwise_rows, linear
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.families.glm5_next.shard_plan import LocalShapes, local_shapes
 from verify_worker.families.glm5_next.state import Glm5NextState, RecurrentState, TokenInputs
-from verify_worker.families.interface import StepBatch, TargetOutput
+from verify_worker.families.interface import DEFAULT_BLOCK_TOKENS, StepBatch, TargetOutput
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import VocabParallelEmbedding, gather_vocab_logits
 
@@ -78,9 +78,11 @@ class KdaAttention(nn.Module):
         softplus = torch.where(g > 20.0, g, elementwise_rows(torch.log1p, elementwise_rows(torch.exp, g)))
         return -rate * softplus
 
-    def forward(self, x: torch.Tensor, state: RecurrentState, slots: torch.Tensor, lengths: torch.Tensor):
+    def forward(self, x: torch.Tensor, state: RecurrentState, slots: torch.Tensor, lengths: torch.Tensor,
+                offsets: torch.Tensor):
         """x [b, s, hidden] -> [b, s, hidden]. Starts each row from its slot's tip, leaves the tip after the row's
-        real tokens, and records their recurrence inputs for the commit."""
+        real tokens (lengths [b]), and keeps their recurrence inputs for the commit at the slot's places from
+        offsets [b] (its pending tokens before this forward). Device operations only."""
         batch, seq, _ = x.shape
         heads, dim = self.heads, self.dim
         raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [b, s, 3 * inner]
@@ -99,7 +101,7 @@ class KdaAttention(nn.Module):
         series = torch.cat([window, raw.transpose(1, 2).float()], -1)  # [b, C, K-1+s]
         take = lengths[:, None] + torch.arange(window.shape[-1], device=x.device)  # the last K-1 real inputs
         state.tip_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
-        state.record(slots, lengths, TokenInputs(k, v, decay, g, beta, raw))
+        state.keep(slots, offsets, live, TokenInputs(k, v, decay, g, beta, raw))
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, seq, heads, dim).float()
         normed = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
         normed = normed * elementwise_rows(torch.sigmoid, gate)
@@ -203,6 +205,7 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
     """The family interface (verify_worker/families/interface.py); its commit restores KDA states exactly."""
 
     commits_state = True
+    graphable_steps = True  # padded rows take in no token, a step's record is made on the device (state.py)
 
     def __init__(self, cfg: Glm5NextConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
@@ -216,31 +219,33 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         attention = [i for i, t in enumerate(cfg.layer_types) if t == "indexed"]
         return attention, [i for i in attention if cfg.indexer_types[i] == "full"]
 
-    def new_state(self, num_slots: int, capacity: int) -> Glm5NextState:
+    def new_state(self, num_slots: int, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> Glm5NextState:
+        """block_tokens: the pending tokens a commit may roll back within (the verify block: a slot's tokens
+        between two commits, where they follow no prompt chunk); their KDA inputs are kept for the replay."""
         cfg, device = self.config, self.embed_weight.device
         attention, indexed = self._attention_layers()
         latent = LatentCache(attention, indexed, num_slots, capacity, cfg.kv_lora_rank, 0, 2 * cfg.index_head_dim,
                              self.embed_weight.dtype, device)
         heads, dim = self.local.linear_num_heads, cfg.linear_head_dim
-        recurrent, counts = {}, None  # the first KDA layer counts the pending tokens for all of them
-        for i, kind in enumerate(cfg.layer_types):
-            if kind == "linear":
-                recurrent[i] = RecurrentState(num_slots, heads, dim, dim, 3 * heads * dim, cfg.conv_kernel, device,
-                                              self.model.layers[i].self_attn.recurrence, counts)
-                counts = recurrent[i].pending_tokens
-        return Glm5NextState(latent, recurrent)
+        recurrent = {i: RecurrentState(num_slots, heads, dim, dim, 3 * heads * dim, cfg.conv_kernel, block_tokens,
+                                       self.embed_weight.dtype, device, self.model.layers[i].self_attn.recurrence)
+                     for i, kind in enumerate(cfg.layer_types) if kind == "linear"}
+        return Glm5NextState(latent, recurrent, block_tokens, device)
 
-    def state_bytes_per_slot(self, capacity: int) -> int:
-        """The caches per request: latent and indexer entries per position, and two KDA states and conv windows
-        per KDA layer (whatever the block size; the pending tokens' inputs come on top during a step)."""
+    def state_bytes_per_slot(self, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
+        """The caches per request: latent and indexer entries per position, and per KDA layer two states and
+        conv windows (whatever the block size) and the inputs of block_tokens pending tokens."""
         cfg = self.config
         attention, indexed = self._attention_layers()
         per_position = (len(attention) * cfg.kv_lora_rank + len(indexed) * 2 * cfg.index_head_dim) * \
             self.embed_weight.element_size()
         kda_layers = cfg.layer_types.count("linear")
         heads, dim = self.local.linear_num_heads, cfg.linear_head_dim
-        per_kda = 2 * 4 * (heads * dim**2 + 3 * heads * dim * (cfg.conv_kernel - 1))
-        return per_position * capacity + kda_layers * per_kda
+        channels = 3 * heads * dim
+        states = 2 * 4 * (heads * dim**2 + channels * (cfg.conv_kernel - 1))
+        per_token = 4 * (4 * heads * dim + heads) + channels * self.embed_weight.element_size()  # k v decay g beta raw
+        pending_count = 8 if kda_layers else 0
+        return per_position * capacity + kda_layers * (states + block_tokens * per_token) + pending_count
 
     def step(self, batch: StepBatch, state: Glm5NextState, taps: tuple[int, ...] = ()) -> TargetOutput:
         lengths = batch.lengths if batch.lengths is not None else \
@@ -257,11 +262,12 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         x = self.model.embed_tokens(input_ids)  # [b, s, hidden]
         streams = x[:, :, None].expand(-1, -1, self.config.hc_mult, -1).contiguous()  # [b, s, N, hidden]
         taps, selected = {}, None
+        offsets = state.begin(slots)  # [b] each row's pending tokens: where the KDA layers keep its inputs
         for index, layer in enumerate(self.model.layers):
             post, comb, h = layer.attn_hc(streams)
             h = layer.input_layernorm(h)
             if layer.linear:
-                h = layer.self_attn(h, state.recurrent[index], slots, lengths)
+                h = layer.self_attn(h, state.recurrent[index], slots, lengths, offsets)
                 selected = None
             else:
                 h, selected = layer.self_attn(h, state.latent, slots, positions, kv_len, selected)
@@ -270,20 +276,15 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
             streams = expand(post, comb, layer.mlp(layer.post_attention_layernorm(h)), streams)
             if index in tap_layers:
                 taps[index] = stream_mean(streams)
+        state.advance(slots, lengths)  # only a forward that reached its end (a failed one is undone by a commit of 0)
         tapped = torch.cat([taps[i] for i in tap_layers], -1) if tap_layers else None
         return TargetOutput(hidden=self.model.norm(stream_mean(streams)), taps=tapped)
 
     def commit(self, state: Glm5NextState, slots: torch.Tensor, kept: torch.Tensor) -> None:
-        layers = list(state.recurrent.values())
-        if not layers:
-            return
-        plan = layers[0].plan(slots, kept)  # the same pending tokens in every KDA layer: worked out once
-        for recurrent in layers:
-            recurrent.apply(plan)
+        state.commit(slots, kept)  # worked out once for every KDA layer (their pending tokens are the same)
 
     def reset(self, state: Glm5NextState, slot: int) -> None:
-        for recurrent in state.recurrent.values():
-            recurrent.reset(slot)
+        state.reset(slot)
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""

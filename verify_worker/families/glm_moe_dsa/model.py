@@ -29,7 +29,7 @@ from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.common.sparse_indexer import select_top_keys
 from verify_worker.families.glm_moe_dsa.config import INDEXER_NORM_EPS, LATENT_NORM_EPS, GlmMoeDsaConfig
 from verify_worker.families.glm_moe_dsa.shard_plan import LocalShapes, local_shapes
-from verify_worker.families.interface import StepBatch, TargetOutput
+from verify_worker.families.interface import DEFAULT_BLOCK_TOKENS, StepBatch, TargetOutput
 from verify_worker.parallel.group import TensorParallel
 from verify_worker.parallel.layers import VocabParallelEmbedding, gather_vocab_logits
 
@@ -130,6 +130,7 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
     """The family interface (verify_worker/families/interface.py) over a positional latent cache."""
 
     commits_state = False  # every cache is positional: rollback is the committed length
+    graphable_steps = True  # padded rows and tokens leave committed entries alone (verify_worker/step_buckets.py)
 
     def __init__(self, cfg: GlmMoeDsaConfig, tp: TensorParallel = TensorParallel()):
         super().__init__()
@@ -140,13 +141,14 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         self.register_buffer("inv_freq", inverse_frequencies(RopeSettings(cfg.rope_theta), cfg.qk_rope_head_dim),
                              persistent=False)
 
-    def new_state(self, num_slots: int, capacity: int) -> LatentCache:
+    def new_state(self, num_slots: int, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> LatentCache:
+        """block_tokens: not needed (a positional cache rolls back by its length)."""
         cfg = self.config
         indexed = [i for i, t in enumerate(cfg.indexer_types) if t == "full"]
         return LatentCache(range(cfg.num_layers), indexed, num_slots, capacity, cfg.kv_lora_rank,
                            cfg.qk_rope_head_dim, cfg.index_head_dim, self.embed_weight.dtype, self.embed_weight.device)
 
-    def state_bytes_per_slot(self, capacity: int) -> int:
+    def state_bytes_per_slot(self, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
         cfg = self.config
         per_token = cfg.num_layers * (cfg.kv_lora_rank + cfg.qk_rope_head_dim) + \
             cfg.indexer_types.count("full") * cfg.index_head_dim

@@ -17,7 +17,7 @@ from shared.packed_linear import KERNEL_LAYOUTS, ROWS_LAYOUT, PackedLinear, pack
 from shared.rope import apply_rotary, inverse_frequencies, rotary_cos_sin
 from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.common.row_invariant import exact_linear_rows
-from verify_worker.families.interface import StepBatch, TargetOutput
+from verify_worker.families.interface import DEFAULT_BLOCK_TOKENS, StepBatch, TargetOutput
 from verify_worker.families.llama.backends import EagerLayers, KernelLayers, WholeStack
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.families.llama.shard_plan import LocalShapes, local_shapes
@@ -161,10 +161,11 @@ class TargetModel(EmbeddingHead, nn.Module):
         )
 
     # the family interface (verify_worker/families/interface.py)
-    def new_state(self, num_slots: int, capacity: int) -> PositionalKVCache:
+    def new_state(self, num_slots: int, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> PositionalKVCache:
+        """block_tokens: not needed (a positional cache rolls back by its length)."""
         return self.new_cache(num_slots, capacity)
 
-    def state_bytes_per_slot(self, capacity: int) -> int:
+    def state_bytes_per_slot(self, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
         cfg = self.config
         element = (self.kv_dtype or self.embed_weight.dtype).itemsize
         return 2 * cfg.num_layers * self.local.num_kv_heads * capacity * cfg.head_dim * element
