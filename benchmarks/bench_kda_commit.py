@@ -45,7 +45,7 @@ def main() -> None:
     model = random_model(args)
     batch, block, context = args.batch, args.block, args.context
     slots = torch.arange(batch)
-    state = model.new_state(batch, context + block)
+    state = model.new_state(batch, context + block, block)
     ids = torch.randint(0, 1024, (batch, context + block), generator=torch.Generator().manual_seed(1))
     with torch.inference_mode():
         model.step(StepBatch(ids[:, :context], torch.arange(context)[None].expand(batch, -1), slots), state)

@@ -1,7 +1,8 @@
 """State memory per request of a GLM-5.3-Flash target (the published config), ours against vLLM's layout.
 
-Ours: per KDA layer two float32 states (committed and tip) and two conv windows, whatever the block size, plus
-during a step the pending tokens' recurrence inputs (k, v, exp(g), beta, and the raw conv input); per MLA layer
+Ours: per KDA layer two float32 states (committed and tip) and two conv windows, whatever the block size, and the
+kept recurrence inputs of one block's pending tokens (k, v, exp(g), g, beta in float32, the raw conv input in the
+compute dtype; state.py), allocated with the state; per MLA layer
 the latent per position, per indexing layer the indexer key and gate per position. vLLM (1 + K snapshots):
 per KDA layer 1 + K recurrent states and a conv window of kernel - 1 + K inputs per request.
 
@@ -39,14 +40,15 @@ def main() -> None:
     kda = cfg.layer_types.count("linear")
     state = 4 * cfg.linear_num_heads * cfg.linear_head_dim**2  # one float32 recurrent state
     window = 2 * 3 * cfg.linear_dim  # one conv input (bf16)
-    ours_fixed = model.state_bytes_per_slot(args.context) - model.state_bytes_per_slot(0)
-    ours_kda = model.state_bytes_per_slot(0)
-    pending = args.block_size * kda * 4 * (3 * cfg.linear_dim + cfg.linear_num_heads + 3 * cfg.linear_dim)
+    block = args.block_size
+    ours_fixed = model.state_bytes_per_slot(args.context, block) - model.state_bytes_per_slot(0, block)
+    pending = model.state_bytes_per_slot(0, block) - model.state_bytes_per_slot(0, 0)  # the kept inputs
+    ours_kda = model.state_bytes_per_slot(0, 0)
     vllm_kda = kda * ((1 + k) * state + (cfg.conv_kernel - 1 + k) * window)
     print(f"GLM-5.3-Flash, {kda} KDA layers, block {args.block_size} (K = {k}), context {args.context}")
     print(f"  positional caches (latent + indexer), both engines: {ours_fixed / mib:9.1f} MiB")
     print(f"  ours: KDA states, 2 per layer:                      {ours_kda / mib:9.1f} MiB")
-    print(f"        + pending inputs of one block during a step:  {pending / mib:9.1f} MiB")
+    print(f"        + kept inputs of one block's tokens:          {pending / mib:9.1f} MiB")
     print(f"  vLLM: KDA states, 1 + K per layer:                  {vllm_kda / mib:9.1f} MiB")
     print(f"  KDA state per request, ours / vLLM: {(ours_kda + pending) / vllm_kda:.2f}")
 
