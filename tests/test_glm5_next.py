@@ -229,6 +229,38 @@ def test_a_forward_that_raises_midway_is_undone_and_the_slot_decodes_on_exactly(
     assert all(torch.equal(a, b) for a, b in zip(kda_tensors(states[0], 0), kda_tensors(states[1], 0)))
 
 
+def test_a_commit_whose_replay_raises_commits_no_layer_and_the_undo_restores_them_all(glm5):
+    """A commit whose replay fails in the second KDA layer (out of memory, say), after the first replayed: no layer
+    has committed anything, so the engine's undo (a commit of 0) leaves every layer as before the step, and the slot
+    then decodes on exactly as one that never failed."""
+    _, target, _ = glm5
+    ids = prompt_ids(20, 7)
+    states = [target.new_state(1, 64) for _ in range(2)]
+    for state in states:
+        run(target, state, ids[:, :12], 0, 0)
+        target.commit(state, torch.tensor([0]), torch.tensor([12]))
+    failed = states[0]
+    before = [t.clone() for t in kda_tensors(failed, 0)]
+    run(target, failed, ids[:, 12:18], 12, 0)
+    second = list(failed.recurrent.values())[1]
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("out of memory")
+
+    second.replay = boom  # the instance's own: the class's method again once deleted
+    try:
+        with pytest.raises(RuntimeError, match="out of memory"):
+            target.commit(failed, torch.tensor([0]), torch.tensor([3]))
+    finally:
+        del second.replay
+    target.commit(failed, torch.tensor([0]), torch.tensor([0]))
+    assert all(torch.equal(a, b) for a, b in zip(kda_tensors(failed, 0), before))
+    for state in states:
+        run(target, state, ids[:, 12:18], 12, 0)
+        target.commit(state, torch.tensor([0]), torch.tensor([4]))
+    assert all(torch.equal(a, b) for a, b in zip(kda_tensors(states[0], 0), kda_tensors(states[1], 0)))
+
+
 def test_speculative_greedy_equals_plain_and_transformers(glm5):
     hf, target, _ = glm5
     prompts = [prompt_ids(n, 10 + n)[0].tolist() for n in (2, 9, 17, 26, 31)]

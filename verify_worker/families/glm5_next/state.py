@@ -38,9 +38,9 @@ class TokenInputs:
 class CommitPlan:
     """What a commit does, worked out once on the host for every KDA layer (their pending tokens are the same)."""
 
-    adopted: torch.Tensor  # [a] slots that keep every pending token: the tip becomes the committed state
-    dropped: torch.Tensor  # [d] the others: the tip goes back to the committed state (after any replay)
-    partial: torch.Tensor  # [p] slots that keep some, not all: their committed state replays the kept tokens
+    taken: torch.Tensor  # [t] slots that keep some tokens: their tip (after any replay) becomes the committed state
+    restored: torch.Tensor  # [r] slots that keep none: the tip goes back to the committed state
+    partial: torch.Tensor  # [p] slots that keep some, not all: their tip is replayed from the committed state first
     partial_kept: torch.Tensor  # [p] how many
     longest: int  # the most kept by a replayed slot
 
@@ -83,30 +83,32 @@ class RecurrentState:
             value = getattr(inputs, f.name)
             getattr(self.kept_inputs, f.name)[index] = value.reshape(batch * seq, *value.shape[2:])
 
-    def apply(self, plan: CommitPlan) -> None:
-        """The commit: the tip when all are kept, the committed state when none are, else the committed state with
-        the kept prefix replayed through the same update the forward ran (all such slots in one batched replay)."""
-        if plan.partial.numel():
-            self._replay(plan.partial, plan.partial_kept, plan.longest)
-        if plan.adopted.numel():
-            adopted = plan.adopted
-            self.committed[adopted], self.committed_window[adopted] = self.tip[adopted], self.tip_window[adopted]
-        if plan.dropped.numel():
-            dropped = plan.dropped
-            self.tip[dropped], self.tip_window[dropped] = self.committed[dropped], self.committed_window[dropped]
-
-    def _replay(self, slots: torch.Tensor, kept: torch.Tensor, longest: int) -> None:
-        """The committed states of slots [P] advanced through their first kept [P] tokens, batched over the slots
-        (each slot's heads are updated on their own, so the batch does not change a bit)."""
+    def replay(self, plan: CommitPlan) -> None:
+        """A commit's first half: the tips of the slots that keep part of their pending tokens become the committed
+        state with the kept prefix replayed through the same update the forward ran (all such slots in one batched
+        replay; each slot's heads are updated on their own, so the batch does not change a bit). Only tips change:
+        where a layer's replay raises, a commit of 0 still restores every layer."""
+        if not plan.partial.numel():
+            return
+        slots, kept, longest = plan.partial, plan.partial_kept, plan.longest
         steps = torch.arange(longest, device=slots.device)
         index = slots[:, None] * self.block_tokens + steps  # [P, longest]
         k, v, decay, g, beta, raw = (tensor[index] for tensor in self.input_tensors())  # [P, longest, ...]
         live = steps[None] < kept[:, None]  # [P, longest]
-        self.committed[slots], _ = self.recurrence.run(self.committed[slots], None, k, v, decay, g, beta, live)
+        self.tip[slots], _ = self.recurrence.run(self.committed[slots], None, k, v, decay, g, beta, live)
         window = self.committed_window[slots]  # [P, C, K-1]
         series = torch.cat([window, raw.transpose(1, 2).float()], -1)
         take = kept[:, None] + torch.arange(window.shape[-1], device=window.device)
-        self.committed_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
+        self.tip_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
+
+    def settle(self, plan: CommitPlan) -> None:
+        """A commit's second half (copies alone): the kept tips become the committed states, the others go back."""
+        if plan.taken.numel():
+            taken = plan.taken
+            self.committed[taken], self.committed_window[taken] = self.tip[taken], self.tip_window[taken]
+        if plan.restored.numel():
+            restored = plan.restored
+            self.tip[restored], self.tip_window[restored] = self.committed[restored], self.committed_window[restored]
 
     def reset(self, slot: int) -> None:
         for tensor in self.tensors():
@@ -143,25 +145,29 @@ class Glm5NextState:
         device = self.pending_tokens.device
         slots, kept = slots.to(device, torch.long), kept.to(device, torch.long)
         slot_list, kept_list, totals = torch.stack([slots, kept, self.pending_tokens[slots]]).tolist()  # one read
-        adopted, dropped, partial, partial_kept = [], [], [], []
+        taken, restored, partial, partial_kept = [], [], [], []
         for slot, keep, total in zip(slot_list, kept_list, totals):
             if keep > total:
                 raise ValueError(f"slot {slot} keeps {keep} tokens but {total} are pending")
             if 0 < keep < total and keep > self.block_tokens:
                 raise ValueError(f"slot {slot} keeps {keep} of its {total} pending tokens: a KDA state rolls back "
                                  f"within its first {self.block_tokens} (the state's block_tokens)")
-            (adopted if keep == total and keep > 0 else dropped).append(slot)  # a commit of nothing restores the tip
-            if 0 < keep < total:  # (a layer may have written its tip before a failure stopped the forward)
+            (taken if keep > 0 else restored).append(slot)  # a commit of nothing always restores the tip (a layer
+            if 0 < keep < total:  # may have written its tip before a failure stopped the forward)
                 partial.append(slot)
                 partial_kept.append(keep)
         index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return CommitPlan(index(adopted), index(dropped), index(partial), index(partial_kept),
+        return CommitPlan(index(taken), index(restored), index(partial), index(partial_kept),
                           max(partial_kept, default=0))
 
     def commit(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
+        """Every layer's replays first (they may raise: then nothing is committed, and a commit of 0 restores every
+        layer's tip), then the copies that commit."""
         plan = self.plan(slots, kept)
         for recurrent in self.recurrent.values():
-            recurrent.apply(plan)
+            recurrent.replay(plan)
+        for recurrent in self.recurrent.values():
+            recurrent.settle(plan)
         self.pending_tokens[slots.to(self.pending_tokens.device)] = 0
 
     def reset(self, slot: int) -> None:
