@@ -3,7 +3,8 @@
 # draft worker and verify worker, both on the GPU), a greedy and a sampled completion, then dflash-bench at
 # concurrency 1 and 16 (speculative against plain waves, greedy outputs compared); on CUDA then the same with
 # --batch-invariant (greedy mismatches must be 0 there) and with --cuda-graphs; then a tiny FP8 GLM-5.2-family pair
-# where gpu_wheels.sh wrote one (greedy mismatches must be 0: the GLM kernels are row-invariant). Needs fastapi, uvicorn and pyzmq (benchmarks/gpu_wheels.sh; gpu_session.sh installs them). Logs
+# where gpu_wheels.sh wrote one, with --cuda-graphs on CUDA (greedy mismatches must be 0: the GLM kernels are
+# row-invariant; the log says whether the graphs were captured). Needs fastapi, uvicorn and pyzmq (benchmarks/gpu_wheels.sh; gpu_session.sh installs them). Logs
 # under $1 (default gpu-logs).
 set -u
 out=${1:-gpu-logs}
@@ -42,5 +43,6 @@ serve() {  # $1: extra dflash-serve flags; $2: a label for the logs
 serve "" ""
 [ "$device" = cuda ] && serve "--batch-invariant" "_rows"
 [ "$device" = cuda ] && serve "--cuda-graphs" "_graphs"
-glm=.whl/checkpoints/glm_serve  # a tiny FP8 GLM-5.2-family pair (benchmarks/gpu_wheels.sh): the GLM backend served
-[ -d "$glm" ] && serve "--target $glm/target --draft $glm/draft" "_glm"
+glm=.whl/checkpoints/glm_serve  # a tiny FP8 GLM-5.2-family pair (benchmarks/gpu_wheels.sh): the GLM backend served,
+graphs=""; [ "$device" = cuda ] && graphs="--cuda-graphs"  # its decode steps from CUDA graphs (eager if a capture fails)
+[ -d "$glm" ] && serve "--target $glm/target --draft $glm/draft $graphs" "_glm"

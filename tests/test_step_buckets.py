@@ -90,8 +90,8 @@ def test_the_shapes_a_warm_up_covers():
 
 
 def test_a_warm_up_before_the_first_request_changes_no_token(qwen3_pair):
-    """engine.warm_up (what --cuda-graphs runs at start-up, there capturing every shape) writes slots no request
-    holds yet: the tokens served after it are those served without it; it refuses once requests are in."""
+    """engine.warm_up (what --cuda-graphs runs at start-up, there capturing every shape) writes the scratch slot
+    alone: the tokens served after it are those served without it; it refuses once requests are in."""
     target = load_target(qwen3_pair[3], dtype="bfloat16")
     drafter = random_drafter(tiny_draft_config(block_size=8), seed=1, std=0.2).to(torch.bfloat16)
     prompts = [[3, 17, 22, 9, 41, 7, 99], [5], [60, 61, 62, 63, 64, 65, 66, 67, 68]]

@@ -31,9 +31,10 @@ class GraphOutputs:
 
 class CudaGraphStep:
     """One captured step of `target` on `state` for `shape` (tapping `taps`; with the lm_head if `logits`), built
-    from the step's first inputs (input_ids, positions [b, s], slots [b]): the warm-up calls before the capture
-    really run, and write the state, so they run that step (twice: the same writes), not placeholder rows that
-    could overwrite a request's cache. `outputs` then hold that step's results; `run` copies the next inputs into
+    from first inputs (input_ids, positions [b, s], slots [b]): the warm-up calls before the capture and the replay
+    after it really run that step three times and write the state, so give rows whose writes harm nothing (a
+    positional cache: the same writes again; a recurrent state: rows that take in no token, lengths 0, as
+    step_buckets.py's placeholders do). `outputs` then hold that step's results; `run` copies the next inputs into
     the captured buffers and replays. pool: a CUDA graph memory pool shared with the other shapes' graphs
     (torch.cuda.graph_pool_handle()), or None for a pool of its own. lengths [b]: each row's real tokens (None:
     all of them), a buffer of the graph too, so a replay's rows may take in fewer (a recurrent state's padding)."""

@@ -19,6 +19,7 @@ from shared.settings.topics import ModelSettings
 from shared.target_facts import TargetFacts
 from verify_worker.draft_deadline import DraftDeadline
 from verify_worker.engine import SpeculativeEngine
+from verify_worker.families.interface import DEFAULT_BLOCK_TOKENS
 from verify_worker.memory_plan import planned_requests
 from verify_worker.parallel.driver import TargetLeader
 from verify_worker.parallel.group import GroupSettings, join_group
@@ -49,7 +50,7 @@ def served_max_len(model: ModelSettings, cfg) -> int:
     return min(model.max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
 
 
-def request_bytes(target, capacity: int, num_taps: int, block: int = 1) -> int:
+def request_bytes(target, capacity: int, num_taps: int, block: int = DEFAULT_BLOCK_TOKENS) -> int:
     """The memory one request holds in this worker at `capacity` positions: the target's state (its KV cache, and
     a recurrent family's kept inputs of a verify block of `block` tokens) and, where a drafter is fed, the tapped
     feature rows the engine keeps for it (num_taps x hidden per committed token, in the activations' dtype, kept

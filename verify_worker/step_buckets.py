@@ -42,13 +42,17 @@ def key_bucket(length: int, capacity: int) -> int:
 
 class StepBuckets:
     """Runs the engine's decode forwards at bucketed shapes, eagerly or (graphs=True, on CUDA) by replaying one
-    CUDA graph per shape, captured by warm_up at start-up or else on its first use. scratch_slot: a state slot no request holds (padded rows
-    write there); block_size: the tokens a verify step is padded to."""
+    CUDA graph per shape, captured by warm_up at start-up or else on its first use. A capture runs its step for
+    real (warm-up calls, then a replay), so it is made from placeholder rows in the scratch slot that take in no
+    token; a real step is then replayed, never captured (a recurrent state would take its tokens in more than
+    once). scratch_slot: a state slot no request holds (padded rows write there); block_size: the tokens a verify
+    step is padded to."""
 
     def __init__(self, target: TargetFamily, state: TargetState, scratch_slot: int, block_size: int,
                  taps: tuple[int, ...], graphs: bool = False):
         if not getattr(target, "graphable_steps", False):
-            raise ValueError(f"{type(target).__name__} does not take padded steps (its state commits tokens)")
+            raise ValueError(f"{type(target).__name__} does not take padded steps (padding could reach its committed "
+                             "state, or its step reads the host)")
         if graphs and target.embed_weight.device.type != "cuda":
             raise ValueError("CUDA graphs need the target on a CUDA device")
         self.target, self.state, self.scratch_slot = target, state, scratch_slot
@@ -83,11 +87,9 @@ class StepBuckets:
         padded_slots, padded_lengths = padded_slots.to(device), padded_lengths.to(device)
         out = None
         if self.graphs:
-            graph = self.captured.get(shape)
-            if graph is not None:
+            graph = self.captured.get(shape) or self._capture(shape)
+            if graph is not None:  # (None: the capture failed, this step and the later ones run eagerly)
                 out = graph.run(padded_ids, padded_positions, padded_slots, padded_lengths).step
-            else:  # captured from this step (its warm-up calls run it): its outputs are this step's
-                out = self._capture(shape, padded_ids, padded_positions, padded_slots, padded_lengths)
         if out is None:
             batch = StepBatch(padded_ids, padded_positions, padded_slots, padded_lengths, key_length=shape.key_length)
             out = self.target.step(batch, self.state, self.taps)
@@ -104,38 +106,40 @@ class StepBuckets:
         return [StepShape(b, t, k) for b in rows for t in tokens for k in keys]
 
     def warm_up(self, max_rows: int, progress=None) -> int:
-        """Run (eagerly) or capture (graphs) every shape of all_shapes(max_rows) now, before any request: at
-        start-up no slot is held, so the warm-up rows may write slots 0.. (what a later request writes from
-        position 0 over). progress(message) hears how far it got. Returns the shapes done (captures stop at the
-        first failure, which leaves eager steps)."""
+        """Run (eagerly) or capture (graphs) every shape of all_shapes(max_rows) now, from placeholder rows in the
+        scratch slot. progress(message) hears how far it got. Returns the shapes done (captures stop at the first
+        failure, which leaves eager steps)."""
         shapes, started, done = self.all_shapes(max_rows), time.perf_counter(), 0
-        device = self.target.embed_weight.device
         for index, shape in enumerate(shapes):
-            slots = list(range(min(shape.batch, self.scratch_slot)))
-            slots += [self.scratch_slot] * (shape.batch - len(slots))
-            ids = torch.zeros(shape.batch, shape.tokens, dtype=torch.long, device=device)  # [B, T]
-            positions = torch.arange(shape.tokens, device=device).repeat(shape.batch, 1)  # [B, T]
-            slot_tensor = torch.tensor(slots, device=device)
             if self.graphs and shape not in self.captured:
-                if self._capture(shape, ids, positions, slot_tensor, quiet=True) is None:
+                if self._capture(shape, quiet=True) is None:
                     break
             elif not self.graphs:
-                self.target.step(StepBatch(ids, positions, slot_tensor, key_length=shape.key_length), self.state,
-                                 self.taps)
+                self.target.step(self._placeholders(shape), self.state, self.taps)
             done = index + 1
             if progress is not None and (done == len(shapes) or done % max(1, len(shapes) // 10) == 0):
                 progress(f"{'captured CUDA graphs' if self.graphs else 'warmed up'} for {done}/{len(shapes)} decode "
                          f"step shapes ({time.perf_counter() - started:.1f} s)")
         return done
 
-    def _capture(self, shape: StepShape, ids: torch.Tensor, positions: torch.Tensor, slots: torch.Tensor,
-                 lengths: torch.Tensor | None = None, quiet: bool = False) -> TargetOutput | None:
-        """Capture the shape's graph from this step and return the step's outputs; where the capture fails, say so
-        once and run every later step eagerly (None: the caller runs this one eagerly too)."""
+    def _placeholders(self, shape: StepShape) -> StepBatch:
+        """A step of the shape whose every row is in the scratch slot and takes in no token (lengths 0): what it
+        writes is the scratch slot's alone, at positions 0..T-1."""
+        device = self.target.embed_weight.device
+        ids = torch.zeros(shape.batch, shape.tokens, dtype=torch.long, device=device)  # [B, T]
+        positions = torch.arange(shape.tokens, device=device).repeat(shape.batch, 1)  # [B, T]
+        slots = torch.full((shape.batch,), self.scratch_slot, dtype=torch.long, device=device)  # [B]
+        lengths = torch.zeros(shape.batch, dtype=torch.long, device=device)  # [B]
+        return StepBatch(ids, positions, slots, lengths, key_length=shape.key_length)
+
+    def _capture(self, shape: StepShape, quiet: bool = False) -> CudaGraphStep | None:
+        """Capture the shape's graph from placeholder rows; where the capture fails, say so once and run every later
+        step eagerly (None)."""
         started = time.perf_counter()
+        batch = self._placeholders(shape)
         try:
-            graph = CudaGraphStep(self.target, self.state, shape, ids, positions, slots, self.taps, logits=False,
-                                  pool=self.pool, lengths=lengths)
+            graph = CudaGraphStep(self.target, self.state, shape, batch.input_ids, batch.positions, batch.slots,
+                                  self.taps, logits=False, pool=self.pool, lengths=batch.lengths)
         except Exception as error:  # noqa: BLE001 - any failure to capture leaves the eager step, which is exact
             self.log.warning("capturing a CUDA graph for %s failed (%s: %s): decode steps run eagerly from now on",
                              shape, type(error).__name__, error)
@@ -144,4 +148,4 @@ class StepBuckets:
         self.captured[shape] = graph
         self.log.log(logging.DEBUG if quiet else logging.INFO, "captured a CUDA graph for %s in %.2f s (%d shapes "
                      "now)", shape, time.perf_counter() - started, len(self.captured))
-        return graph.outputs.step
+        return graph

@@ -72,8 +72,8 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         if step_buckets not in (None, "eager", "cuda-graphs"):
             raise ConfigError(f"step buckets must be None, 'eager' or 'cuda-graphs', got {step_buckets!r}")
         if step_buckets is not None and not getattr(target, "graphable_steps", False):
-            raise ConfigError(f"{type(target).__name__} does not take padded steps (CUDA graphs): its state commits "
-                              f"tokens, or its step is mirrored on other ranks")
+            raise ConfigError(f"{type(target).__name__} does not take padded steps (CUDA graphs): padding could reach "
+                              f"its committed state, or its step reads the host or is mirrored on other ranks")
         # a padded step's extra rows write into one more slot, which no request holds
         self.state = target.new_state(max_requests + (step_buckets is not None),
                                       self.max_model_len + max(self.block_size, 1), max(self.block_size, 1))
@@ -96,7 +96,8 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         if self.buckets is None:
             return 0
         if self.running or self.waiting or self.prefilling:
-            raise RuntimeError("warm_up writes slots no request may hold: call it before the first request")
+            raise RuntimeError("warm_up is for start-up (a capture stalls every request): call it before the first "
+                               "request")
         return self.buckets.warm_up(self.max_requests, progress)
 
     # ------------------------------------------------------------------ stepping

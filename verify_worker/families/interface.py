@@ -1,11 +1,12 @@
 """What the engine relies on from a target family, and nothing more.
 
 The engine builds a StepBatch on the host, runs it with `step`, verifies, and then `commit`s how many of each
-slot's new tokens it keeps. Between two commits a slot's steps continue one another (an engine step may run a
-slot's last prompt chunk and then its first decode block): their tokens are pending, in order, and commit keeps
-the first `kept` of them and drops the rest. A positional KV cache needs no commit (entries past a slot's
-committed length are never attended); a recurrent state must end exactly where plain decoding of the kept
-tokens would have left it. An engine step that raises is undone with a commit of 0 for its slots. A tap is
+slot's new tokens it keeps. Between two commits a slot's steps continue one another: their tokens are pending, in
+order, and commit keeps the first `kept` of them and drops the rest. A positional KV cache needs no commit
+(entries past a slot's committed length are never attended); a recurrent state must end exactly where plain
+decoding of the kept tokens would have left it, and need only roll back within `block_tokens` (new_state): for
+such a family (`commits_state`) the engine never runs a slot's last prompt chunk and its first decode block
+between the same two commits, and a prompt chunk is always kept whole. An engine step that raises is undone with a commit of 0 for its slots. A tap is
 always [tokens, hidden]: the completed output of a decoder layer.
 """
 

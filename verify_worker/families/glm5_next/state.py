@@ -38,11 +38,23 @@ class TokenInputs:
 class CommitPlan:
     """What a commit does, worked out once on the host for every KDA layer (their pending tokens are the same)."""
 
-    taken: torch.Tensor  # [t] slots that keep some tokens: their tip (after any replay) becomes the committed state
-    restored: torch.Tensor  # [r] slots that keep none: the tip goes back to the committed state
+    taken: tuple[range, ...]  # slots that keep some tokens, in runs of consecutive slots: their tip (after any
+    #                           replay) becomes the committed state
+    restored: tuple[range, ...]  # slots that keep none, in runs: the tip goes back to the committed state
     partial: torch.Tensor  # [p] slots that keep some, not all: their tip is replayed from the committed state first
     partial_kept: torch.Tensor  # [p] how many
     longest: int  # the most kept by a replayed slot
+
+
+def slot_runs(slots: list[int]) -> tuple[range, ...]:
+    """Distinct slots as runs of consecutive ones: [4, 0, 1, 2, 7] -> (range(0, 3), range(4, 5), range(7, 8))."""
+    runs: list[range] = []
+    for slot in sorted(set(slots)):
+        if runs and runs[-1].stop == slot:
+            runs[-1] = range(runs[-1].start, slot + 1)
+        else:
+            runs.append(range(slot, slot + 1))
+    return tuple(runs)
 
 
 class RecurrentState:
@@ -102,13 +114,14 @@ class RecurrentState:
         self.tip_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
 
     def settle(self, plan: CommitPlan) -> None:
-        """A commit's second half (copies alone): the kept tips become the committed states, the others go back."""
-        if plan.taken.numel():
-            taken = plan.taken
-            self.committed[taken], self.committed_window[taken] = self.tip[taken], self.tip_window[taken]
-        if plan.restored.numel():
-            restored = plan.restored
-            self.tip[restored], self.tip_window[restored] = self.committed[restored], self.committed_window[restored]
+        """A commit's second half: the kept tips become the committed states, the others go back. Copies between
+        views of runs of slots, which allocate nothing (so they cannot run out of memory after a replay did not)."""
+        for run in plan.taken:
+            self.committed[run.start:run.stop].copy_(self.tip[run.start:run.stop])
+            self.committed_window[run.start:run.stop].copy_(self.tip_window[run.start:run.stop])
+        for run in plan.restored:
+            self.tip[run.start:run.stop].copy_(self.committed[run.start:run.stop])
+            self.tip_window[run.start:run.stop].copy_(self.committed_window[run.start:run.stop])
 
     def reset(self, slot: int) -> None:
         for tensor in self.tensors():
@@ -157,7 +170,7 @@ class Glm5NextState:
                 partial.append(slot)
                 partial_kept.append(keep)
         index = lambda values: torch.tensor(values, dtype=torch.long, device=device)  # noqa: E731
-        return CommitPlan(index(taken), index(restored), index(partial), index(partial_kept),
+        return CommitPlan(slot_runs(taken), slot_runs(restored), index(partial), index(partial_kept),
                           max(partial_kept, default=0))
 
     def commit(self, slots: torch.Tensor, kept: torch.Tensor) -> None:
