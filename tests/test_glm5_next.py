@@ -283,10 +283,10 @@ def test_speculative_greedy_equals_plain_and_transformers(glm5):
 
 
 def test_a_padded_step_gives_the_real_rows_and_leaves_their_states_as_the_unpadded_one(glm5):
-    """What --cuda-graphs runs (verify_worker/step_buckets.py): rows padded to a power of two in a scratch slot,
-    tokens padded to the block after a row's real ones, keys to the bucket. The real rows' outputs equal the
-    unpadded step's bit for bit, and after a partial commit so do their KDA states and conv windows; the next
-    step's too."""
+    """What --cuda-graphs runs (verify_worker/step_buckets.py): its warm-up's placeholder rows, then rows padded to a
+    power of two in a scratch slot, tokens padded to the block after a row's real ones, keys to the bucket. The
+    real rows' outputs equal the unpadded step's bit for bit, and after a partial commit so do their KDA states and
+    conv windows; the next step's too; the scratch slot's state stays zero."""
     from verify_worker.step_buckets import StepBuckets
 
     _, target, _ = glm5
@@ -298,6 +298,7 @@ def test_a_padded_step_gives_the_real_rows_and_leaves_their_states_as_the_unpadd
             target.commit(state, torch.tensor([slot]), torch.tensor([20 + slot]))
     plain, padded = states
     buckets = StepBuckets(target, padded, scratch_slot=3, block_size=8, taps=taps)
+    assert buckets.warm_up(3) == 6  # every shape, from placeholder rows (what a capture runs): the slots untouched
     slots, lengths, kept = [2, 0, 1], [8, 5, 3], [3, 5, 1]
     starts = torch.tensor([22, 20, 21])  # each slot's committed tokens
     for round_ in range(2):
