@@ -12,8 +12,9 @@ CUDA graph (verify_worker/cuda_graph_step.py) and replayed, and whether the repl
 Then, through the engine (verify_worker/engine), with the
 benchmark's replay drafter (replay_proposer.py: the target's own greedy continuation, one draft per block made
 wrong so each step commits --acceptances tokens): greedy speculative == plain on --prompts prompts (mismatches
-counted), and speculative / plain decode speed at each acceptance for --speedup-batches; the same for the
-Qwen3-8B-shaped target of gpu_target_step.py.
+counted), and speculative / plain decode speed at each acceptance for --speedup-batches; then greedy speculative ==
+plain with a random drafter of the family's kind attached (DFlash 2 / DFlash); the speedups for the Qwen3-8B-shaped
+target of gpu_target_step.py too.
 
     python benchmarks/gpu_glm_step.py                                       # on a GPU (slices; about 60 GB)
     python benchmarks/gpu_glm_step.py --families glm5 --layers 2 --batches 1,8
@@ -32,6 +33,9 @@ sys.path.insert(0, str(ROOT))
 
 from gpu_kernels import median_ms  # noqa: E402  (this folder's kernel benchmark: CUDA events, medians)
 from replay_proposer import ReplayProposer  # noqa: E402
+from draft_worker.draft_checkpoint import random_drafter  # noqa: E402
+from draft_worker.local_proposer import LocalProposer  # noqa: E402
+from shared.draft_config import DFlash2Settings, DraftConfig  # noqa: E402
 from verify_worker.cuda_graph_step import CudaGraphStep, StepShape  # noqa: E402
 from verify_worker.engine import SpeculativeEngine  # noqa: E402
 from verify_worker.families.common.kernel_set import TorchKernels, TritonKernels, use_kernels  # noqa: E402
@@ -251,6 +255,36 @@ def engine_run(model, proposer, requests, max_requests: int, max_len: int, graph
     return results, time.perf_counter() - started
 
 
+def random_drafter_check(model, args, label: str) -> None:
+    """A random drafter of the family's kind (DFlash 2 for GLM-5.3-Flash, DFlash for GLM-5.2; one layer at the
+    target's width, tapping its first and last layers, sharing its embedding and lm_head) attached through the
+    engine: greedy speculative == plain on --prompts prompts (it proposes, and the target rejects, real drafts)."""
+    cfg = model.config
+    hidden, device = cfg.hidden_size, model.embed_weight.device
+    head_dim = 16 if hidden < 512 else 128
+    draft_cfg = DraftConfig(
+        hidden_size=hidden, intermediate_size=2 * hidden, num_layers=1, num_heads=hidden // head_dim,
+        num_kv_heads=max(1, hidden // head_dim // 4), head_dim=head_dim, vocab_size=cfg.vocab_size,
+        num_target_layers=cfg.num_layers, target_layer_ids=tuple(sorted({0, cfg.num_layers - 1})),
+        mask_token_id=cfg.vocab_size - 1, block_size=args.block,
+        dflash2=DFlash2Settings(selector_rank=32, selector_top_k=4) if label == "glm5" else None)
+    drafter = random_drafter(draft_cfg, seed=3, std=0.02).to(device, model.embed_weight.dtype)
+    requests = [GenerationRequest(p, args.tokens, request_id=f"r{i}")
+                for i, p in enumerate(prompts(args.prompts, args.prompt_length, cfg.vocab_size))]
+    max_len = args.prompt_length + args.tokens + args.block
+    proposer = LocalProposer(drafter, model.embed_weight, model.lm_head_weight, block_size=args.block,
+                             max_requests=args.prompts, max_model_len=max_len)
+    plain, _ = engine_run(model, None, requests, args.prompts, max_len)
+    spec, _ = engine_run(model, proposer, requests, args.prompts, max_len)
+    mismatches = sum(s.token_ids != p.token_ids for s, p in zip(spec, plain))
+    drafted = sum(s.stats.draft_tokens for s in spec)
+    accepted = sum(s.stats.accepted_tokens for s in spec)
+    print(f"  {label} with a random {'DFlash 2' if draft_cfg.dflash2 else 'DFlash'} drafter: {mismatches}/"
+          f"{len(requests)} greedy mismatches against plain decoding ({drafted} drafts, {accepted} accepted)",
+          flush=True)
+    del drafter, proposer
+
+
 def speculation(model, args, label: str) -> None:
     """Greedy speculative == plain with the replay drafter, and the speedup at each acceptance length."""
     vocab, layers = model.config.vocab_size, model.config.num_layers
@@ -327,6 +361,7 @@ def main() -> None:
               flush=True)
         step_table(model, args, device, copy_bps, peak)
         speculation(model, args, family)
+        random_drafter_check(model, args, family)
         del model
         if device == "cuda":
             torch.cuda.empty_cache()

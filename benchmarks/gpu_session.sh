@@ -51,7 +51,7 @@ if [ -d .whl ]; then  # serving's packages the image lacks and fla-core (benchma
         $python tests/glm_kernels_interpreted.py .whl/checkpoints/glm .whl/checkpoints/glm_fp8 >"$out/grouped.log" 2>&1
     echo "glm_kernels_interpreted.py on cuda: exit $?"; tail -3 "$out/grouped.log"
     # the GLM slices' step table (time, bytes, bandwidth) and the replay drafter's speedups, Qwen3-8B-shaped too
-    timeout ${GLM_STEP_TIMEOUT:-240} $python benchmarks/gpu_glm_step.py --rounds 10 >"$out/glm_step.log" 2>&1
+    timeout ${GLM_STEP_TIMEOUT:-300} $python benchmarks/gpu_glm_step.py --rounds 10 >"$out/glm_step.log" 2>&1
     echo "gpu_glm_step.py: exit $?"; grep -v "Warning\|warn" "$out/glm_step.log" | tail -40
     fi
     if [ "$only" = fp8 ]; then  # a call of its own: the runs above and these do not fit one 600 s call together

@@ -1,6 +1,7 @@
 """benchmarks/gpu_glm_step.py's dry run (--device cpu --config tiny), as the GPU session runs it at full size: both
 GLM families built as their loaders build them, stepped, and decoded through the engine with the replay drafter,
-which must commit the acceptance asked for while the output stays the plain decoding's."""
+which must commit the acceptance asked for while the output stays the plain decoding's, and with a random drafter
+of the family's kind, whose drafts the target rejects while the output stays the plain decoding's."""
 
 import re
 import subprocess
@@ -26,6 +27,10 @@ def test_the_glm_step_benchmark_runs_on_cpu_and_its_replay_drafter_is_exact():
         assert line, run.stdout
         # 12 tokens: a prefill token, then steps of 3 until the last one is cut short
         assert 2.5 <= float(line.group(1)) <= 3.0 and line.group(2) == "0", line.group(0)
+        kind = "DFlash 2" if family == "glm5" else "DFlash"
+        drafted = re.search(rf"^  {family} with a random {kind} drafter: 0/2 greedy mismatches .*\((\d+) drafts",
+                            run.stdout, re.M)
+        assert drafted and int(drafted.group(1)) > 0, run.stdout
 
 
 def test_the_fp8_slices_with_fp8_activations_decode_exactly():
