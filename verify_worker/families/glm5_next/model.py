@@ -3,10 +3,11 @@ rollback, MLA without RoPE behind a pooled DSA indexer, mHC residual streams, Sw
 code, transformers as the test oracle (tests/test_glm5_next.py).
 
 Verify == decode by construction: a verify block goes through the same token-by-token KDA recurrence as one-token
-decoding (PyTorch's ops, or fla's fused recurrent Triton kernel on CUDA: kda_recurrence.py) (transformers runs multi-token calls through its chunked form instead), and, as in the GLM-5.2 family,
-every token row is computed on its own (one-row products, fixed-order sums over streams, stable top-k). Prefill
-uses the recurrent step too: correct, and slow for long prompts (a chunked prefill is not built yet). Written
-for correctness on small checkpoints, like the GLM-5.2 family.
+decoding (PyTorch's ops, or fla's fused recurrent Triton kernel on CUDA: kda_recurrence.py; transformers runs
+multi-token calls through its chunked form instead), and, as in the GLM-5.2 family, every token row is computed
+on its own (one-row products, fixed-order sums over streams, stable top-k). Prefill uses the recurrent step too
+(docs/decisions/0025). A step changes the KDA state by device operations alone (state.py), so it can be replayed
+from a CUDA graph.
 """
 
 import torch
