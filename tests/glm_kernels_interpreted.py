@@ -55,6 +55,22 @@ def kernel_findings() -> dict:
     }
 
 
+def float32_rows_findings() -> dict:
+    """What TritonKernels.rows runs on a GPU for a float32 product the row GEMM does not take (the mHC mixing, the
+    router): grouped_rows with one group, float32 weights and activations (no TF32), against float64, and each row
+    the same alone."""
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(19, 72, generator=generator).to(DEVICE)  # one full tile of 16 and a partial one
+    weight = torch.randn(24, 72, generator=generator).to(DEVICE)  # N = 24: a partial column block
+    counts = torch.tensor([19], device=DEVICE)
+    full = grouped_rows(x, weight[None], counts)
+    want = x.double() @ weight.double().t()
+    one = torch.ones(1, dtype=torch.int64, device=DEVICE)
+    alone = torch.cat([grouped_rows(x[r:r + 1], weight[None], one) for r in range(x.shape[0])])
+    return {"float32_rows_vs_float64": float((full.double() - want).abs().max() / want.abs().max()),
+            "float32_rows_equal_alone": bool(torch.equal(full, alone))}
+
+
 def fp8_findings() -> dict:
     """FP8 block weights (blocks of 128 x 64, partial edge blocks) multiplied in the kernel against the same weights
     dequantized as the loader dequantizes them, for bfloat16 and float32 activations; a projection kept FP8
@@ -207,5 +223,5 @@ if __name__ == "__main__":
     folders = sys.argv[1:]  # the first one's findings unprefixed, the others' prefixed "model{i}_"
     models = {f"model{i}_{k}" if i else k: v for i, folder in enumerate(folders)
               for k, v in model_findings(folder).items()}
-    print(json.dumps({"device": DEVICE, **kernel_findings(), **fp8_findings(), **experts_findings(),
-                      **attention_findings(), **pack_check_findings(), **models}))
+    print(json.dumps({"device": DEVICE, **kernel_findings(), **float32_rows_findings(), **fp8_findings(),
+                      **experts_findings(), **attention_findings(), **pack_check_findings(), **models}))

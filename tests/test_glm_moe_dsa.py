@@ -542,6 +542,8 @@ def test_the_triton_kernels_are_row_invariant_and_serve_the_family_exactly(tmp_p
     # blocks included); a row's result the same bits alone, in a full tile, or at another place in its tiles
     assert found["kernel_vs_float32"] < 1e-5, found
     assert found["rows_equal_alone"] and found["rows_equal_shifted"], found
+    # float32 products the row GEMM does not take (the mHC mixing, the router) on it as one group: IEEE float32
+    assert found["float32_rows_vs_float64"] < 1e-6 and found["float32_rows_equal_alone"], found
     # FP8 blocks multiplied inside it (partial edge blocks included) give the dequantized twin's products bit for bit
     assert found["fp8_bfloat16_equals_dequantized"] and found["fp8_float32_equals_dequantized"], found
     for dtype, tolerance in (("bfloat16", 2e-2), ("float32", 1e-5)):  # a projection kept FP8 (one group)

@@ -60,3 +60,15 @@ def test_on_a_gpu_the_cuda_build_is_the_host_build_and_rows_stand_alone(dtype):
     assert torch.equal(cuda.cpu(), host)
     for rows in (1, 2, 4, 8, 16, 17):
         assert torch.equal(op.row_norm(x[:rows].cuda(), weight.cuda(), 1e-6), cuda[:rows]), rows
+
+
+@needs_host
+def test_the_row_norm_takes_the_glm_kernels_l2_norm():
+    """TritonKernels.l2_norm on a GPU (KDA's q and k): x / sqrt(sum x^2 + eps) as the row norm with the weight
+    1 / sqrt(dim) and eps / dim, against kda.l2_normalize (the CPU family's)."""
+    from verify_worker.families.common.kda import l2_normalize
+
+    x, _ = _rows(torch.float32, dim=128)
+    dim = x.shape[-1]
+    got = op.row_norm(x, x.new_full((dim,), dim**-0.5), 1e-6 / dim)
+    assert (got - l2_normalize(x, 1e-6)).abs().max().item() <= 1e-6

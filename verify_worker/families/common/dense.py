@@ -5,11 +5,11 @@ from torch import nn
 from torch.nn import functional as F
 
 from verify_worker.families.common.kernel_set import TorchKernels
-from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
+from verify_worker.families.common.row_invariant import elementwise_rows
 
 
 class Linear(nn.Module):
-    """A bias-free projection computed row by row (see linear_rows); named like nn.Linear for loading. fp8: the
+    """A bias-free projection computed row by row (the kernel set's rows); named like nn.Linear for loading. fp8: the
     weight may be kept as FP8 blocks (fp8_weights.keep_fp8; then `weight_scale_inv` holds its scales and the
     product runs on the kernel set's fp8_rows); False for a weight read other than through forward."""
 
@@ -23,7 +23,7 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.weight_scale_inv is None:
-            return linear_rows(x, self.weight)
+            return self.glm_kernels.rows(x, self.weight)
         return self.glm_kernels.fp8_rows(x, self.weight, self.weight_scale_inv, self.fp8_block)
 
 

@@ -5,7 +5,8 @@ token's result never depends on the rows around it."""
 import torch
 from torch import nn
 
-from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
+from verify_worker.families.common.kernel_set import TorchKernels
+from verify_worker.families.common.row_invariant import elementwise_rows
 
 
 def stream_sum(parts: list[torch.Tensor]) -> torch.Tensor:
@@ -25,13 +26,14 @@ class HyperConnection(nn.Module):
         self.fn = nn.Parameter(torch.empty(width, streams * hidden, dtype=torch.float32))
         self.base = nn.Parameter(torch.empty(width, dtype=torch.float32))
         self.scale = nn.Parameter(torch.empty(3, dtype=torch.float32))
+        self.glm_kernels = TorchKernels()  # the norm and mixing product, chosen again when the model is packed
 
     def forward(self, streams: torch.Tensor):
         """streams [b, s, N, D] -> (post [b, s, N], comb [b, s, N, N] float32, the collapsed block input [b, s, D])."""
         n = self.streams
         flat = streams.reshape(*streams.shape[:2], -1).float()  # [b, s, N * D]
-        flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + self.norm_eps)  # unweighted RMSNorm
-        mixed = linear_rows(flat, self.fn.float())  # [b, s, (2 + N) * N]
+        flat = self.glm_kernels.norm(flat, flat.new_ones(flat.shape[-1]), self.norm_eps)  # an unweighted RMSNorm
+        mixed = self.glm_kernels.rows(flat, self.fn.float())  # [b, s, (2 + N) * N]
         pre_w, post_w, comb_w = mixed.split([n, n, n * n], -1)
         pre_b, post_b, comb_b = self.base.split([n, n, n * n])
         pre_s, post_s, comb_s = self.scale.unbind(0)

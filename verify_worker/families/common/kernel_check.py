@@ -40,6 +40,10 @@ def check_kernels(kernels, oracle, device: torch.device | str, dtype: torch.dtyp
         "latent_attention (selected keys)": lambda k: k.latent_attention(q, q_rope, latent, key_rope, visible, 0.2,
                                                                          40),
         "index_scores": lambda k: k.index_scores(index_q, index_keys, head_weights, 0.25),
+        "rows": lambda k: k.rows(x, weights[0]),
+        "rows (float32)": lambda k: k.rows(x.float(), weights[0].float()),
+        "norm": lambda k: k.norm(x, weights[0, 0], 1e-6),
+        "l2_norm": lambda k: k.l2_norm(x.float()),
     }
     if not fp8:
         del calls["grouped (FP8 blocks)"], calls["fp8_rows"]

@@ -5,6 +5,10 @@ with a `glm_kernels` attribute):
   products by head. x [rows, K], weights [groups, N, K], counts [groups] -> [rows, N] in x's dtype. With scales
   [groups, ceil(N / block[0]), ceil(K / block[1])], weights are FP8 blocks, each multiplied by its block's scale
   and rounded to x's dtype before the product (W8A16: the weight a checkpoint dequantized at load holds).
+- `rows(x, weight)`: a projection x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype, each row on its own (the
+  families' Linear, the mHC mixing, the router, the lm_head).
+- `norm(x, weight, eps)`: RMSNorm over the last dimension (shared.layers.rms_normalize's contract: the RMSNorm
+  modules, the mHC's unweighted norm, KDA's output norm); `l2_norm(x, eps)`: x / sqrt(sum x^2 + eps) (KDA's q and k).
 - `fp8_rows(x, weight, scale, block)`: a projection whose weight [N, K] is kept as FP8 blocks: x [..., K] ->
   [..., N], each row on its own, the weight as `grouped` takes it.
   A set made with fp8_activations=True multiplies FP8 weights as W8A8 instead: the activations quantized per row
@@ -20,15 +24,24 @@ with a `glm_kernels` attribute):
 
 `TorchKernels` (every device; the CPU family, the oracle): one row per batched-matmul entry, group counts read on
 the host. `TritonKernels` (CUDA with Triton): cuda_ext/grouped_rows, cuda_ext/latent_attention and
-cuda_ext/index_scores, no host synchronisation, no copy per query row. Both keep a row's result independent of the
-other rows of the call.
+cuda_ext/index_scores, no host synchronisation, no copy per query row; projections on cuda_ext's row GEMM where it
+takes them (bfloat16, widths of 16) and on grouped_rows (one group) where not, float32 ones included, so no product
+of the step is left to cuBLAS, whose rows may round by the batch; norms on cuda_ext's row norm (a warp a row, its
+sum in a fixed order), not PyTorch's reductions, which pick how many threads sum a row by the number of rows. Both
+keep a row's result independent of the other rows of the call.
 """
 
 import torch
 
 from cuda_ext.grouped_rows.reference import quantize_rows
+from cuda_ext.dispatch import kernel_entry
+from cuda_ext.row_gemm import op as row_gemm
+from cuda_ext.row_norm.op import DTYPES as ROW_NORM_DTYPES
+from cuda_ext.row_norm.op import row_norm
+from shared.layers import RMSNorm, rms_normalize
 from verify_worker.families.common.backend_choice import gpu_backend_or
 from verify_worker.families.common.fp8_blocks import dequantize
+from verify_worker.families.common.kda import l2_normalize
 from verify_worker.families.common.kernel_check import check_kernels
 from verify_worker.families.common.mla import latent_attention
 from verify_worker.families.common.row_invariant import linear_rows
@@ -40,6 +53,10 @@ class TorchKernels:
 
     def __init__(self, fp8_activations: bool = False):
         self.fp8_activations = fp8_activations  # W8A8 for FP8 weights (see fp8_rows)
+
+    rows = staticmethod(linear_rows)
+    norm = staticmethod(rms_normalize)
+    l2_norm = staticmethod(l2_normalize)
 
     def grouped(self, x: torch.Tensor, weights: torch.Tensor, counts: torch.Tensor, scales: torch.Tensor | None = None,
                 block: tuple[int, int] | None = None) -> torch.Tensor:
@@ -88,6 +105,26 @@ class TritonKernels:
         return self._grouped(x, weights, counts, scales=scales, scale_block=block,
                              fp8_activations=self.fp8_activations and scales is not None)
 
+    def rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """The row GEMM where it takes the product, else grouped_rows with one group (on CUDA); linear_rows on other
+        devices (Triton's interpreter: the CPU's row-invariant product stands in for what the GPU runs)."""
+        if x.device.type != "cuda" or row_gemm.usable(x, weight):
+            return linear_rows(x, weight)
+        flat = x.reshape(-1, x.shape[-1])  # [n, K]
+        counts = torch.full((1,), flat.shape[0], dtype=torch.int64, device=x.device)  # one group: every row
+        return self._grouped(flat, weight[None], counts).view(*x.shape[:-1], weight.shape[0])
+
+    def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """cuda_ext's row norm on CUDA where it is built, else PyTorch's (rms_normalize)."""
+        return row_norm(x, weight, eps) if row_norm_built(x) else rms_normalize(x, weight, eps)
+
+    def l2_norm(self, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+        """x / sqrt(sum x^2 + eps) as the row norm computes it: x / sqrt(mean x^2 + eps / dim) / sqrt(dim)."""
+        if not row_norm_built(x):
+            return l2_normalize(x, eps)
+        dim = x.shape[-1]
+        return row_norm(x, x.new_full((dim,), dim**-0.5), eps / dim)
+
     def fp8_rows(self, x, weight, scale, block) -> torch.Tensor:
         rows = x.reshape(-1, x.shape[-1])  # [n, K]
         counts = torch.full((1,), rows.shape[0], dtype=torch.int64, device=x.device)  # one group: every row
@@ -108,6 +145,11 @@ class TritonKernels:
         return scores.view(batch, seq, -1)
 
 
+def row_norm_built(x: torch.Tensor) -> bool:
+    """Whether cuda_ext's row norm takes x: a CUDA tensor of float32 or bfloat16, the kernel built for its device."""
+    return x.device.type == "cuda" and x.dtype in ROW_NORM_DTYPES and kernel_entry("row_norm", x.device) is not None
+
+
 def kernels_for(device: torch.device | str, dtype: torch.dtype, fp8: bool):
     """"triton" on CUDA where Triton is installed, tried first on small inputs in dtype, its FP8 products too where
     fp8 (the model keeps FP8 weights): a failing kernel is a start-up error naming it (kernel_check.py); else
@@ -123,7 +165,10 @@ def keeps_fp8(model: torch.nn.Module) -> bool:
 
 
 def use_kernels(model: torch.nn.Module, kernels) -> None:
-    """Every module of model with a `glm_kernels` attribute runs on `kernels`."""
+    """Every module of model with a `glm_kernels` attribute runs on `kernels`, and every RMSNorm normalizes
+    through its norm."""
     for module in model.modules():
         if hasattr(module, "glm_kernels"):
             module.glm_kernels = kernels
+        if isinstance(module, RMSNorm):
+            module.normalize = kernels.norm

@@ -7,7 +7,7 @@ from torch.nn import functional as F
 
 from verify_worker.families.common.dense import GatedMLP, clamp_gate_up
 from verify_worker.families.common.kernel_set import TorchKernels
-from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
+from verify_worker.families.common.row_invariant import elementwise_rows
 from verify_worker.parallel.group import TensorParallel
 
 
@@ -82,11 +82,12 @@ class Router(nn.Module):
         self.cfg = cfg
         self.weight = nn.Parameter(torch.empty(cfg.n_routed_experts, cfg.hidden_size, dtype=torch.float32))
         self.register_buffer("e_score_correction_bias", torch.zeros(cfg.n_routed_experts, dtype=torch.float32))
+        self.glm_kernels = TorchKernels()  # the float32 router's product, chosen again when the model is packed
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [tokens, hidden] -> expert ids, weights [tokens, top_k] (float32 router, as published)."""
         cfg = self.cfg
-        logits = linear_rows(x.float(), self.weight.float())
+        logits = self.glm_kernels.rows(x.float(), self.weight.float())
         return route(logits, self.e_score_correction_bias, cfg.num_experts_per_tok, cfg.n_group, cfg.topk_group,
                      cfg.norm_topk_prob, cfg.routed_scaling_factor)
 

@@ -20,13 +20,13 @@ from verify_worker.families.common.dense import GatedMLP, Linear
 from verify_worker.families.common.embedding_head import EmbeddingHead
 from verify_worker.families.common.kernel_set import TorchKernels, keeps_fp8, kernels_for, use_kernels
 from verify_worker.families.common.hyper_connection import HyperConnection, expand, stream_mean
-from verify_worker.families.common.kda import causal_conv, l2_normalize
+from verify_worker.families.common.kda import causal_conv
 from verify_worker.families.common.kda_recurrence import TorchRecurrence, recurrence_for
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention
 from verify_worker.families.common.moe import MoE
 from verify_worker.families.common.pooled_indexer import pool_keys, select_pooled
-from verify_worker.families.common.row_invariant import elementwise_rows, linear_rows
+from verify_worker.families.common.row_invariant import elementwise_rows
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.families.glm5_next.shard_plan import LocalShapes, local_shapes
 from verify_worker.families.glm5_next.state import Glm5NextState, RecurrentState, TokenInputs
@@ -68,6 +68,7 @@ class KdaAttention(nn.Module):
         self.o_proj = Linear(inner, h, **bf16)
         self.lower_bound = cfg.gate_lower_bound
         self.recurrence = TorchRecurrence()  # chosen again when the model is packed
+        self.glm_kernels = TorchKernels()  # the norms' kernels, chosen again when the model is packed
 
     def log_decay(self, x: torch.Tensor) -> torch.Tensor:
         """The forget gate g [b, s, heads, dim] (float32): lb * sigmoid(exp(A_log) * (f_b(f_a(x)) + dt_bias))."""
@@ -91,8 +92,8 @@ class KdaAttention(nn.Module):
         window = state.tip_window[slots]  # [b, C, K-1]
         mixed = elementwise_rows(F.silu, causal_conv(window, raw, kernel))  # [b, s, C] float32
         q, k, v = (part.reshape(batch, seq, heads, dim) for part in mixed.split(heads * dim, -1))
-        q = l2_normalize(q) * dim**-0.5
-        k = l2_normalize(k)
+        q = self.glm_kernels.l2_norm(q) * dim**-0.5
+        k = self.glm_kernels.l2_norm(k)
         g = self.log_decay(x)  # [b, s, heads, dim]
         decay = elementwise_rows(torch.exp, g)
         beta = elementwise_rows(torch.sigmoid, self.b_proj(x).float())  # [b, s, heads]
@@ -104,7 +105,7 @@ class KdaAttention(nn.Module):
         state.tip_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
         state.keep(slots, offsets, live, TokenInputs(k, v, decay, g, beta, raw))
         gate = self.g_b_proj(self.g_a_proj(x)).view(batch, seq, heads, dim).float()
-        normed = out * torch.rsqrt(out.square().mean(-1, keepdim=True) + self.eps) * self.o_norm.weight.float()
+        normed = self.glm_kernels.norm(out, self.o_norm.weight.float(), self.eps)  # [b, s, heads, dim]
         normed = normed * elementwise_rows(torch.sigmoid, gate)
         return self.tp.all_reduce(self.o_proj(normed.to(x.dtype).reshape(batch, seq, -1)))
 
@@ -124,7 +125,7 @@ class PooledIndexer(nn.Module):
 
     def entries(self, x: torch.Tensor) -> torch.Tensor:
         """x [b, s, hidden] -> what the cache keeps per token [b, s, 2 * dim]: the key, then the pooling gate."""
-        return torch.cat([self.k_norm(self.wk(x)), linear_rows(x, self.index_kpool_compress_gate)], -1)
+        return torch.cat([self.k_norm(self.wk(x)), self.glm_kernels.rows(x, self.index_kpool_compress_gate)], -1)
 
     def select(self, x, q_resid, cached: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
         """cached [b, T, 2 * dim] -> the keys each query attends to [b, s, T] (bool)."""
@@ -214,6 +215,7 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         self.local = local_shapes(cfg, tp)
         self.model = DecoderStack(cfg, self.local, tp)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.local.vocab_shard, fp8=False)
+        self.glm_kernels = TorchKernels()  # the lm_head's product (tied or not), chosen again when the model is packed
 
     def _attention_layers(self) -> tuple[list[int], list[int]]:
         cfg = self.config
@@ -289,7 +291,7 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
-        local = linear_rows(hidden, self.lm_head_weight).float()
+        local = self.glm_kernels.rows(hidden, self.lm_head_weight).float()
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "Glm5NextModel":

@@ -25,7 +25,6 @@ from verify_worker.families.common.kernel_set import TorchKernels, keeps_fp8, ke
 from verify_worker.families.common.latent_cache import LatentCache
 from verify_worker.families.common.mla import absorbed_attention, interleaved_rotary, rotary_angles
 from verify_worker.families.common.moe import MoE
-from verify_worker.families.common.row_invariant import linear_rows
 from verify_worker.families.common.sparse_indexer import select_top_keys
 from verify_worker.families.glm_moe_dsa.config import INDEXER_NORM_EPS, LATENT_NORM_EPS, GlmMoeDsaConfig
 from verify_worker.families.glm_moe_dsa.shard_plan import LocalShapes, local_shapes
@@ -138,6 +137,7 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
         self.local = local_shapes(cfg, tp)
         self.model = DecoderStack(cfg, self.local, tp)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size, self.local.vocab_shard, fp8=False)
+        self.glm_kernels = TorchKernels()  # the lm_head's product (tied or not), chosen again when the model is packed
         self.register_buffer("inv_freq", inverse_frequencies(RopeSettings(cfg.rope_theta), cfg.qk_rope_head_dim),
                              persistent=False)
 
@@ -187,12 +187,12 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
 
     def logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """[..., hidden] -> float32 [..., vocab] (gathered from the ranks' vocabulary shards)."""
-        local = linear_rows(hidden, self.lm_head_weight).float()  # [..., vocab shard]
+        local = self.glm_kernels.rows(hidden, self.lm_head_weight).float()  # [..., vocab shard]
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "GlmMoeDsaModel":
         """The kernels for the device (kernel_set.py: experts, MLA heads, attention and the indexer's scores on
         Triton kernels on CUDA where Triton is installed, else PyTorch's); the projections read the loaded weights
-        row by row (linear_rows)."""
+        row by row (the kernel set's rows)."""
         use_kernels(self, kernels_for(self.embed_weight.device, self.embed_weight.dtype, keeps_fp8(self)))
         return self
