@@ -2,8 +2,9 @@
 interpreter: fla's KDA kernel on CPU tensors), and by benchmarks/gpu_session.sh on a GPU (DFLASH_KDA_DEVICE=cuda,
 the compiled kernel): fla's fused recurrent KDA kernel as the glm5_next family's recurrence, against the PyTorch
 recurrence (the CPU oracle) and against itself one token at a time; then the family on its CUDA kernels (that
-recurrence and cuda_ext/grouped_rows for the experts) against the CPU family. Prints one JSON object of findings;
-the test asserts on them.
+recurrence and cuda_ext/grouped_rows for the experts) against the CPU family; on a GPU also fla's chunk_kda for
+prompt chunks (chunked_form_fault, and the family on it). Prints one JSON object of findings; the test asserts on
+them.
 
     TRITON_INTERPRET=1 python tests/kda_fla_interpreted.py CHECKPOINT_FOLDER
     DFLASH_KDA_DEVICE=cuda python tests/kda_fla_interpreted.py --write-checkpoint FOLDER   # writes it first
@@ -18,7 +19,7 @@ from family_exactness import exactness_findings
 
 from verify_worker.families.common.kernel_set import TritonKernels, use_kernels
 from verify_worker.families.common.kda import l2_normalize
-from verify_worker.families.common.kda_recurrence import FlaRecurrence, TorchRecurrence
+from verify_worker.families.common.kda_recurrence import FlaRecurrence, TorchRecurrence, chunked_form_fault
 from verify_worker.target_loader import load_target
 
 
@@ -75,7 +76,13 @@ def model_findings(folder: str) -> dict:
     oracle = load_target(folder)  # packed for the CPU: PyTorch's recurrence and products
     target = load_target(folder, device=DEVICE).use_recurrence(FlaRecurrence())
     use_kernels(target, TritonKernels())  # the rest of the family's CUDA kernels too (kernel_set.py)
-    return {"backend": target.recurrence_name, **exactness_findings(target, oracle)}
+    found = {"backend": target.recurrence_name, **exactness_findings(target, oracle)}
+    if DEVICE == "cuda":  # chunk_kda for prompt chunks (not under the interpreter: its autotuner wants a driver)
+        found["chunk_kda_fault"] = chunked_form_fault(FlaRecurrence(chunked=True), DEVICE)
+        if found["chunk_kda_fault"] is None:
+            target.use_recurrence(FlaRecurrence(chunked=True))
+            found.update({f"chunked_{k}": v for k, v in exactness_findings(target, oracle).items()})
+    return found
 
 
 if __name__ == "__main__":

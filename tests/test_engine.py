@@ -213,3 +213,17 @@ def test_prompt_chunks_go_in_forwards_of_similar_lengths():
     assert sorted(n for group in groups for n in group) == sorted(demo)
     padded = sum(len(group) * max(group) for group in groups)
     assert padded <= 1.25 * sum(demo) < 16 * max(demo)  # 1856 padded rows before, for 942 tokens
+
+
+def test_plan_prefill_keeps_unfinished_chunks_whole_multiples_of_the_alignment():
+    """A budget of 200 shared first come first served: the 150-token prompt whole, the 40-token one whole, and
+    the 300-token one nothing (10 tokens left is no whole multiple of 64; it waits); first in line it gets 192."""
+    from verify_worker.request import RequestState
+    from verify_worker.scheduler import plan_prefill
+
+    states = [RequestState(GenerationRequest(tuple(range(n)), 4), 0, torch.Generator()) for n in (150, 40, 300)]
+    assert [n for _, n in plan_prefill(states, 200, 64)] == [150, 40]
+    assert [n for _, n in plan_prefill(states[2:], 200, 64)] == [192]
+    assert [n for _, n in plan_prefill(states, 200)] == [150, 40, 10]  # no alignment: the budget to the token
+    states[2].cache_len = 192  # prefilled
+    assert [n for _, n in plan_prefill(states[2:], 100, 64)] == [64]

@@ -230,6 +230,49 @@ def test_a_step_that_fails_midway_is_undone_and_the_slot_decodes_on_exactly(glm5
     assert all(torch.equal(a, b) for a, b in zip(kda_tensors(states[0], 0), kda_tensors(states[1], 0)))
 
 
+def test_prompt_chunks_start_at_multiples_of_the_recurrences_chunk(glm5):
+    """A recurrence with a chunked form for prompts (fla's chunk_kda on a GPU: prefill_align 64) has every prompt
+    chunk start at a multiple of its chunk, however the prefill budget is shared: here a stand-in of 16 on CPU, with
+    a budget of 40 shared by three prompts. The prompt chunks reach it flagged, and the tokens are those of a
+    recurrence without one; a budget below the chunk is refused."""
+    from verify_worker.families.common.kda_recurrence import TorchRecurrence
+
+    _, target, _ = glm5
+
+    class Aligned(TorchRecurrence):
+        prefill_align = 16
+
+        def run_prompt(self, state, q, k, v, decay, g, beta, live):
+            return self.run(state, q, k, v, decay, g, beta, live)
+
+    recorded = []
+    step = target.step
+
+    def spy(batch, state, taps=()):
+        if batch.prefill:
+            recorded.extend(batch.positions[:, 0].tolist())
+        return step(batch, state, taps)
+
+    prompts = [prompt_ids(n, 70 + n)[0].tolist() for n in (37, 23, 50)]
+    requests = [GenerationRequest(tuple(p), 8, request_id=f"r{i}") for i, p in enumerate(prompts)]
+    plain = SpeculativeEngine(target, None, max_requests=3, max_model_len=128,
+                              max_prefill_tokens=40).generate(requests)
+    target.use_recurrence(Aligned())
+    target.step = spy  # the instance's own: the class's method again once deleted
+    try:
+        assert target.prefill_align == 16
+        aligned = SpeculativeEngine(target, None, max_requests=3, max_model_len=128,
+                                    max_prefill_tokens=40).generate(requests)
+        with pytest.raises(ConfigError, match="max_prefill_tokens must be >= 16"):
+            SpeculativeEngine(target, None, max_prefill_tokens=8)
+    finally:
+        del target.step
+        target.use_recurrence(TorchRecurrence())
+    assert recorded and all(start % 16 == 0 for start in recorded), recorded
+    assert any(start > 0 for start in recorded)  # prompts were split
+    assert [r.token_ids for r in aligned] == [r.token_ids for r in plain]
+
+
 def test_speculative_greedy_equals_plain_and_transformers(glm5):
     hf, target, _ = glm5
     prompts = [prompt_ids(n, 10 + n)[0].tolist() for n in (2, 9, 17, 26, 31)]

@@ -3,15 +3,21 @@
 from verify_worker.request import RequestState
 
 
-def plan_prefill(prefilling: list[RequestState], budget: int) -> list[tuple[RequestState, int]]:
-    """The next prompt chunk of each prefilling request, first come first served, at most budget tokens in all."""
+def plan_prefill(prefilling: list[RequestState], budget: int, align: int = 1) -> list[tuple[RequestState, int]]:
+    """The next prompt chunk of each prefilling request, first come first served, at most budget tokens in all.
+    align: a chunk that does not end its prompt is a multiple of align tokens, so every chunk starts at a multiple
+    of align (a family whose prompt chunks' bits depend on where they start: its `prefill_align`); a request the
+    budget left cannot give a whole multiple waits for the next step (the first in line always gets one: budget >=
+    align)."""
     plan = []
     for state in prefilling:
         if budget <= 0:
             break
-        n = min(len(state.request.prompt_ids) - state.prefilled, budget)
-        plan.append((state, n))
-        budget -= n
+        remaining = len(state.request.prompt_ids) - state.prefilled
+        n = remaining if remaining <= budget else budget // align * align
+        if n:
+            plan.append((state, n))
+            budget -= n
     return plan
 
 

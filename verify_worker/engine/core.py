@@ -65,6 +65,10 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
                 raise ConfigError(f"block size must be >= 2, got {self.block_size}")
         if max_prefill_tokens < 1:
             raise ConfigError(f"max_prefill_tokens must be >= 1, got {max_prefill_tokens}")
+        self.prefill_align = getattr(target, "prefill_align", 1)  # prompt chunks start at its multiples
+        if max_prefill_tokens < self.prefill_align:
+            raise ConfigError(f"max_prefill_tokens must be >= {self.prefill_align} for this target (its prompt chunks "
+                              f"start at multiples of {self.prefill_align} tokens), got {max_prefill_tokens}")
         self.tap_layers = tuple(proposer.target_layer_ids) if proposer else ()
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_prefill_tokens = max_prefill_tokens
@@ -138,7 +142,8 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         started = time.perf_counter()
         events: dict[str, StepEvent] = {}
         kept: dict[int, int] = {}  # slot -> tokens of this step the target keeps (committed once the step is done)
-        chunks = plan_prefill([s for s in self.prefilling if s.request_id in group], self.max_prefill_tokens)
+        chunks = plan_prefill([s for s in self.prefilling if s.request_id in group], self.max_prefill_tokens,
+                              self.prefill_align)
         for similar in padding_groups(chunks):  # one forward per group of similar lengths (padding costs rows)
             self._prefill(similar, events, report, kept)
         # a state that commits tokens rolls back within one verify block: a request whose prompt ended in this
@@ -178,7 +183,7 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         starts = torch.tensor([state.prefilled for state, _ in chunks])
         # [b, width]; padding sits past each chunk, never past the cache (real positions stay < max_model_len)
         positions = (starts[:, None] + torch.arange(width)).clamp(max=self.state.capacity - 1)
-        out = self._forward(ids, positions, [state.slot for state, _ in chunks], [n for _, n in chunks])
+        out = self._forward(ids, positions, [state.slot for state, _ in chunks], [n for _, n in chunks], prefill=True)
         done = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.request.prompt_ids)]
         first = None
         if done:
@@ -232,10 +237,11 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
             out = self._forward(block, positions, [s.slot for s in states], [c + 1 for c in counts])
         return out, self.target.logits(out.hidden)
 
-    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int]):
+    def _forward(self, ids: torch.Tensor, positions: torch.Tensor, slots: list[int], lengths: list[int],
+                 prefill: bool = False):
         batch = StepBatch(ids.to(self.device), positions.to(self.device), torch.tensor(slots, device=self.device),
                           torch.tensor(lengths, device=self.device), key_length=int(positions.max()) + 1,
-                          slot_range=consecutive_range(slots))
+                          slot_range=consecutive_range(slots), prefill=prefill)
         return self.target.step(batch, self.state, self.tap_layers)
 
 

@@ -32,6 +32,9 @@ class StepBatch:
     key_length: int | None = None  # positions a row may attend to: at least max(positions) + 1
     slot_range: tuple[int, int] | None = None  # slots are start..end-1 in order (cache reads become views);
     #                                            with key_length given, None means: read the slots by index
+    prefill: bool = False  # prompt chunks, kept whole by the commit: a recurrent state may take them in by a
+    #                        chunked form, whose bits depend on where a chunk starts (the engine starts each at a
+    #                        multiple of the family's optional `prefill_align`)
 
 
 @dataclass

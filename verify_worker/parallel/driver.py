@@ -20,7 +20,7 @@ HEADER_LEN = 16
 
 
 class Op(enum.IntEnum):
-    FORWARD = 1  # [op, batch, seq, num_taps, taps...]
+    FORWARD = 1  # [op, batch, seq, prefill, num_taps, taps...]
     LOGITS = 2  # [op, ndim, shape...]
     NEW_STATE = 3  # [op, num_slots, capacity, block_tokens]
     PING = 4
@@ -48,6 +48,7 @@ class TargetLeader:
         self.target, self.tp = target, target.tp
         self.config = target.config
         self.commits_state = target.commits_state
+        self.prefill_align = getattr(target, "prefill_align", 1)
         self.device = target.embed_weight.device
         self.ping_every_s, self.last_command = ping_every_s, time.monotonic()
 
@@ -87,7 +88,7 @@ class TargetLeader:
     def step(self, batch: StepBatch, state: TargetState, taps: tuple[int, ...] = ()) -> TargetOutput:
         rows, seq = batch.input_ids.shape
         lengths = batch.lengths if batch.lengths is not None else torch.full((rows,), seq)
-        self._announce(_header(Op.FORWARD, rows, seq, len(taps), *taps),
+        self._announce(_header(Op.FORWARD, rows, seq, int(batch.prefill), len(taps), *taps),
                        batch.input_ids.to(self.device, torch.long), batch.positions.to(self.device, torch.long),
                        batch.slots.to(self.device, torch.long), lengths.to(self.device, torch.long))
         return self._run(lambda: self.target.step(batch, state, taps))
@@ -140,12 +141,13 @@ def follow(target: TargetFamily) -> None:
             if op == Op.NEW_STATE:
                 state = target.new_state(fields[0], fields[1], fields[2])
             elif op == Op.FORWARD:
-                rows, seq, num_taps = fields[:3]
+                rows, seq, prefill, num_taps = fields[:4]
                 ids = receive((rows, seq), torch.long)
                 positions = receive((rows, seq), torch.long)
                 slots = receive((rows,), torch.long)
                 lengths = receive((rows,), torch.long)
-                target.step(StepBatch(ids, positions, slots, lengths), state, tuple(fields[3: 3 + num_taps]))
+                target.step(StepBatch(ids, positions, slots, lengths, prefill=bool(prefill)), state,
+                            tuple(fields[4: 4 + num_taps]))
             elif op == Op.COMMIT:
                 slots = receive((fields[0],), torch.long)
                 target.commit(state, slots, receive((fields[0],), torch.long))

@@ -5,8 +5,8 @@ code, transformers as the test oracle (tests/test_glm5_next.py).
 Verify == decode by construction: a verify block goes through the same token-by-token KDA recurrence as one-token
 decoding (PyTorch's ops, or fla's fused recurrent Triton kernel on CUDA: kda_recurrence.py; transformers runs
 multi-token calls through its chunked form instead), and, as in the GLM-5.2 family, every token row is computed
-on its own (one-row products, fixed-order sums over streams, stable top-k). Prefill uses the recurrent step too
-(docs/decisions/0025). A step changes the KDA state by device operations alone (state.py), so it can be replayed
+on its own (one-row products, fixed-order sums over streams, stable top-k). Prefill uses the recurrent step too,
+but for fla's chunk_kda on a GPU where it holds (docs/decisions/0025). A step changes the KDA state by device operations alone (state.py), so it can be replayed
 from a CUDA graph.
 """
 
@@ -81,10 +81,11 @@ class KdaAttention(nn.Module):
         return -rate * softplus
 
     def forward(self, x: torch.Tensor, state: RecurrentState, slots: torch.Tensor, lengths: torch.Tensor,
-                offsets: torch.Tensor):
+                offsets: torch.Tensor, prefill: bool = False):
         """x [b, s, hidden] -> [b, s, hidden]. Starts each row from its slot's tip, leaves the tip after the row's
         real tokens (lengths [b]), and keeps their recurrence inputs for the commit at the slot's places from
-        offsets [b] (its pending tokens before this forward). Device operations only."""
+        offsets [b] (its pending tokens before this forward). prefill: prompt chunks, which the recurrence may take
+        in by its chunked form (kda_recurrence.py). Device operations only."""
         batch, seq, _ = x.shape
         heads, dim = self.heads, self.dim
         raw = torch.cat([self.q_proj(x), self.k_proj(x), self.v_proj(x)], -1)  # [b, s, 3 * inner]
@@ -99,7 +100,8 @@ class KdaAttention(nn.Module):
         beta = elementwise_rows(torch.sigmoid, self.b_proj(x).float())  # [b, s, heads]
         live = torch.arange(seq, device=x.device)[None] < lengths[:, None]  # [b, s]
         # [b, heads, dk, dv], [b, s, heads, dv]: token by token from each row's tip (kda_recurrence.py)
-        state.tip[slots], out = self.recurrence.run(state.tip[slots], q, k, v, decay, g, beta, live)
+        run = self.recurrence.run_prompt if prefill else self.recurrence.run
+        state.tip[slots], out = run(state.tip[slots], q, k, v, decay, g, beta, live)
         series = torch.cat([window, raw.transpose(1, 2).float()], -1)  # [b, C, K-1+s]
         take = lengths[:, None] + torch.arange(window.shape[-1], device=x.device)  # the last K-1 real inputs
         state.tip_window[slots] = series.gather(-1, take[:, None].expand(-1, series.shape[1], -1))
@@ -253,11 +255,13 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
     def step(self, batch: StepBatch, state: Glm5NextState, taps: tuple[int, ...] = ()) -> TargetOutput:
         lengths = batch.lengths if batch.lengths is not None else \
             torch.full((batch.input_ids.shape[0],), batch.input_ids.shape[1], device=batch.input_ids.device)
-        return self(batch.input_ids, batch.positions, state, batch.slots, taps, lengths, batch.key_length)
+        return self(batch.input_ids, batch.positions, state, batch.slots, taps, lengths, batch.key_length,
+                    batch.prefill)
 
     def forward(self, input_ids, positions, state: Glm5NextState, slots, tap_layers=(), lengths=None,
-                key_length: int | None = None) -> TargetOutput:
-        """key_length: at least max(positions) + 1, from the host (None: read from the device)."""
+                key_length: int | None = None, prefill: bool = False) -> TargetOutput:
+        """key_length: at least max(positions) + 1, from the host (None: read from the device); prefill: prompt
+        chunks (StepBatch.prefill)."""
         if lengths is None:
             lengths = torch.full((input_ids.shape[0],), input_ids.shape[1], device=input_ids.device)
         key_length = key_length if key_length is not None else int(positions.max()) + 1
@@ -270,7 +274,7 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
             post, comb, h = layer.attn_hc(streams)
             h = layer.input_layernorm(h)
             if layer.linear:
-                h = layer.self_attn(h, state.recurrent[index], slots, lengths, offsets)
+                h = layer.self_attn(h, state.recurrent[index], slots, lengths, offsets, prefill)
                 selected = None
             else:
                 h, selected = layer.self_attn(h, state.latent, slots, positions, kv_len, selected)
@@ -306,6 +310,12 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
             if layer.linear:
                 layer.self_attn.recurrence = recurrence
         return self
+
+    @property
+    def prefill_align(self) -> int:
+        """Prompt chunks start at multiples of this (the recurrence's chunked form's chunk; 1 without one)."""
+        layer = next((layer for layer in self.model.layers if layer.linear), None)
+        return layer.self_attn.recurrence.prefill_align if layer is not None else 1
 
     @property
     def recurrence_name(self) -> str:
