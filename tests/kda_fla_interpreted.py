@@ -79,9 +79,13 @@ def model_findings(folder: str) -> dict:
     found = {"backend": target.recurrence_name, **exactness_findings(target, oracle)}
     if DEVICE == "cuda":  # chunk_kda for prompt chunks (not under the interpreter: its autotuner wants a driver)
         found["chunk_kda_fault"] = chunked_form_fault(FlaRecurrence(chunked=True), DEVICE)
-        if found["chunk_kda_fault"] is None:
+        if found["chunk_kda_fault"] is None:  # prompts of 150 and 70 tokens, prefilled 128 tokens a step at most
             target.use_recurrence(FlaRecurrence(chunked=True))
-            found.update({f"chunked_{k}": v for k, v in exactness_findings(target, oracle).items()})
+            generator = torch.Generator().manual_seed(3)
+            vocab = oracle.config.vocab_size
+            prompts = [torch.randint(1, vocab, (n,), generator=generator).tolist() for n in (150, 70)]
+            found.update({f"chunked_{k}": v for k, v in exactness_findings(target, oracle, prompts=prompts,
+                                                                            max_prefill_tokens=128).items()})
     return found
 
 

@@ -92,16 +92,17 @@ def masked_gates(g: torch.Tensor, beta: torch.Tensor, live: torch.Tensor) -> tup
     return (g.float() * keep[..., None]).contiguous(), (beta.float() * keep).contiguous()
 
 
-def chunked_form_fault(recurrence, device) -> str | None:
+def chunked_form_fault(recurrence, device, heads: int = 2, dim: int = 128) -> str | None:
     """Why the recurrence's chunked form may not take prompt chunks on device (None: it may): on small random
-    inputs it must be within 1e-4 of the recurrence, give a row the same bits alone as beside a longer row, and a
-    prompt the same bits in one forward as split at a multiple of FLA_CHUNK."""
+    inputs of the layer's heads and head dim it must be within 1e-4 of the recurrence (states and outputs), give a
+    row the same bits alone as beside a longer row, and a prompt the same bits in one forward as split at a
+    multiple of FLA_CHUNK."""
     generator = torch.Generator().manual_seed(0)
 
     def randn(*shape):
         return torch.randn(*shape, generator=generator).to(device)
 
-    lengths, heads, dim = (150, 70), 2, 128
+    lengths = (150, 70)
     seq = max(lengths)
     q, k = l2_normalize(randn(2, seq, heads, dim)) * dim**-0.5, l2_normalize(randn(2, seq, heads, dim))
     v, g = randn(2, seq, heads, dim), -5 * torch.sigmoid(randn(2, seq, heads, dim))
@@ -118,6 +119,10 @@ def chunked_form_fault(recurrence, device) -> str | None:
         error = float((final - want_final).abs().max() / want_final.abs().max())
         if not error <= 1e-4:
             return f"its state is {error:.2g} (relative) from the recurrence's"
+        real = live[:, :, None, None]  # a padded token's output is not meaningful
+        error = float(((out - want_out) * real).abs().max() / (want_out * real).abs().max())
+        if not error <= 1e-4:
+            return f"its outputs are {error:.2g} (relative) from the recurrence's"
         alone_final, alone_out = prompt(slice(1, 2), lengths[1])
         if not (torch.equal(alone_final, final[1:2]) and torch.equal(alone_out, out[1:2, :lengths[1]])):
             return "a row's bits change beside a longer row"
@@ -132,13 +137,15 @@ def chunked_form_fault(recurrence, device) -> str | None:
     return None
 
 
-def recurrence_for(device: torch.device | str):
-    """"fla" on CUDA where fla-core is installed (its chunked form for prompt chunks where chunked_form_fault finds
-    none), else "torch"."""
+def recurrence_for(device: torch.device | str, shapes: tuple[int, int] = (2, 128), parallel: bool = False):
+    """"fla" on CUDA where fla-core is installed, else "torch". fla's chunked form takes prompt chunks where
+    chunked_form_fault finds no fault at shapes (the layer's heads, head dim), and not under tensor parallelism
+    (each rank would decide alone, and the engine's alignment is rank 0's)."""
     recurrence = gpu_backend_or(device, FlaRecurrence, TorchRecurrence)
     if recurrence.name == FlaRecurrence.name:
         recurrence.chunked = True
-        fault = chunked_form_fault(recurrence, device)
+        fault = "tensor parallelism (the ranks would decide alone)" if parallel else \
+            chunked_form_fault(recurrence, device, *shapes)
         recurrence.chunked = fault is None
         log = logging.getLogger("dflash.kda")
         if fault is None:

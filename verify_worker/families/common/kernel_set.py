@@ -115,8 +115,11 @@ class TritonKernels:
         return self._grouped(flat, weight[None], counts).view(*x.shape[:-1], weight.shape[0])
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-        """cuda_ext's row norm on CUDA where it is built, else PyTorch's (rms_normalize)."""
-        return row_norm(x, weight, eps) if row_norm_built(x) else rms_normalize(x, weight, eps)
+        """cuda_ext's row norm on CUDA where it is built and the weight has x's dtype, else PyTorch's (rms_normalize,
+        which also takes a weight of another dtype and promotes)."""
+        if row_norm_built(x) and weight.dtype == x.dtype:
+            return row_norm(x, weight, eps)
+        return rms_normalize(x, weight, eps)
 
     def l2_norm(self, x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
         """x / sqrt(sum x^2 + eps) as the row norm computes it: x / sqrt(mean x^2 + eps / dim) / sqrt(dim)."""

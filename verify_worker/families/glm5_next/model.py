@@ -5,9 +5,9 @@ code, transformers as the test oracle (tests/test_glm5_next.py).
 Verify == decode by construction: a verify block goes through the same token-by-token KDA recurrence as one-token
 decoding (PyTorch's ops, or fla's fused recurrent Triton kernel on CUDA: kda_recurrence.py; transformers runs
 multi-token calls through its chunked form instead), and, as in the GLM-5.2 family, every token row is computed
-on its own (one-row products, fixed-order sums over streams, stable top-k). Prefill uses the recurrent step too,
-but for fla's chunk_kda on a GPU where it holds (docs/decisions/0025). A step changes the KDA state by device operations alone (state.py), so it can be replayed
-from a CUDA graph.
+on its own (one-row products, fixed-order sums over streams, stable top-k). Prefill uses the recurrent step
+too, but for fla's chunk_kda on a GPU where it holds (docs/decisions/0025). A step changes the KDA state by
+device operations alone (state.py), so it can be replayed from a CUDA graph.
 """
 
 import torch
@@ -299,11 +299,14 @@ class Glm5NextModel(EmbeddingHead, nn.Module):
         return gather_vocab_logits(local, self.tp, self.config.vocab_size) if self.tp.parallel else local
 
     def pack(self, layout: str | None = "auto") -> "Glm5NextModel":
-        """The kernels for the device: on CUDA, fla's Triton KDA recurrence where fla-core is installed and the
-        Triton kernels of kernel_set.py (experts, MLA heads, attention, the indexer's scores) where Triton is; else PyTorch's ops (kda_recurrence.py,
-        kernel_set.py). Call before new_state: a state replays with its model's recurrence."""
+        """The kernels for the device: on CUDA, fla's Triton KDA recurrence where fla-core is installed (and its
+        chunk_kda for prompt chunks where the check at pack holds, at this rank's KDA shapes, without tensor
+        parallelism) and the kernel set of kernel_set.py where Triton is (experts, MLA heads, attention, the
+        indexer's scores, projections and norms); else PyTorch's ops (kda_recurrence.py, kernel_set.py). Call before
+        new_state: a state replays with its model's recurrence."""
         use_kernels(self, kernels_for(self.embed_weight.device, self.embed_weight.dtype, keeps_fp8(self)))
-        return self.use_recurrence(recurrence_for(self.embed_weight.device))
+        shapes = (self.local.linear_num_heads, self.config.linear_head_dim)
+        return self.use_recurrence(recurrence_for(self.embed_weight.device, shapes, self.tp.parallel))
 
     def use_recurrence(self, recurrence) -> "Glm5NextModel":
         for layer in self.model.layers:
