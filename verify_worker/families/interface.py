@@ -6,8 +6,10 @@ order, and commit keeps the first `kept` of them and drops the rest. A positiona
 (entries past a slot's committed length are never attended); a recurrent state must end exactly where plain
 decoding of the kept tokens would have left it, and need only roll back within `block_tokens` (new_state): for
 such a family (`commits_state`) the engine never runs a slot's last prompt chunk and its first decode block
-between the same two commits, and a prompt chunk is always kept whole. An engine step that raises is undone with a commit of 0 for its slots. A tap is
-always [tokens, hidden]: the completed output of a decoder layer.
+between the same two commits, and a prompt chunk is always kept whole. An engine step that raises is undone with
+a commit of 0 for its slots. A tap is always [tokens, hidden]: the completed output of a decoder layer. Optional
+besides the protocol below: `graphable_steps` (padded steps, CUDA graphs: verify_worker/step_buckets.py) and
+`prefill_align` (prompt chunks start at its multiples: StepBatch.prefill).
 """
 
 from dataclasses import dataclass
