@@ -60,9 +60,9 @@ class FlaRecurrence:
     name = "fla"
 
     def __init__(self, chunked: bool = False):
-        from fla.ops.kda import fused_recurrent_kda  # the optional gpu extra: fla-core (Triton)
+        from fla.ops.kda import chunk_kda, fused_recurrent_kda  # the optional gpu extra: fla-core (Triton)
 
-        self.kernel, self.chunked = fused_recurrent_kda, chunked
+        self.kernel, self.chunk_kernel, self.chunked = fused_recurrent_kda, chunk_kda, chunked
 
     @property
     def prefill_align(self) -> int:
@@ -78,11 +78,10 @@ class FlaRecurrence:
     def run_prompt(self, state, q, k, v, decay, g, beta, live) -> tuple[torch.Tensor, torch.Tensor | None]:
         if not self.chunked:
             return self.run(state, q, k, v, decay, g, beta, live)
-        from fla.ops.kda import chunk_kda
-
         g, beta = masked_gates(g, beta, live)
-        out, final = chunk_kda(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), g, beta,
-                               scale=1.0, initial_state=state.float().contiguous(), output_final_state=True)
+        out, final = self.chunk_kernel(q.float().contiguous(), k.float().contiguous(), v.float().contiguous(), g,
+                                       beta, scale=1.0, initial_state=state.float().contiguous(),
+                                       output_final_state=True)
         return final, out
 
 

@@ -108,11 +108,11 @@ class TritonKernels:
     def rows(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """The row GEMM where it takes the product, else grouped_rows with one group (on CUDA); linear_rows on other
         devices (Triton's interpreter: the CPU's row-invariant product stands in for what the GPU runs)."""
-        if x.device.type != "cuda" or row_gemm.usable(x, weight):
+        if x.device.type != "cuda":
             return linear_rows(x, weight)
-        flat = x.reshape(-1, x.shape[-1])  # [n, K]
-        counts = torch.full((1,), flat.shape[0], dtype=torch.int64, device=x.device)  # one group: every row
-        return self._grouped(flat, weight[None], counts).view(*x.shape[:-1], weight.shape[0])
+        if row_gemm.usable(x, weight):
+            return row_gemm.row_gemm(x, weight)
+        return self._one_group(x, weight)
 
     def norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """cuda_ext's row norm on CUDA where it is built and the weight has x's dtype, else PyTorch's (rms_normalize,
@@ -129,11 +129,13 @@ class TritonKernels:
         return row_norm(x, x.new_full((dim,), dim**-0.5), eps / dim)
 
     def fp8_rows(self, x, weight, scale, block) -> torch.Tensor:
+        return self._one_group(x, weight, scales=scale[None], scale_block=block, fp8_activations=self.fp8_activations)
+
+    def _one_group(self, x: torch.Tensor, weight: torch.Tensor, **options) -> torch.Tensor:
+        """x [..., K] @ weight [N, K]^T -> [..., N] through grouped_rows, every row in one group."""
         rows = x.reshape(-1, x.shape[-1])  # [n, K]
-        counts = torch.full((1,), rows.shape[0], dtype=torch.int64, device=x.device)  # one group: every row
-        out = self._grouped(rows, weight[None], counts, scales=scale[None], scale_block=block,
-                            fp8_activations=self.fp8_activations)  # [n, N]
-        return out.view(*x.shape[:-1], weight.shape[0])
+        counts = torch.full((1,), rows.shape[0], dtype=torch.int64, device=x.device)
+        return self._grouped(rows, weight[None], counts, **options).view(*x.shape[:-1], weight.shape[0])
 
     def latent_attention(self, q_latent, q_rope, latent, key_rope, visible, scale, width=None) -> torch.Tensor:
         batch, seq, heads, _ = q_latent.shape
