@@ -25,7 +25,7 @@ import torch
 from torch import nn
 from torch.nn import functional as F
 
-from shared.cpu_kernels.arguments import bf16_exact
+from shared.cpu_kernels.arguments import TILE, bf16_exact
 from shared.cpu_kernels.library import cpu_kernels
 
 KERNEL_LAYOUTS = ("bf16", "amx")  # the layouts the C++ kernels multiply (bfloat16 weight tiles)
@@ -42,11 +42,26 @@ def packing_layout(weight: torch.Tensor) -> str | None:
     - None (leave the layers as loaded) for reduced precision on CPU, whose oneDNN GEMMs give the row
       invariance bfloat16 verification relies on (see batch_invariant_attention) in the layout it was checked in.
     """
-    if weight.device.type != "cpu":
+    return layout_for(weight.device, weight.dtype)
+
+
+def layout_for(device, dtype: torch.dtype) -> str | None:
+    """packing_layout's choice for weights of `dtype` on `device` (a name or torch.device)."""
+    if torch.device(device).type != "cpu":
         return "fused"
-    if weight.dtype != torch.float32:
+    if dtype != torch.float32:
         return None
-    return "bf16" if float32_kernels_run(weight.device) else "transposed"
+    return "bf16" if float32_kernels_run(device) else "transposed"
+
+
+def packed_size(out_features: int, in_features: int, layout: str | None, dtype: torch.dtype,
+                bf16_exact: bool) -> tuple[torch.dtype, int]:
+    """The dtype and bytes PackedLinear stores for a weight [out, in] of `dtype` in `layout` (bf16_exact: its
+    values round-trip through bfloat16, as a bfloat16 checkpoint's do): the kernels' bfloat16 tiles of 16 rows,
+    else the weight's own size."""
+    if layout in KERNEL_LAYOUTS and bf16_exact:
+        return torch.bfloat16, -(-out_features // TILE) * TILE * in_features * torch.bfloat16.itemsize
+    return dtype, out_features * in_features * dtype.itemsize
 
 
 def kernel_layout(dtype: str, checkpoint_dtype: str, device) -> str:

@@ -22,6 +22,7 @@ from verify_worker.families.common.fp8_layout import published_fp8
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.families.glm5_next.model import Glm5NextModel
 from verify_worker.families.glm5_next.shard_plan import shard_slices
+from verify_worker.families.placement import Placement, in_place
 from verify_worker.parallel.group import TensorParallel
 
 TEXT_PREFIX = "model.language_model."
@@ -52,11 +53,23 @@ def glm5_next_skeleton(config: dict, tp: TensorParallel, dtype: torch.dtype) -> 
     return published_fp8(model, fp8_settings(config), shard_slices(cfg, tp) if tp.parallel else {})
 
 
+def glm5_next_placement(config: dict, tp: TensorParallel, dtype: str, device: str) -> Placement:
+    """This rank's tensors once load_glm5_next has run (its parameters, placed once; FLOAT32_KEPT float32)."""
+    compute = compute_dtype(config, dtype, device)
+    return in_place(glm5_next_skeleton(config, tp, compute), compute, FLOAT32_KEPT)
+
+
+def compute_dtype(config: dict, dtype: str, device: str) -> torch.dtype:
+    """An FP8 checkpoint computes in bfloat16 (its FP8 blocks multiplied as W8A16)."""
+    checkpoint = "bfloat16" if fp8_settings(config) is not None else Glm5NextConfig.from_dict(config).checkpoint_dtype
+    return resolve_dtype(dtype, checkpoint, device)
+
+
 def load_glm5_next(folder: str | Path, config: dict, device: str, dtype: str, tp: TensorParallel,
                    pack: bool) -> Glm5NextModel:
     cfg = Glm5NextConfig.from_dict(config)
     fp8 = fp8_settings(config)
-    compute = resolve_dtype(dtype, "bfloat16" if fp8 is not None else cfg.checkpoint_dtype, device)
+    compute = compute_dtype(config, dtype, device)
     plan = shard_slices(cfg, tp) if tp.parallel else {}
     with torch.device("meta"):
         model = Glm5NextModel(cfg, tp)

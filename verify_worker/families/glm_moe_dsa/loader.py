@@ -20,6 +20,7 @@ from verify_worker.families.common.fp8_layout import published_fp8
 from verify_worker.families.glm_moe_dsa.config import GlmMoeDsaConfig
 from verify_worker.families.glm_moe_dsa.model import GlmMoeDsaModel
 from verify_worker.families.glm_moe_dsa.shard_plan import shard_slices
+from verify_worker.families.placement import Placement, in_place
 from verify_worker.parallel.group import TensorParallel
 
 FLOAT32_KEPT = ("mlp.gate.weight", "mlp.gate.e_score_correction_bias")  # the router stays float32
@@ -34,10 +35,22 @@ def glm_moe_dsa_skeleton(config: dict, tp: TensorParallel, dtype: torch.dtype) -
     return published_fp8(model, cfg.fp8, shard_slices(cfg, tp) if tp.parallel else {})
 
 
+def glm_moe_dsa_placement(config: dict, tp: TensorParallel, dtype: str, device: str) -> Placement:
+    """This rank's tensors once load_glm_moe_dsa has run (its parameters, placed once; the router float32)."""
+    cfg = GlmMoeDsaConfig.from_dict(config)
+    compute = compute_dtype(cfg, dtype, device)
+    return in_place(glm_moe_dsa_skeleton(config, tp, compute), compute, FLOAT32_KEPT)
+
+
+def compute_dtype(cfg: GlmMoeDsaConfig, dtype: str, device: str) -> torch.dtype:
+    """An FP8 checkpoint computes in bfloat16 (its FP8 blocks multiplied as W8A16)."""
+    return resolve_dtype(dtype, "bfloat16" if cfg.fp8 is not None else cfg.checkpoint_dtype, device)
+
+
 def load_glm_moe_dsa(folder: str | Path, config: dict, device: str, dtype: str, tp: TensorParallel,
                      pack: bool) -> GlmMoeDsaModel:
     cfg = GlmMoeDsaConfig.from_dict(config)
-    compute = resolve_dtype(dtype, "bfloat16" if cfg.fp8 is not None else cfg.checkpoint_dtype, device)
+    compute = compute_dtype(cfg, dtype, device)
     plan = shard_slices(cfg, tp) if tp.parallel else {}
     with torch.device("meta"):
         model = GlmMoeDsaModel(cfg, tp)

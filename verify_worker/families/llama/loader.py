@@ -7,12 +7,12 @@ import torch
 from cuda_ext.row_attention.op import MAX_HEAD_DIM as ROW_ATTENTION_MAX_HEAD_DIM
 from cuda_ext.row_gemm import op as row_gemm
 from shared.checkpoint_io import check_tensor_names, load_tensor_slices
-from shared.dtype_choice import kv_cache_dtype, resolve_dtype
 from shared.errors import ConfigError
-from shared.packed_linear import ROWS_LAYOUT, float32_kernels_run, kernel_layout
+from shared.packed_linear import ROWS_LAYOUT
 from shared.rope import inverse_frequencies
 from verify_worker.families.llama.config import TargetConfig
 from verify_worker.families.llama.model import TargetModel
+from verify_worker.families.llama.placement import llama_dtypes
 from verify_worker.families.llama.shard_plan import shard_slices
 from verify_worker.parallel.group import TensorParallel
 
@@ -26,17 +26,16 @@ def load_llama(folder: str | Path, config: dict, device: str, dtype: str, tp: Te
     optional = frozenset({"lm_head.weight"}) if cfg.tie_word_embeddings else frozenset()
     check_tensor_names(folder, cfg.tensor_shapes(), optional)
     slices = shard_slices(cfg, tp) if tp.parallel else {}
-    kernels = pack and not batch_invariant and float32_kernels_run(device)
-    compute = resolve_dtype(dtype, cfg.checkpoint_dtype, device, kernels)
-    tensors = load_tensor_slices(folder, slices, dtype=compute, device=device)
+    chosen = llama_dtypes(cfg, dtype, device, pack, batch_invariant)
+    tensors = load_tensor_slices(folder, slices, dtype=chosen.compute, device=device)
     if cfg.tie_word_embeddings:
         tensors.pop("lm_head.weight", None)
     model = assemble_llama(cfg, tensors, device, tp)
-    model.kv_dtype = kv_cache_dtype(dtype, cfg.checkpoint_dtype, compute, kernels)
+    model.kv_dtype = chosen.kv
     if not pack:
         return model
     if not batch_invariant:
-        return model.pack(kernel_layout(dtype, cfg.checkpoint_dtype, device))
+        return model.pack(chosen.layout)
     model.pack(ROWS_LAYOUT)
     if str(device).startswith("cuda"):
         check_row_kernels_take(model)
