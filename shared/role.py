@@ -6,6 +6,7 @@ import sys
 from collections.abc import Callable
 
 READY_PREFIX = "DFLASH_READY"
+MEMORY_PREFIX = "DFLASH_MEMORY"
 
 
 def usable_cores() -> int:
@@ -40,6 +41,23 @@ def configure_process(role: str, threads: int = 0, log_level: str = "INFO") -> l
 def announce_ready(role: str, detail: str = "") -> None:
     """The line dflash-serve waits for on each child's stdout."""
     print(f"{READY_PREFIX} {role} {detail}".rstrip(), flush=True)
+
+
+def announce_memory(role: str, asked: int, given: int) -> None:
+    """The memory a role's plan asks for and the share it was given, in bytes, on its stdout (dflash-serve names
+    them if the role then dies before it is ready)."""
+    print(f"{MEMORY_PREFIX} {role} asked={asked} given={given}", flush=True)
+
+
+def parse_memory_line(line: str) -> tuple[int, int] | None:
+    """(asked, given) from an announce_memory line, else None."""
+    if not line.startswith(MEMORY_PREFIX + " "):
+        return None
+    fields = dict(part.split("=", 1) for part in line.split()[2:] if "=" in part)
+    try:
+        return int(fields["asked"]), int(fields["given"])
+    except (KeyError, ValueError):
+        return None
 
 
 def run_worker(role: str, command: str, build: Callable, ready_detail: Callable) -> int:

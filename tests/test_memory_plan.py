@@ -10,9 +10,10 @@ from dataclasses import replace
 from pathlib import Path
 
 import pytest
+import torch
 
-from verify_worker.memory_plan import (GB, HEADROOM, PlanRequest, make_plan, plan_lines, refusal,
-                                       request_from_settings)
+from verify_worker.memory_plan import (GATEWAY_BYTES, GB, HEADROOM, PROCESS_BYTES, PlanRequest, make_plan,
+                                       plan_lines, refusal, request_from_settings, start_decision)
 from verify_worker.target_loader import load_target
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -28,6 +29,7 @@ def plan_for(config: dict, tp: int = 1, **changes) -> PlanRequest:
 
 @pytest.fixture(scope="module")
 def folders(tmp_path_factory, qwen3_pair):
+    from conftest import write_hf_checkpoint
     from test_glm5_next import random_glm5
     from test_glm_moe_dsa import random_glm, write_fp8_copy
 
@@ -36,21 +38,35 @@ def folders(tmp_path_factory, qwen3_pair):
     random_glm5().save_pretrained(glm5)
     fp8 = tmp_path_factory.mktemp("plan_glm_fp8") / "fp8"
     write_fp8_copy(glm, fp8)  # as GLM-5.2-FP8 ships: kept FP8 but for kv_b (read per head)
-    return {"qwen3": qwen3_pair[3], "glm_moe_dsa": glm, "glm5_next": glm5, "glm_moe_dsa_fp8": fp8}
+    bf16 = tmp_path_factory.mktemp("plan_qwen3_bf16")
+    write_hf_checkpoint(bf16, "qwen3", dtype=torch.bfloat16, tie_word_embeddings=True)
+    return {"qwen3": qwen3_pair[3], "qwen3_bf16": bf16, "glm_moe_dsa": glm, "glm5_next": glm5,
+            "glm_moe_dsa_fp8": fp8}
 
 
-@pytest.mark.parametrize("family", ["qwen3", "glm_moe_dsa", "glm5_next", "glm_moe_dsa_fp8"])
-def test_the_plan_counts_what_the_loader_places_and_a_state_allocates(folders, family):
+def held_bytes(model: torch.nn.Module) -> dict[str, int]:
+    """Bytes by dtype of the storages a loaded model's parameters and buffers hold, each storage once."""
+    seen, held = set(), {}
+    for tensor in [*model.parameters(), *model.buffers()]:
+        storage = tensor.untyped_storage()
+        if storage.data_ptr() not in seen:
+            seen.add(storage.data_ptr())
+            dtype = str(tensor.dtype).removeprefix("torch.")
+            held[dtype] = held.get(dtype, 0) + storage.nbytes()
+    return held
+
+
+@pytest.mark.parametrize("family,dtype", [("qwen3", "float32"), ("qwen3_bf16", "auto"), ("glm_moe_dsa", "float32"),
+                                          ("glm5_next", "float32"), ("glm_moe_dsa_fp8", "float32")])
+def test_the_plan_counts_what_the_loader_places_and_a_state_allocates(folders, family, dtype):
+    """As served: packed for this CPU (a bfloat16 Qwen3 checkpoint's projections and lm_head as the C++ kernels'
+    bfloat16 tiles beside a float32 embedding, its KV cache bfloat16, where the kernels build)."""
     folder = folders[family]
     config = json.loads((folder / "config.json").read_text())
-    plan = make_plan(plan_for(config, max_model_len=48))
-    target = load_target(folder, dtype="float32", pack=False)
-    placed: dict[str, int] = {}
-    for parameter in target.parameters():
-        dtype = str(parameter.dtype).removeprefix("torch.")
-        placed[dtype] = placed.get(dtype, 0) + parameter.numel() * parameter.element_size()
-    assert plan.weights == placed
-    assert ("float8_e4m3fn" in placed) == family.endswith("fp8")
+    plan = make_plan(plan_for(config, max_model_len=48, dtype=dtype))
+    target = load_target(folder, dtype=dtype)
+    assert plan.weights == held_bytes(target)
+    assert ("float8_e4m3fn" in plan.weights) == family.endswith("fp8")
     states = [target.new_state(slots, plan.context + plan.block, plan.block).nbytes() for slots in (1, 2)]
     assert plan.per_request == states[1] - states[0]  # a request's share; no drafter: the target's state alone
 
@@ -125,3 +141,83 @@ def test_a_worker_refuses_only_what_cannot_fit_and_otherwise_lowers_max_running(
     with caplog.at_level(logging.WARNING, logger="test.plan"):
         assert planned_requests(parse_args(base + ["--gpu-memory-gb", str(squeezed)]), "cuda", log) == 1
     assert "max running lowered from 64" in caplog.text
+
+
+def cpu_plan(**changes) -> PlanRequest:
+    """Qwen3-0.6B as published, served with dflash-serve's defaults on a CPU host of `host_bytes`."""
+    settings = dict(dtype="auto", max_model_len=4096, max_running=64, max_prefill_tokens=512, block_size=None,
+                    host_bytes=23 * 2**30, host_source="test")
+    return plan_for(published("qwen3-0.6b"), **{**settings, **changes})
+
+
+def test_on_a_cpu_the_host_is_the_device_and_max_running_comes_down_to_what_fits():
+    """The 0.6B shape at its 4096-token context: 64 requests do not fit 23 GiB; the worker starts with the requests
+    that fit, and --plan says so with the settings that would fit all 64."""
+    plan = make_plan(cpu_plan())
+    assert plan.others == GATEWAY_BYTES and plan.process > 0
+    assert plan.usable == int((23 * 2**30 - GATEWAY_BYTES) * (1 - HEADROOM))
+    assert 0 < plan.fitting_requests < 64
+    decision = start_decision(plan)
+    assert decision.requests == plan.fitting_requests
+    assert f"--max-running {plan.fitting_requests}" in decision.why and "--tp" not in decision.why, decision.why
+    shorter = int(decision.why.split("--max-model-len ")[1].split()[0].rstrip(";"))
+    assert make_plan(cpu_plan(max_model_len=shorter)).fits
+    assert plan.asked(decision.requests) <= plan.usable < plan.asked(decision.requests + 1)
+    host_line = next(line for line in plan_lines(plan) if line.startswith("  host:"))
+    assert "23.0 GiB (test)" in host_line and "for the gateway:" in host_line, host_line
+
+
+def test_on_a_cpu_a_draft_worker_and_tensor_parallel_ranks_share_the_host():
+    """A draft worker beside the verify worker takes its weights and a context cache for every request it may
+    hold; TP ranks split what is left (a wider TP is no way out on one host)."""
+    from conftest import tiny_draft_config
+
+    draft = tiny_draft_config(target_layers=28, hidden=1024, vocab=151936, num_heads=16, num_kv_heads=8,
+                              head_dim=128).to_dict()
+    alone = make_plan(cpu_plan())
+    worker = make_plan(cpu_plan(draft_config=draft))
+    local = make_plan(cpu_plan(draft_config=draft, local_drafter=True))
+    assert worker.others == GATEWAY_BYTES + PROCESS_BYTES + worker.drafter_weights + 64 * worker.drafter_per_request
+    assert local.others == GATEWAY_BYTES and local.fixed == alone.fixed + local.drafter_weights
+    assert worker.fitting_requests < alone.fitting_requests
+    two = make_plan(cpu_plan(world_size=2))
+    assert two.share == (23 * 2**30 - GATEWAY_BYTES) // 2
+    assert "--tp" not in (refusal(two) or "")
+
+
+def test_on_a_cpu_a_host_too_small_to_load_the_weights_refuses_the_start():
+    plan = make_plan(cpu_plan(host_bytes=2 * 2**30))
+    assert plan.loading > plan.usable and plan.fitting_requests == 0
+    decision = start_decision(plan)
+    assert decision.requests == 0
+    assert "while loading" in decision.why and "nothing on this host" in decision.why, decision.why
+
+
+def test_the_plan_reads_cpu_memory_gb_or_else_the_host(tmp_path):
+    from shared.host_memory import read_host_memory
+    from verify_worker.server import parse_args
+
+    folder = tmp_path / "q06"
+    folder.mkdir()
+    shutil.copy(PUBLISHED / "qwen3-0.6b.json", folder / "config.json")
+    given = request_from_settings(parse_args(["--target", str(folder), "--no-draft", "--cpu-memory-gb", "8"]), "cpu")
+    assert given.host_bytes == 8 * GB and given.host_source.startswith("--cpu-memory-gb") and given.device_bytes is None
+    read = request_from_settings(parse_args(["--target", str(folder), "--no-draft"]), "cpu")
+    host = read_host_memory()
+    assert read.host_source == host.source and abs(read.host_bytes - host.available) < 2**30
+
+
+def test_dflash_serve_plan_on_a_cpu_gives_the_start_decision(tmp_path):
+    """--plan for the 0.6B shape with 8 GB: the same lowered --max-running a server would start with."""
+    folder = tmp_path / "q06"
+    folder.mkdir()
+    shutil.copy(PUBLISHED / "qwen3-0.6b.json", folder / "config.json")
+    settings = ["--target", str(folder), "--no-draft", "--max-model-len", "4096", "--cpu-memory-gb", "8"]
+    done = subprocess.run([sys.executable, "-m", "gateway.launcher", "--plan", *settings], capture_output=True,
+                          text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    from verify_worker.server import parse_args
+
+    plan = make_plan(request_from_settings(parse_args(settings), "cpu"))
+    assert f"starts with --max-running lowered to {plan.fitting_requests}" in done.stdout, done.stdout
+    assert "host: 7.5 GiB (--cpu-memory-gb, as given" in done.stdout, done.stdout

@@ -3,9 +3,13 @@ alone, per GPU (tensor-parallel rank), the weights by dtype, what one request ho
 where the worker hosts it, the activations of the largest step and the CUDA graphs' pool; then how many requests
 fit the device, and if the model does not, a refusal that names what does not fit and what would.
 
-The shapes come from the family's own model built on the meta device for this rank (its TP shard plan included),
-so the plan counts what the loader will place. Activations and graphs are an estimate (ACTIVATION_BUFFERS below);
-docs/serving.md says how the plan compares with what was measured.
+On a CPU the device is the host: the memory the server's roles may use together (--cpu-memory-gb, else what the
+host has available or its cgroup's limit allows, shared.host_memory), less the gateway's and the draft worker's
+share, split between the tensor-parallel ranks; each rank also counts its own process and its loading peak.
+
+The shapes come from the family's placement (its model built on the meta device for this rank, its TP shard plan,
+its loader's dtypes and packing), so the plan counts what the loader will place. Activations and graphs are an
+estimate (ACTIVATION_BUFFERS below); docs/serving.md says how the plan compares with what was measured.
 """
 
 import sys
@@ -16,14 +20,15 @@ import torch
 from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
 from shared.draft_config import DraftConfig
-from shared.dtype_choice import resolve_dtype
-from shared.target_facts import TargetFacts
+from shared.host_memory import read_host_memory
 from verify_worker.families.registry import family_for
 from verify_worker.parallel.group import TensorParallel
 
 HEADROOM = 0.08  # of a GPU kept for the CUDA context, NCCL's buffers and the allocator's fragmentation
 ACTIVATION_BUFFERS = 16  # hidden-width buffers a step holds at once per row (inputs, norms, projections, residuals)
-GB = 10**9  # GPU memory as its datasheet states it (--gpu-memory-gb)
+GB = 10**9  # GPU memory as its datasheet states it (--gpu-memory-gb, --cpu-memory-gb)
+PROCESS_BYTES = 2**29  # on a CPU, a worker process besides its tensors: the interpreter, PyTorch, the C++ kernels
+GATEWAY_BYTES = 2**28  # on a CPU, the gateway process (no PyTorch; the tokenizer, the requests in flight)
 GIB = 2**30
 TP_CHOICES = (1, 2, 4, 8, 16, 32)
 
@@ -41,10 +46,16 @@ class PlanRequest:
     block_size: int | None  # None: the drafter's (1 without one)
     dtype: str
     device: str
-    device_bytes: int | None  # one GPU's memory (None: unknown, nothing refused)
+    device_bytes: int | None  # one GPU's memory (None: unknown, nothing refused; unused on a CPU)
     local_drafter: bool  # the drafter runs in this worker (--draft-placement local)
     cuda_graphs: bool
     taps: int | None = None  # target layers fed to the drafter (None: the draft config's; 0 without one)
+    host_bytes: int | None = None  # on a CPU, the memory the server's roles may use together (None: unknown)
+    host_source: str = ""  # where host_bytes comes from, as the plan prints it
+
+    @property
+    def on_cpu(self) -> bool:
+        return not self.device.startswith("cuda")
 
 
 @dataclass(frozen=True)
@@ -61,15 +72,36 @@ class MemoryPlan:
     activations: int
     graphs: int
     notes: tuple[str, ...] = field(default=())
+    load_peak: int = 0  # the weights' most while loading (their loaded tensors beside packed copies)
+    process: int = 0  # the worker process besides its tensors (counted on a CPU)
+    others: int = 0  # on a CPU, what the other roles on the host take: the gateway, a draft worker
 
     @property
     def fixed(self) -> int:
         here = self.drafter_weights if self.request.local_drafter else 0
-        return sum(self.weights.values()) + here + self.activations + self.graphs
+        return self.process + sum(self.weights.values()) + here + self.activations + self.graphs
+
+    @property
+    def loading(self) -> int:
+        """The most the worker holds before it serves: its weights' loading peak."""
+        return self.process + self.load_peak
+
+    @property
+    def share(self) -> int | None:
+        """One rank's memory: a GPU's, or on a CPU the host's less the other roles', over the ranks."""
+        request = self.request
+        if request.on_cpu:
+            host = request.host_bytes
+            return None if host is None else max(0, host - self.others) // request.world_size
+        return request.device_bytes
 
     @property
     def usable(self) -> int | None:
-        return None if self.request.device_bytes is None else int(self.request.device_bytes * (1 - HEADROOM))
+        return None if self.share is None else int(self.share * (1 - HEADROOM))
+
+    def asked(self, requests: int) -> int:
+        """The most this rank holds with `requests` running: loading, or serving them."""
+        return max(self.loading, self.fixed + requests * self.request_total)
 
     @property
     def request_total(self) -> int:
@@ -79,6 +111,8 @@ class MemoryPlan:
     def fitting_requests(self) -> int | None:
         if self.usable is None:
             return None
+        if self.loading > self.usable:
+            return 0
         return max(0, (self.usable - self.fixed) // self.request_total)
 
     @property
@@ -91,27 +125,10 @@ def dtype_bytes(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
-def compute_dtype(config: dict, request: PlanRequest) -> torch.dtype:
-    """The dtype the loader computes in (an FP8 checkpoint's: bfloat16, its FP8 weights multiplied as W8A16)."""
-    checkpoint = "bfloat16" if is_fp8(config) else TargetFacts.from_config(config).checkpoint_dtype
-    return resolve_dtype(request.dtype, checkpoint, request.device)
-
-
 def is_fp8(config: dict) -> bool:
     """An FP8 block checkpoint: quantization_config at the top or (GLM-5.3-Flash) in text_config."""
     quantization = config.get("quantization_config") or (config.get("text_config") or {}).get("quantization_config")
     return (quantization or {}).get("quant_method") == "fp8"
-
-
-def rank_weights(model, kept: tuple[str, ...]) -> dict[str, int]:
-    """Bytes of this rank's parameters by dtype (the skeleton's: compute, FP8 and their scales; a name containing
-    one of `kept` stays float32)."""
-    out: dict[str, int] = {}
-    for name, parameter in model.named_parameters():
-        placed = torch.float32 if any(part in name for part in kept) else parameter.dtype
-        key = str(placed).removeprefix("torch.")
-        out[key] = out.get(key, 0) + parameter.numel() * dtype_bytes(placed)
-    return out
 
 
 def drafter_bytes(draft_config: dict, dtype: torch.dtype, context: int) -> tuple[int, int]:
@@ -139,8 +156,8 @@ def activation_bytes(target_cfg, rows: int, dtype: torch.dtype) -> int:
 def make_plan(request: PlanRequest) -> MemoryPlan:
     config = request.target_config
     family = family_for(config)
-    dtype = compute_dtype(config, request)
-    model = family.skeleton(config, TensorParallel(0, request.world_size), dtype)  # meta: nothing is allocated
+    placement = family.place(config, TensorParallel(0, request.world_size), request.dtype, request.device)
+    model, dtype = placement.model, placement.compute  # the model on the meta device: nothing is allocated
     cfg = model.config
     draft_cfg = DraftConfig.from_dict(request.draft_config) if request.draft_config else None
     block = request.block_size or (draft_cfg.block_size if draft_cfg else 1)
@@ -155,9 +172,14 @@ def make_plan(request: PlanRequest) -> MemoryPlan:
     activations = activation_bytes(cfg, rows, dtype)
     notes = ("FP8 checkpoint: experts and projections stay FP8 blocks with float32 scales; the embedding, lm_head, "
              "kv_b (read per head), norms and router (and KDA's projections) are not FP8",) if is_fp8(config) else ()
-    return MemoryPlan(request, family.name, context, block, rows, rank_weights(model, family.float32_kept),
-                      per_request, drafter_weights, drafter_cache, activations,
-                      activations if request.cuda_graphs else 0, notes)
+    others = 0
+    if request.on_cpu:  # the gateway, and a draft worker holding its weights and a cache for every request
+        worker = request.draft_config is not None and not request.local_drafter
+        drafter = PROCESS_BYTES + drafter_weights + request.max_running * drafter_cache if worker else 0
+        others = GATEWAY_BYTES + drafter
+    return MemoryPlan(request, family.name, context, block, rows, placement.weights, per_request, drafter_weights,
+                      drafter_cache, activations, activations if request.cuda_graphs else 0, notes,
+                      placement.load_peak, PROCESS_BYTES if request.on_cpu else 0, others)
 
 
 def plan_lines(plan: MemoryPlan) -> list[str]:
@@ -170,21 +192,41 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
              f"  one request at {plan.context} tokens (+ block {plan.block}): {plan.per_request / GIB:.3f} GiB "
              f"(caches and states{', drafter feature rows' if request.draft_config or request.taps else ''})"]
     if request.draft_config:
-        where = "in this worker" if request.local_drafter else "in the draft worker (its own process and GPU memory)"
+        where = "in this worker" if request.local_drafter else \
+            "in the draft worker (its own process)" if request.on_cpu else \
+            "in the draft worker (its own process and GPU memory)"
         lines.append(f"  drafter {where}: {plan.drafter_weights / GIB:.2f} GiB weights, "
                      f"{plan.drafter_per_request / GIB:.3f} GiB a request (its context cache)")
     graphs = f"; CUDA graphs: {plan.graphs / GIB:.2f} GiB" if request.cuda_graphs else ""
     lines.append(f"  activations (estimate, the largest step: {plan.step_rows} rows): "
                  f"{plan.activations / GIB:.2f} GiB{graphs}")
     lines.extend(f"  note: {note}" for note in plan.notes)
+    if request.on_cpu:
+        lines.append(f"  this process: {plan.process / GIB:.2f} GiB besides its tensors; loading peaks at "
+                     f"{plan.loading / GIB:.2f} GiB (loaded weights beside their packed copies)")
     if plan.usable is None:
+        flag = "--cpu-memory-gb" if request.on_cpu else "--gpu-memory-gb"
         lines.append(f"  device memory unknown: {plan.fixed / GIB:.2f} GiB fixed + {plan.request_total / GIB:.3f} GiB "
-                     f"a request (give --gpu-memory-gb to check the fit)")
+                     f"a request (give {flag} to check the fit)")
+        return lines
+    if request.on_cpu:
+        ranks = f", over {request.world_size} ranks" if request.world_size > 1 else ""
+        drafter = " and the draft worker" if plan.others > GATEWAY_BYTES else ""
+        lines.append(f"  host: {request.host_bytes / GIB:.1f} GiB ({request.host_source}), less "
+                     f"{plan.others / GIB:.2f} GiB for the gateway{drafter}{ranks}: {plan.usable / GIB:.1f} GiB usable "
+                     f"({HEADROOM:.0%} kept)")
     else:
         lines.append(f"  device: {request.device_bytes / GB:.0f} GB, {plan.usable / GIB:.1f} GiB usable "
-                     f"({HEADROOM:.0%} kept); fixed {plan.fixed / GIB:.2f} GiB; requests that fit: "
-                     f"{plan.fitting_requests} (--max-running {request.max_running})")
+                     f"({HEADROOM:.0%} kept)")
+    running = min(plan.fitting_requests, request.max_running)
+    lines.append(f"  fixed {plan.fixed / GIB:.2f} GiB; requests that fit: {plan.fitting_requests} "
+                 f"(--max-running {request.max_running}); {running} running hold {plan.asked(running) / GIB:.2f} GiB")
     return lines
+
+
+def weights_fit(plan: MemoryPlan) -> bool:
+    """The weights, their loading and the step's activations fit, leaving room for requests."""
+    return plan.fixed < plan.usable and plan.loading <= plan.usable
 
 
 def refusal(plan: MemoryPlan) -> str | None:
@@ -194,7 +236,11 @@ def refusal(plan: MemoryPlan) -> str | None:
     request = plan.request
     fitting = plan.fitting_requests
     weights = sum(plan.weights.values())
-    if plan.fixed >= plan.usable:
+    if not weights_fit(plan) and request.on_cpu:
+        what = (f"the weights ({weights / GIB:.1f} GiB a rank, {plan.loading / GIB:.1f} GiB while loading, with the "
+                f"process) and the step's activations ({plan.activations / GIB:.1f} GiB) do not fit the "
+                f"{plan.usable / GIB:.1f} GiB usable of {request.host_bytes / GIB:.1f} GiB ({request.host_source})")
+    elif not weights_fit(plan):
         what = (f"the weights ({weights / GIB:.1f} GiB a GPU at TP {request.world_size}) and the step's activations "
                 f"({(plan.activations + plan.graphs) / GIB:.1f} GiB) do not fit one GPU's {plan.usable / GIB:.1f} GiB "
                 f"usable")
@@ -202,26 +248,28 @@ def refusal(plan: MemoryPlan) -> str | None:
         what = (f"{fitting} of --max-running {request.max_running} requests of {plan.context} tokens fit "
                 f"({plan.request_total / GIB:.3f} GiB each, {(plan.usable - plan.fixed) / GIB:.1f} GiB left after "
                 f"{plan.fixed / GIB:.1f} GiB fixed)")
-    return f"{what}; would fit: {'; '.join(alternatives(plan)) or f'nothing up to --tp {TP_CHOICES[-1]}'}"
+    nothing = "nothing on this host" if request.on_cpu else f"nothing up to --tp {TP_CHOICES[-1]}"
+    return f"{what}; would fit: {'; '.join(alternatives(plan)) or nothing}"
 
 
 def alternatives(plan: MemoryPlan) -> list[str]:
     """Settings that would fit: where the weights do not, the smallest wider TP that holds them and a request; else
-    the requests that fit, the longest context at which --max-running fit, and a wider TP where it makes them fit."""
+    the requests that fit, the longest context at which --max-running fit, and a wider TP where it makes them fit.
+    On a CPU the ranks share the host's memory: a wider TP is no way out there."""
     request, found = plan.request, []
-    weights_fit = plan.fixed < plan.usable
+    fit = weights_fit(plan)
     for tp in TP_CHOICES:
-        if tp <= request.world_size:
+        if tp <= request.world_size or request.on_cpu:
             continue
         try:
             wider = make_plan(replace(request, world_size=tp))
         except Exception:  # a width this TP does not divide: not an option
             continue
-        if wider.fits if weights_fit else wider.fitting_requests:
+        if wider.fits if fit else wider.fitting_requests:
             found.append(f"--tp {tp} ({sum(wider.weights.values()) / GIB:.1f} GiB of weights a GPU; "
                          f"{wider.fitting_requests} requests of {wider.context} tokens fit)")
             break
-    if not weights_fit:
+    if not fit:
         return found
     here = [f"--max-running {plan.fitting_requests}"] if plan.fitting_requests else []
     shorter = _longest_context(plan)
@@ -253,36 +301,70 @@ def device_memory(device: str, gpu_memory_gb: float | None) -> int | None:
     return None
 
 
+def host_memory(cpu_memory_gb: float | None) -> tuple[int | None, str]:
+    """The memory the server's roles may use together on a CPU, and where the figure comes from: --cpu-memory-gb
+    where given (dflash-serve gives it, read once before its roles start), else what this host offers now."""
+    if cpu_memory_gb is not None:
+        return int(cpu_memory_gb * GB), "--cpu-memory-gb, as given or as dflash-serve read the host"
+    found = read_host_memory()
+    return (found.available, found.source) if found else (None, "")
+
+
 def request_from_settings(settings, device: str) -> PlanRequest:
     """The plan request of a verify worker's settings (shared.settings.commands.VerifyCommand) on `device`."""
     from shared.config_json import read_config
 
     model, engine = settings.model, settings.engine
     draft = read_config(model.draft) if settings.drafting else None
+    on_cpu = not str(device).startswith("cuda")
+    host, source = host_memory(engine.cpu_memory_gb) if on_cpu else (None, "")
     return PlanRequest(read_config(model.target), draft, settings.parallel.world_size, model.max_model_len,
                        engine.max_running, engine.max_prefill_tokens, model.block_size, model.dtype, str(device),
-                       device_memory(device, engine.gpu_memory_gb),
-                       settings.drafting and settings.speculation.draft_placement == "local", engine.cuda_graphs)
+                       None if on_cpu else device_memory(device, engine.gpu_memory_gb),
+                       settings.drafting and settings.speculation.draft_placement == "local", engine.cuda_graphs,
+                       host_bytes=host, host_source=source)
+
+
+@dataclass(frozen=True)
+class StartDecision:
+    """What a verify worker does with a plan at its start."""
+
+    requests: int  # --max-running as the worker will run it (0: it refuses to start)
+    why: str | None  # None: --max-running fits as asked; else what does not fit and what would
+
+
+def start_decision(plan: MemoryPlan) -> StartDecision:
+    """A refusal (0 requests) where what is counted exactly (the weights and their loading, the hosted drafter, one
+    request) exceeds the device; else --max-running lowered to the requests that fit with the activations' estimate
+    (at least 1: the estimate is not a reason to refuse)."""
+    why = refusal(plan)
+    if why is None:
+        return StartDecision(plan.request.max_running, None)
+    counted = plan.fixed - plan.activations - plan.graphs + plan.request_total
+    if counted > plan.usable or plan.loading > plan.usable:
+        return StartDecision(0, why)
+    return StartDecision(max(1, plan.fitting_requests), why)
 
 
 def planned_requests(settings, device: str, log) -> int:
-    """At a verify worker's start, before a tensor is read: the plan logged; a DFlashError naming the fix where
-    the counted memory alone (weights, the hosted drafter, one request) exceeds the device; else --max-running
-    lowered to the requests that fit with the activations' estimate (at least 1; with a warning)."""
+    """At a verify worker's start, before a tensor is read: the plan logged and the memory it asks announced to
+    dflash-serve (shared.role.announce_memory); a DFlashError naming the fix where nothing fits; else --max-running,
+    lowered to the requests that fit (with a warning)."""
     from shared.errors import DFlashError
+    from shared.role import announce_memory
 
     plan = make_plan(request_from_settings(settings, device))
     for line in plan_lines(plan):
         log.info("%s", line)
-    why = refusal(plan)
-    if why is None:
-        return settings.engine.max_running
-    if plan.fixed - plan.activations - plan.graphs + plan.request_total > plan.usable:
-        raise DFlashError(f"the model does not fit: {why}")
-    fitting = max(1, plan.fitting_requests)  # the activations are an estimate: not a reason to refuse
-    log.warning("the memory plan fits %d requests: max running lowered from %d (%s)", fitting,
-                settings.engine.max_running, why)
-    return fitting
+    decision = start_decision(plan)
+    if plan.usable is not None:
+        announce_memory("verify", plan.asked(max(1, decision.requests)), plan.share)
+    if not decision.requests:
+        raise DFlashError(f"the model does not fit: {decision.why}")
+    if decision.why is not None:
+        log.warning("the memory plan fits %d requests: max running lowered from %d (%s)", decision.requests,
+                    settings.engine.max_running, decision.why)
+    return decision.requests
 
 
 def main(argv=None) -> int:
@@ -299,12 +381,15 @@ def main(argv=None) -> int:
         print(f"dflash-serve --plan: error: {exc}", file=sys.stderr)
         return 2
     print("\n".join(plan_lines(plan)))
-    why = refusal(plan)
-    if why is not None:
-        print(f"dflash-serve --plan: does not fit: {why}")
-        return 1
-    print("dflash-serve --plan: fits")
-    return 0
+    decision = start_decision(plan)
+    if decision.why is None:
+        print("dflash-serve --plan: fits")
+        return 0
+    print(f"dflash-serve --plan: does not fit: {decision.why}")
+    print("dflash-serve --plan: a server with these settings " + (
+        "refuses to start" if not decision.requests else
+        f"starts with --max-running lowered to {decision.requests}"))
+    return 1
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ from pathlib import Path
 
 from shared.config_json import read_config
 from shared.errors import ConfigError
+from shared.host_memory import release_freed_memory
 from verify_worker.families.interface import TargetFamily
 from verify_worker.families.registry import family_for
 from verify_worker.parallel.group import TensorParallel
@@ -38,4 +39,6 @@ def load_target(folder: str | Path, device: str = "cpu", dtype: str = "auto",
     share = getattr(target, "share_kernel_threads", None)  # an optional family hook (the dense C++ stack)
     if pack and kernel_threads > 1 and share is not None:
         share(kernel_threads)
+    if str(device).startswith("cpu"):
+        release_freed_memory()  # the load's transient copies: back to the host
     return target

@@ -46,6 +46,10 @@ class EngineSettings:
                                                     "is lowered to fit (an error if one request does not)", above=0)
     gpu_memory_gb: float | None = option(None, "one GPU's memory in GB for the memory plan (default: the device's "
                                                "own; lets --plan plan for GPUs this machine lacks)", above=0)
+    cpu_memory_gb: float | None = option(None, "on a CPU, the memory in GB the server's roles may use together, for "
+                                               "the memory plan (default: what the host has available, or its "
+                                               "cgroup's limit where lower, read as the server starts)", above=0,
+                                         env="DFLASH_CPU_MEMORY_GB")
     stall_timeout: float = option(300.0, "a verify loop that makes no progress for this long is hung: the worker "
                                          "tells the gateway and exits (0 = never); heartbeats flow meanwhile, whatever "
                                          "a step takes", minimum=0, env="DFLASH_STALL_TIMEOUT")
