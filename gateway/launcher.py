@@ -2,15 +2,19 @@
 --tp processes, one per tensor-parallel rank, rank 0 owning its sockets).
 
 Each child's command line names its role; its settings, made from dflash-serve's, reach it as JSON in
-$DFLASH_SETTINGS. The launcher waits for each child's ready line, prints one line of its own, restarts a drafter
-that dies, and exits non-zero (after the gateway has failed the open streams) when the verify worker or the
-gateway dies, so a supervisor can restart the service. SIGTERM drains: the
-gateway refuses new connections and lets the requests in flight finish (--shutdown-timeout), then every child
-stops. Ctrl-C reaches every child of the terminal's process group at once and stops them now. Children also die
-with the launcher (PR_SET_PDEATHSIG), so none is orphaned.
+$DFLASH_SETTINGS. On a CPU the launcher reads the host's memory once, before any child starts, and hands the
+figure to the verify worker's memory plan (--cpu-memory-gb). The launcher waits for each child's ready line,
+prints one line of its own, restarts a drafter that dies, and exits non-zero (after the gateway has failed the
+open streams) when the verify worker or the gateway dies, so a supervisor can restart the service. A child that
+dies before it is ready is reported with its cause: its exit status or signal, an OOM kill named as such, its
+peak memory and what its plan asked, and the last lines of its log (children's stderr passes through the
+launcher). SIGTERM drains: the gateway refuses new connections and lets the requests in flight finish
+(--shutdown-timeout), then every child stops. Ctrl-C reaches every child of the terminal's process group at
+once and stops them now. Children also die with the launcher (PR_SET_PDEATHSIG), so none is orphaned.
 """
 
 import argparse
+import collections
 import ctypes
 import os
 import signal
@@ -22,13 +26,17 @@ import urllib.request
 from dataclasses import replace
 from pathlib import Path
 
-from shared.role import READY_PREFIX
+from gateway.child_exit import ChildExit, describe_exit
+from shared.host_memory import oom_kill_count, read_host_memory
+from shared.role import READY_PREFIX, parse_memory_line
 from shared.settings.commands import DraftCommand, GatewayCommand, ServeCommand, VerifyCommand
 from shared.settings.options import SETTINGS_ENV, environment_defaults, overlay, parse_command, to_json
 from shared.settings.options import build_parser as settings_parser
 from shared.settings.topics import ChannelSettings
 
 BROKEN_GROUP_GRACE_S = 2.0  # after a rank failed: the survivors' group is broken, they have nothing to drain
+LOG_TAIL_LINES = 12  # a child's last log lines, repeated when it dies before it is ready
+GB = 10**9  # --cpu-memory-gb's unit
 MODULES = {"verify": "verify_worker.server", "draft": "draft_worker.server", "gateway": "gateway.main"}
 
 
@@ -36,6 +44,15 @@ def _die_with_parent() -> None:
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
+        pass
+
+
+def _pass_on(line: str) -> None:
+    """A child's line onto our stderr; a closed stderr drops it (the child's pipe is still drained)."""
+    try:
+        sys.stderr.write(line)
+        sys.stderr.flush()
+    except (OSError, ValueError):
         pass
 
 
@@ -48,6 +65,10 @@ class Child:
         self.process: subprocess.Popen | None = None
         self.ready = threading.Event()
         self.restarts = 0
+        self.log_tail: collections.deque[str] = collections.deque(maxlen=LOG_TAIL_LINES)
+        self.memory: tuple[int, int] | None = None  # (asked, given) in bytes, where its memory plan announced them
+        self.peak_rss: int | None = None  # bytes, once it has exited (the kernel's count for the child)
+        self.log_reader: threading.Thread | None = None
 
     def start(self) -> None:
         self.ready.clear()
@@ -56,19 +77,54 @@ class Child:
         if parallel is not None and parallel.world_size > 1:
             command += ["--rank", str(parallel.rank)]  # for ps and the process tools; the same as its settings'
         env = {**self.env, SETTINGS_ENV: to_json(self.settings)}
-        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=None, text=True, env=env,
-                                        preexec_fn=_die_with_parent)
+        self.log_tail.clear()
+        self.memory = self.peak_rss = None
+        self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env,
+                                        errors="replace", preexec_fn=_die_with_parent)
         threading.Thread(target=self._read, args=(self.process,), daemon=True).start()
+        self.log_reader = threading.Thread(target=self._read_log, args=(self.process,), daemon=True)
+        self.log_reader.start()
 
     def _read(self, process: subprocess.Popen) -> None:
         for line in process.stdout:
+            memory = parse_memory_line(line)
             if line.startswith(f"{READY_PREFIX} {self.role}"):
                 self.ready.set()
+            elif memory is not None:
+                self.memory = memory
             else:
-                sys.stderr.write(line)
+                _pass_on(line)
+
+    def _read_log(self, process: subprocess.Popen) -> None:
+        """Its stderr through to ours, the last lines kept."""
+        for line in process.stderr:
+            self.log_tail.append(line.rstrip("\n"))
+            _pass_on(line)
 
     def exited(self) -> int | None:
-        return None if self.process is None else self.process.poll()
+        """Its exit status (a negative signal number where a signal ended it), or None while it runs; reaped here
+        with wait4, which also gives the child's peak resident memory."""
+        process = self.process
+        if process is None or process.returncode is not None:
+            return None if process is None else process.returncode
+        try:
+            pid, status, usage = os.wait4(process.pid, os.WNOHANG)
+        except ChildProcessError:
+            return process.poll()
+        if pid == 0:
+            return None
+        process.returncode = os.waitstatus_to_exitcode(status)
+        self.peak_rss = usage.ru_maxrss * 1024  # kB on Linux
+        return process.returncode
+
+    def exit_report(self, name: str, oom_kills_before: int | None) -> ChildExit:
+        """What ended it (an exited child: exited() has returned its status); name: its key (verify.1, draft)."""
+        if self.log_reader is not None:
+            self.log_reader.join(2.0)  # its stderr read to the end, so that its last lines are its last
+        after = oom_kill_count()
+        oom = None if oom_kills_before is None or after is None else after > oom_kills_before
+        status = self.process.returncode if self.process is not None else None
+        return ChildExit(name, status, oom, self.peak_rss, self.memory, tuple(self.log_tail))
 
     def stop(self, grace_s: float = 10.0) -> None:
         """SIGTERM (and SIGCONT, so that a stopped child takes it), then SIGKILL after grace_s."""
@@ -103,6 +159,20 @@ def _with_demo_pair(settings: ServeCommand) -> ServeCommand:
     name = settings.http.served_model_name or ("dflash-demo" if pair.embedded else "dflash-random-demo")
     return replace(settings, model=replace(settings.model, target=str(pair.target), draft=str(pair.draft)),
                    http=replace(settings.http, served_model_name=name))
+
+
+def with_host_memory(settings: ServeCommand) -> ServeCommand:
+    """On a CPU without --cpu-memory-gb: the host's memory read now, once, before any role starts (so that no
+    role's plan counts what another has loaded meanwhile), and given to the verify worker's plan."""
+    engine = settings.engine
+    if not settings.model.device.startswith("cpu") or engine.cpu_memory_gb is not None:
+        return settings
+    found = read_host_memory()
+    if found is None:
+        return settings
+    print(f"dflash-serve: the roles may use {found.available / 2**30:.1f} GiB of memory together: {found.source} "
+          f"(--cpu-memory-gb sets it)", file=sys.stderr)
+    return replace(settings, engine=replace(engine, cpu_memory_gb=found.available / GB))
 
 
 def build_children(settings: ServeCommand) -> dict[str, Child]:
@@ -157,6 +227,7 @@ class Launcher:
         self.settings, self.children = settings, children
         self.http = children["gateway"].settings.http
         self.stopping = False
+        self.oom_kills_before = oom_kill_count()  # an OOM kill of a child shows as this count rising
 
     def verify_ranks(self) -> list[str]:
         return [key for key in self.children if key.split(".")[0] == "verify"]
@@ -170,17 +241,22 @@ class Launcher:
                 self.children[key].stop(grace)
 
     def _wait_ready(self, roles: list[str]) -> str | None:
-        """None when every role reported ready; otherwise the role that failed."""
+        """None when every role reported ready; otherwise why not: the dead role's message, a timeout's, or
+        "interrupted"."""
         deadline = time.monotonic() + self.settings.serve.ready_timeout
+        pending = roles
         while time.monotonic() < deadline and not self.stopping:
             pending = [r for r in roles if not self.children[r].ready.is_set()]
             if not pending:
                 return None
             for role in pending:
                 if self.children[role].exited() is not None:
-                    return role
+                    return describe_exit(self.children[role].exit_report(role, self.oom_kills_before))
             time.sleep(0.05)
-        return "timeout" if not self.stopping else "interrupted"
+        if self.stopping:
+            return "interrupted"
+        return (f"the {', '.join(pending)} role did not become ready within --ready-timeout "
+                f"{self.settings.serve.ready_timeout:g} s")
 
     def _gateway_sees_verify_down(self, timeout_s: float = 10.0) -> None:
         url = f"http://{self.http.host}:{self.http.port}/ready"
@@ -203,7 +279,7 @@ class Launcher:
             failed = self._wait_ready(["gateway"])
         if failed is not None:
             if failed != "interrupted":
-                print(f"dflash-serve: error: the {failed} role did not become ready", file=sys.stderr)
+                print(f"dflash-serve: error: {failed}", file=sys.stderr, flush=True)
             self.stop_all()
             return 0 if failed == "interrupted" else 2
         verify = self.children["verify"].settings
@@ -228,7 +304,8 @@ class Launcher:
                 draft.start()
             dead = [key for key in self.verify_ranks() if self.children[key].exited() is not None]
             if dead and not self.stopping:
-                print(f"dflash-serve: the verify worker ({dead[0]}) exited (code {self.children[dead[0]].exited()})"
+                ended = self.children[dead[0]].exit_report(dead[0], self.oom_kills_before)
+                print(f"dflash-serve: {describe_exit(replace(ended, log_tail=()), 'while serving')}"
                       "; stopping", file=sys.stderr, flush=True)
                 self._gateway_sees_verify_down()
                 time.sleep(3.0)  # clients keep getting clear 503s (not refused connections) for a moment
@@ -255,7 +332,7 @@ def main(argv=None) -> int:
         if path is not None and not Path(path).is_dir():
             print(f"dflash-serve: error: checkpoint folder {path!r} does not exist", file=sys.stderr)
             return 2
-    children = build_children(settings)
+    children = build_children(with_host_memory(settings))
     if settings.serve.plan:
         return show_plan(children["verify"])
     launcher = Launcher(settings, children)
