@@ -48,8 +48,11 @@ class ReadinessProbe:
                         probe.detail = "ok" if probe.drafted or not self.drafter_configured else \
                             "the drafter did not take part (unavailable): serving without speculation"
                         break
-            except (asyncio.TimeoutError, ConnectionError) as exc:
-                probe.detail = f"probe failed: {exc or 'timeout'}"
+            except asyncio.TimeoutError:  # a busy worker: the probe leaves its queue rather than take a slot later
+                probe.detail = "probe failed: no answer within 10 s"
+                await client.abort(request_id)
+            except ConnectionError as exc:
+                probe.detail = f"probe failed: {exc}"
             finally:
                 client.finish(request_id)
 
