@@ -8,18 +8,13 @@ from pathlib import Path
 from tokenizers import Tokenizer
 
 from shared.byte_tokenizer import byte_symbols
+from shared.end_of_text import end_of_text_ids, token_text, tokenizer_settings
 from shared.errors import ConfigError
 
 FALLBACK_CHAT_TEMPLATE = (
     "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}assistant: {% endif %}"
 )
-
-
-def _token_text(value) -> str | None:
-    if isinstance(value, dict):
-        return value.get("content")
-    return value if isinstance(value, str) else None
 
 
 @dataclass
@@ -52,21 +47,13 @@ class TextCodec:
             tokenizer = Tokenizer.from_file(str(path))
         except Exception as exc:  # the tokenizers library raises a bare Exception on a bad file
             raise ConfigError(f"cannot read {str(path)!r}: {exc}") from None
-        settings = {}
-        config_path = folder / "tokenizer_config.json"
-        if config_path.is_file():
-            try:
-                settings = json.loads(config_path.read_text())
-            except json.JSONDecodeError as exc:
-                raise ConfigError(f"{str(config_path)!r} is not valid JSON: {exc}") from None
-        eos, bos = _token_text(settings.get("eos_token")), _token_text(settings.get("bos_token"))
-        eos_ids = list(config_eos)
-        if eos is not None and tokenizer.token_to_id(eos) is not None:
-            eos_ids.append(tokenizer.token_to_id(eos))
+        settings = tokenizer_settings(folder)
+        eos, bos = token_text(settings.get("eos_token")), token_text(settings.get("bos_token"))
         template = settings.get("chat_template")
         if isinstance(template, list):  # the named-templates form: take "default"
             template = next((t.get("template") for t in template if t.get("name") == "default"), None)
-        return cls(tokenizer, template or FALLBACK_CHAT_TEMPLATE, tuple(dict.fromkeys(eos_ids)), bos, eos)
+        return cls(tokenizer, template or FALLBACK_CHAT_TEMPLATE, end_of_text_ids(tokenizer, settings, config_eos),
+                   bos, eos)
 
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
