@@ -7,6 +7,7 @@ from enum import Enum
 
 import torch
 
+from shared.grammar_matcher import GrammarMatcher
 from shared.sampling import request_generator
 from shared.sampling_params import SamplingParams
 from verify_worker.logprobs import TokenLogprob
@@ -25,6 +26,7 @@ class GenerationRequest:
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     prompt_logprobs: bool = False  # also for the prompt's tokens after the first
     min_tokens: int = 0  # no stop token is chosen before this many output tokens (their logits are masked)
+    grammar: str | None = None  # an llguidance grammar the output obeys (shared/grammar.py), or None
 
 
 class Status(Enum):
@@ -98,6 +100,7 @@ class RequestState:
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked for
     error: str | None = None  # why it failed (finish reason "error"): a step raised with it alone
+    grammar: GrammarMatcher | None = None  # the request's grammar state, advanced by its committed tokens
 
     @classmethod
     def create(cls, request: GenerationRequest) -> "RequestState":
@@ -159,6 +162,7 @@ class StepReport:
     fallback: bool = False  # drafts were wanted but the proposer was unavailable
     policy_plain: bool = False  # the speculation policy chose a plain step
     catch_up: bool = False  # the draft call carried more context than one step commits (slower than usual)
+    forced_tokens: int = 0  # drafts a grammar forced (rows proposed them instead of the drafter's)
     seconds: dict[str, float] = field(default_factory=dict)  # draft, transfer, verify, prefill, cache, scheduling
 
     def decode_seconds(self) -> float:

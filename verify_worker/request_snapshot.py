@@ -29,6 +29,7 @@ class RequestSnapshot:
     stats: tuple  # RequestStats.saved()
     generator_state: torch.Tensor | None  # the verifier's random stream (sampled requests only): draws of an
     # undone step are drawn again, so plain decoding of a seeded request is the same whatever failed beside it
+    grammar_tokens: int = 0  # tokens its grammar state had taken
 
     @classmethod
     def take(cls, state: RequestState) -> "RequestSnapshot":
@@ -36,7 +37,7 @@ class RequestSnapshot:
         generator = None if state.request.sampling.greedy else state.generator.get_state()
         return cls(state, state.status, state.slot, state.cache_len, len(state.output_ids), state.finish_reason,
                    state.feature_chunks, len(state.feature_chunks), len(state.logprobs), len(state.prompt_logprobs),
-                   stats, generator)
+                   stats, generator, len(state.grammar.recorded) if state.grammar else 0)
 
     def restore(self) -> None:
         """Put the request's own fields back (the engine puts it back into its queues and its slot)."""
@@ -51,4 +52,6 @@ class RequestSnapshot:
         state.stats = RequestStats.restored(self.stats)
         if self.generator_state is not None:
             state.generator.set_state(self.generator_state)
+        if state.grammar is not None:
+            state.grammar.undo(len(state.grammar.recorded) - self.grammar_tokens)
         state.resend_features()  # the drafter may hold part of the undone step: send it everything again

@@ -4,6 +4,7 @@ import heapq
 
 from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import RequestError
+from shared.grammar_matcher import GrammarMatcher
 from shared.request_limits import is_int64
 from shared.sampling_params import SamplingParams
 from verify_worker.request import GenerationRequest, RequestState
@@ -12,11 +13,24 @@ from verify_worker.request import GenerationRequest, RequestState
 class Admission:
     """The engine's admission (a part of SpeculativeEngine: its queues and slots are the engine's fields)."""
 
-    def add(self, request: GenerationRequest) -> RequestState:
+    def add(self, request: GenerationRequest, grammar: GrammarMatcher | None = None) -> RequestState:
+        """grammar: the request's grammar state built already (off the step: the verify server builds it in a
+        thread); else built here from request.grammar."""
         self.validate(request)
         state = RequestState.create(request)
+        if request.grammar is not None:
+            state.grammar = grammar or self.build_grammar(request.grammar)
         self.waiting.append(state)
         return state
+
+    def build_grammar(self, grammar: str) -> GrammarMatcher:
+        """A fresh matcher of the grammar over this target's vocabulary (RequestError where it does not compile)."""
+        if self.grammar_vocabulary is None:
+            raise RequestError("this server has no tokenizer.json for its target: grammars cannot be served")
+        try:
+            return GrammarMatcher.build(self.grammar_vocabulary, grammar)
+        except ValueError as exc:
+            raise RequestError(f"the grammar does not compile: {exc}") from None
 
     def validate(self, request: GenerationRequest) -> None:
         vocab = self.target.config.vocab_size

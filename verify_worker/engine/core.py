@@ -23,13 +23,14 @@ from shared.errors import ConfigError
 from shared.kv_cache import consecutive_range
 from shared.proposals import Proposer
 from verify_worker.engine.admission import Admission
+from verify_worker.engine.grammar_masks import GRAMMAR_DRAFTS, forced_drafts, grammar_drafts
 from verify_worker.engine.isolation import Isolation
 from verify_worker.engine.output import Output
 from verify_worker.engine.speculation import Speculation
 from verify_worker.engine.verify_inputs import verify_block_rows
 from verify_worker.families.interface import StepBatch, TargetFamily
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
-from verify_worker.scheduler import padding_groups, plan_prefill
+from verify_worker.scheduler import num_drafts, padding_groups, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.step_buckets import StepBuckets
 
@@ -47,10 +48,14 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         max_prefill_tokens: int = 2048,
         policy: AdaptiveSpeculation | None = None,
         step_buckets: str | None = None,
+        grammar_vocabulary=None,
+        grammar_drafts: str = "forced",
     ):
         """step_buckets: None runs each decode step at its own shape; "eager" pads it to a bucket
         (verify_worker/step_buckets.py), "cuda-graphs" too and replays one CUDA graph per bucket (a CUDA target
-        whose family takes padded steps)."""
+        whose family takes padded steps). grammar_vocabulary: the target's tokenizer as grammars see it
+        (shared.grammar.grammar_vocabulary; None: requests with a grammar are refused); grammar_drafts: how a
+        constrained request's drafts obey its grammar (engine/grammar_masks.py: "target", "cut", "forced")."""
         cfg = target.config
         self.target = target
         self.proposer = proposer
@@ -73,6 +78,9 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         self.max_model_len = min(max_model_len or cfg.max_position_embeddings, cfg.max_position_embeddings)
         self.max_prefill_tokens = max_prefill_tokens
         self.max_requests = max_requests
+        if grammar_drafts not in GRAMMAR_DRAFTS:
+            raise ConfigError(f"grammar drafts must be one of {GRAMMAR_DRAFTS}, got {grammar_drafts!r}")
+        self.grammar_vocabulary, self.grammar_drafts = grammar_vocabulary, grammar_drafts
         if step_buckets not in (None, "eager", "cuda-graphs"):
             raise ConfigError(f"step buckets must be None, 'eager' or 'cuda-graphs', got {step_buckets!r}")
         if step_buckets is not None and not getattr(target, "graphable_steps", False):
@@ -215,15 +223,22 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         """One decode step of the running batch: plan (the policy asked once), draft, forward the block, verify,
         commit, and tell the policy what the step did."""
         plan, asked = self._plan(states, report)
-        drafts, proposals, counts = self._draft(states, asked, report)  # drafts [b, n]
+        # a constrained row the grammar forces is proposed its forced tokens alone, whatever the policy said
+        forced = forced_drafts(states, [num_drafts(s, self.block_size, True) for s in states], self.grammar_drafts)
+        drafts, proposals, counts = self._draft(states, [0 if r in forced else a for r, a in enumerate(asked)],
+                                                report)  # drafts [b, n]
         drafts, counts, probe_drafts = self._keep_probe_drafts(plan, states, drafts, counts, report)
+        drafts, counts = grammar_drafts(states, drafts, counts, forced, self.grammar_drafts)
+        report.forced_tokens = sum(counts[r] for r in forced)
         started = time.perf_counter()
         out, logits = self._forward_block(states, drafts, counts)  # logits [b, n+1, vocab]
         accepted, next_tokens = verify_block_rows(states, drafts, counts, proposals, logits, self.device)
         report.seconds["verify"] += time.perf_counter() - started
         committed = self._commit_block(states, drafts, counts, out, logits, accepted, next_tokens, events, report,
                                        kept)
-        self._record(plan, states, asked, counts, committed, probe_drafts, report)
+        # the policy measures the drafter: a forced row counts as a plain one (and its step is not timed)
+        self._record(plan, states, asked, [0 if r in forced else c for r, c in enumerate(counts)], committed,
+                     probe_drafts, report)
 
     def _forward_block(self, states: list[RequestState], drafts: torch.Tensor, counts: list[int]):
         """The target over [last token, drafts] of every row, at each row's next positions: (output, logits)."""

@@ -1,5 +1,6 @@
 """min_tokens at the target's logits: the stop tokens a request may not end on yet, masked in a verify block before
-verification, so that greedy and sampled decoding, speculative and plain, all see the same rule."""
+verification, so that greedy and sampled decoding, speculative and plain, all see the same rule. Where a request's
+grammar allows nothing but a stop token (its end), the grammar wins: min_tokens cannot extend what it completed."""
 
 import torch
 
@@ -25,5 +26,9 @@ def mask_early_stops(states: list[RequestState], logits: torch.Tensor) -> torch.
     for row, rows, request in masks:
         ids = torch.tensor([t for t in request.stop_token_ids if 0 <= t < vocab], dtype=torch.long,
                            device=logits.device)
+        saved = logits[row, :rows, ids].clone()  # [rows, stops]
         logits[row, :rows, ids] = float("-inf")
+        ended = ~torch.isfinite(logits[row, :rows]).any(-1)  # a grammar that allows nothing but its end: it wins
+        for position in ended.nonzero().flatten().tolist():
+            logits[row, position, ids] = saved[position]
     return logits

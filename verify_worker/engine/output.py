@@ -70,6 +70,8 @@ class Output:
             if token in state.request.stop_token_ids:
                 state.finish_reason = "stop"
                 break
+        if state.grammar is not None and state.grammar.take(kept) < len(kept):
+            raise RuntimeError(f"a committed token the grammar refuses (of {kept}): its masks and state disagree")
         state.output_ids.extend(kept)
         if state.finish_reason is None and state.remaining == 0:
             state.finish_reason = "length"

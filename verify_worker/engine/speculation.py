@@ -54,7 +54,8 @@ class Speculation:
         prompt or on plain steps; those say nothing about either mode's usual cost."""
         if self.policy is None:
             return
-        pure = (counts == asked and not (report.fallback or report.catch_up or report.prefill_tokens)
+        pure = (counts == asked and not (report.fallback or report.catch_up or report.prefill_tokens
+                                         or report.forced_tokens)
                 and (all(counts) or not any(counts)))
         self.policy.record(plan, StepOutcome(
             request_ids=[s.request_id for s in states], counts=counts, committed=committed,
