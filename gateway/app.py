@@ -19,6 +19,7 @@ from gateway.request_bounds import RequestBounds
 from gateway.request_fields import CHAT, COMPLETIONS, body_schema, unknown_fields
 from gateway.responses import Responses
 from gateway.schemas import ApiError, GenerationParams, Prompt, parse_chat, parse_completion, parse_json
+from gateway.structured_outputs import GrammarCompiler, constraint_of
 from gateway.submission import ModelLimits, max_tokens_for, submit_messages
 from gateway.tokenization import RenderedTooLong, TextCodec
 from gateway.verify_client import VerifyClient
@@ -68,6 +69,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                            settings.max_model_len, codec.longest_token_bytes, settings.max_pending)
     limits = ModelLimits(settings.vocab_size, settings.max_model_len, settings.default_max_tokens)
     responses = Responses(codec, settings.model_name, log)
+    grammars = GrammarCompiler(codec.tokenizer.to_str() if codec.has_tokenizer else None, settings.vocab_size,
+                               codec.eos_token_ids)
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None)
     app.state.client, app.state.metrics, app.state.probe, app.state.bounds = client, metrics, probe, bounds
 
@@ -139,11 +142,18 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             raise ApiError(400, f"{what} needs a tokenizer, and this server has none (the target folder has no "
                            "tokenizer.json): send the prompt as token ids, without stop strings", param=param)
 
+    async def constrain(params: GenerationParams, body: dict) -> None:
+        """The request's grammar (response_format, structured_outputs, guided_*), compiled off the event loop."""
+        constraint = constraint_of(body)
+        if constraint is not None:
+            params.grammar = await grammars.grammar(constraint)
+
     @app.post("/v1/completions", openapi_extra=documented_body(COMPLETIONS))
     async def completions(request: Request):
         authorize(request)
-        params = parse_completion(await read_json(request, COMPLETIONS), settings.model_name, settings.vocab_size,
-                                  bounds.max_choices)
+        body = await read_json(request, COMPLETIONS)
+        params = parse_completion(body, settings.model_name, settings.vocab_size, bounds.max_choices)
+        await constrain(params, body)
         if any(prompt.text is not None for prompt in params.prompts):
             needs_text("a text prompt", "prompt")
         if params.stop:
@@ -157,8 +167,9 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     @app.post("/v1/chat/completions", openapi_extra=documented_body(CHAT))
     async def chat_completions(request: Request):
         authorize(request)
-        params = parse_chat(await read_json(request, CHAT), settings.model_name, settings.vocab_size,
-                            bounds.context_tokens)
+        body = await read_json(request, CHAT)
+        params = parse_chat(body, settings.model_name, settings.vocab_size, bounds.context_tokens)
+        await constrain(params, body)
         needs_text("a chat completion (its messages go through the chat template)", "messages")
         bounds.check_params(params, codec.normalized_chars)
         try:

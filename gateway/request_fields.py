@@ -165,8 +165,17 @@ FIELDS = (
            {"type": "array", "maxItems": 0}),
     shaped("tool_choice", "Only none or auto (no tool is ever called).", _NEUTRAL_TOOL_CHOICE),
     shaped("function_call", "Only none or auto (no function is ever called).", _NEUTRAL_TOOL_CHOICE),
-    shaped("response_format", "Only {\"type\": \"text\"}: no JSON mode or schema.",
-           {"type": "object", "required": ["type"], "properties": {"type": {"const": "text"}}}),
+    shaped("response_format", "text, json_object (any JSON object) or json_schema ({\"json_schema\": {\"name\": ..., "
+           "\"schema\": {...}, \"strict\": true}}): the output obeys it (compact JSON, no free whitespace).",
+           {"type": "object", "required": ["type"],
+            "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {"type": "object"}}}),
+    shaped("structured_outputs", "vLLM's constraints, one of: json (a schema), regex, choice (strings), grammar "
+           "(EBNF with ::=, else Lark), json_object (true).", {"type": "object"}),
+    shaped("guided_json", "vLLM's older form of structured_outputs.json (a schema, or its JSON text).", {}),
+    shaped("guided_regex", "vLLM's older form of structured_outputs.regex.", {"type": "string"}),
+    shaped("guided_choice", "vLLM's older form of structured_outputs.choice.", {"type": "array",
+                                                                               "items": {"type": "string"}}),
+    shaped("guided_grammar", "vLLM's older form of structured_outputs.grammar.", {"type": "string"}),
 )
 
 

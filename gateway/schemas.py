@@ -60,6 +60,7 @@ class GenerationParams:
     ignore_eos: bool = False  # extension: the end-of-text token(s) do not end a choice
     min_tokens: int = 0  # extension: no stop token is sampled, and no stop string acts, before this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # extension: more token ids that end a choice
+    grammar: str | None = None  # the compiled grammar of response_format / structured_outputs (structured_outputs.py)
     prompts: list[Prompt] = field(default_factory=list)
     messages: list[dict] | None = None
 
@@ -274,10 +275,6 @@ def reject_unsupported(body: dict, fields: dict[str, RequestField]) -> None:
     if body.get("tool_choice") not in neutral or body.get("function_call") not in neutral:
         raise ApiError(400, "tool calling is not supported by this server", param="tool_choice"
                        if body.get("tool_choice") not in neutral else "function_call")
-    response_format = body.get("response_format")
-    if response_format is not None and (not isinstance(response_format, dict) or response_format.get("type") != "text"):
-        raise ApiError(400, "only response_format {\"type\": \"text\"} is supported (no JSON mode or schema)",
-                       param="response_format")
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
 

@@ -24,6 +24,7 @@ class SubmitRequest(Message):
     num_speculative_tokens: int | None = None
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     prompt_logprobs: bool = False  # also for the prompt's tokens after the first
+    grammar: str | None = None  # an llguidance grammar the output obeys (compiled once by the gateway)
 
     def validate(self):
         if not self.request_id:

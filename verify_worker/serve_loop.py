@@ -1,10 +1,12 @@
 """The verify worker's loop: between engine steps it takes in every message that arrived (submits, aborts), so
 requests join and leave at step boundaries; it streams each step's token events, reports its state to the
-heartbeat thread, and fails every request when a tensor-parallel rank is lost. Rank > 0 runs FollowerServer.
+heartbeat thread, and fails every request when a tensor-parallel rank is lost. A request with a grammar has its
+matcher built in a thread of its own, off the step, and joins once it is built. Rank > 0 runs FollowerServer.
 
 Gateway channel: PULL (submits, aborts) and PUSH (token events, failures, heartbeats), both bound here.
 """
 
+import concurrent.futures
 import logging
 import os
 import threading
@@ -48,6 +50,8 @@ class VerifyServer:
         self.outbox.bind(events_addr)
         self.send_lock = threading.Lock()  # the loop and the heartbeat thread share the PUSH socket
         self.heartbeats = HeartbeatThread(self._send, heartbeat_s, stall_s, self._stalled, log)
+        self.grammar_pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="grammar")
+        self.building: dict[str, tuple[GenerationRequest, concurrent.futures.Future]] = {}  # grammars in the pool
 
     def serve_forever(self) -> None:
         self._report_state()
@@ -57,6 +61,7 @@ class VerifyServer:
                 busy = self.engine.has_work()  # then this turn waits for nothing: all of it is the step's cost
                 started = time.perf_counter()
                 self._take_messages(block=not busy)
+                self._admit_built()
                 stepped = self.engine.has_work()
                 if stepped:
                     self._step()
@@ -87,9 +92,12 @@ class VerifyServer:
         for request_id in list(engine.running) + [s.request_id for s in queued]:
             engine.abort(request_id)
             self._send(RequestFailed(request_id=request_id, code=code, message=message))
+        for request_id in list(self.building) if waiting_too else []:
+            del self.building[request_id]
+            self._send(RequestFailed(request_id=request_id, code=code, message=message))
 
     def _take_messages(self, block: bool) -> None:
-        timeout = int(self.heartbeat_s * 1000) if block else 0
+        timeout = (1 if self.building else int(self.heartbeat_s * 1000)) if block else 0
         while self.inbox.poll(timeout):
             timeout = 0
             frames = self.inbox.recv_multipart(copy=False)
@@ -100,21 +108,26 @@ class VerifyServer:
                 self.log.warning("rejected message: %s", exc)
                 continue
             if isinstance(message, AbortRequest):
-                if self.engine.abort(message.request_id):
+                if self.engine.abort(message.request_id) or self.building.pop(message.request_id, None):
                     self.log.info("aborted %s", message.request_id)
             elif isinstance(message, SubmitRequest):
                 self._submit(message)
 
     def _submit(self, message: SubmitRequest) -> None:
         try:
-            if len(self.engine.waiting) >= self.max_waiting:
+            if len(self.engine.waiting) + len(self.building) >= self.max_waiting:
                 raise _Rejected("queue_full", f"the queue is full ({self.max_waiting} requests waiting)")
             request = GenerationRequest(
                 tuple(message.prompt_ids), message.max_tokens, message.sampling, tuple(message.stop_token_ids),
                 message.num_speculative_tokens, request_id=message.request_id, logprobs=message.logprobs,
-                prompt_logprobs=message.prompt_logprobs, min_tokens=message.min_tokens,
+                prompt_logprobs=message.prompt_logprobs, min_tokens=message.min_tokens, grammar=message.grammar,
             )
-            self.engine.add(request)
+            if request.grammar is None:
+                self.engine.add(request)
+            else:  # checked now; its matcher built off the step, in the pool
+                self.engine.validate(request)
+                future = self.grammar_pool.submit(self.engine.build_grammar, request.grammar)
+                self.building[request.request_id] = (request, future)
         except RequestError as exc:
             self._send(RequestFailed(request_id=message.request_id, code="invalid_request", message=str(exc)))
         except _Rejected as exc:
@@ -123,6 +136,17 @@ class VerifyServer:
             self.log.error("cannot admit %s:\n%s", message.request_id, traceback.format_exc())
             self._send(RequestFailed(request_id=message.request_id, code="invalid_request",
                                      message=f"the request cannot be served: {exc}"))
+
+    def _admit_built(self) -> None:
+        """Requests whose grammar's matcher is built join the engine's queue (in the order they came)."""
+        for request_id, (request, future) in list(self.building.items()):
+            if not future.done():
+                continue
+            del self.building[request_id]
+            try:
+                self.engine.add(request, grammar=future.result())
+            except RequestError as exc:
+                self._send(RequestFailed(request_id=request_id, code="invalid_request", message=str(exc)))
 
     def _step(self) -> None:
         try:
@@ -162,8 +186,9 @@ class VerifyServer:
         kind = proposer.kind if proposer is not None else "none"
         self.metrics.drafter.labels(kind).set(1 if available else 0)
         self.metrics.running.set(self.engine.num_running)
-        self.metrics.waiting.set(len(self.engine.waiting))
-        self.heartbeats.progress(Heartbeat(running=self.engine.num_running, waiting=len(self.engine.waiting),
+        waiting = len(self.engine.waiting) + len(self.building)
+        self.metrics.waiting.set(waiting)
+        self.heartbeats.progress(Heartbeat(running=self.engine.num_running, waiting=waiting,
                                            drafter_kind=kind, drafter_available=available))
 
     def _send(self, message) -> None:

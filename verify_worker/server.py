@@ -11,6 +11,7 @@ from shared.config_json import read_config
 from shared.draft_config import DraftConfig
 from shared.errors import DFlashError
 from shared.feature_transport import make_transport
+from shared.grammar import folder_vocabulary
 from shared.packed_linear import kernel_layout
 from shared.role import configure_process, run_worker, usable_cores
 from shared.settings.commands import VerifyCommand
@@ -126,9 +127,12 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
         proposer = RemoteProposer(settings.channels.draft_addr, draft_cfg, model.block_size, log=log,
                                   transport=transport, deadline=deadline)
     policy = AdaptiveSpeculation() if speculation.spec_policy == "adaptive" else None
+    vocabulary = folder_vocabulary(model.target, target.config.vocab_size,
+                                   TargetFacts.from_config(read_config(model.target)).eos_token_ids)
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=model.max_model_len,
                                max_prefill_tokens=engine_settings.max_prefill_tokens, policy=policy,
-                               step_buckets="cuda-graphs" if engine_settings.cuda_graphs else None)
+                               step_buckets="cuda-graphs" if engine_settings.cuda_graphs else None,
+                               grammar_vocabulary=vocabulary)
     capacity = engine.state.capacity
     block = max(engine.block_size, 1)
     per_request = target.state_bytes_per_slot(capacity, block)
