@@ -3,6 +3,7 @@ so does the torch.distributed feature pair in place of ZeroMQ frames), and a ran
 open streams, turns /ready and new requests into 503 and stops the service."""
 
 import os
+import re
 import signal
 import threading
 import time
@@ -16,11 +17,17 @@ from server_harness import Server, metric_value, write_server_models
 from test_server_faults import completion_tokens, stream_tokens
 from tokenizers import Tokenizer
 
+from llguidance import LLMatcher
+
 from shared.byte_tokenizer import END_OF_TEXT
+from shared.grammar import folder_vocabulary
+from verify_worker.engine import SpeculativeEngine
+from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 PROMPTS = ["def add(a, b):", "while True:", "x = [i for i in", "import os\n"]
 MAX_TOKENS = 40
+CONSTRAINT = "(ab|cd)[0-9]{2,6}x+y"
 
 
 @pytest.fixture(scope="module")
@@ -56,6 +63,8 @@ def test_tp2_and_the_feature_pair_serve_the_same_greedy_tokens_as_tp1(models):
         try:
             server.wait_ready()
             results[name] = served_tokens(server)
+            if name == "tp2":  # a constrained request: the leader masks the logits it verifies
+                results["constrained"] = constrained_tokens(server)
             verify = server.metrics("verify")
             assert metric_value(verify, "dflash_spec_draft_tokens_total") > 0  # drafts came back
             assert metric_value(verify, "dflash_spec_fallback_steps_total") == 0  # every draft call answered
@@ -69,6 +78,19 @@ def test_tp2_and_the_feature_pair_serve_the_same_greedy_tokens_as_tp1(models):
         want = plain_greedy(whole, ids, MAX_TOKENS, stop)
         for name in setups:
             assert_same_or_near_tie(whole, ids, results[name][index], want)
+    vocabulary = folder_vocabulary(target, whole.config.vocab_size, stop)
+    request = GenerationRequest(tuple(tokenizer.encode(PROMPTS[0], add_special_tokens=False).ids), MAX_TOKENS,
+                                stop_token_ids=stop, grammar=LLMatcher.grammar_from_regex(CONSTRAINT))
+    alone = SpeculativeEngine(whole, None, max_model_len=512, grammar_vocabulary=vocabulary).generate([request])[0]
+    assert results["constrained"] == alone.token_ids
+
+
+def constrained_tokens(server: Server) -> list[int]:
+    body = {"model": "tiny", "prompt": PROMPTS[0], "max_tokens": MAX_TOKENS, "temperature": 0,
+            "return_token_ids": True, "guided_regex": CONSTRAINT}
+    choice = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()["choices"][0]
+    assert re.fullmatch(CONSTRAINT, choice["text"]), choice
+    return choice["token_ids"]
 
 
 @pytest.mark.parametrize("fault", ["killed", "hung"])

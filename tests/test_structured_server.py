@@ -1,0 +1,169 @@
+"""Structured outputs through dflash-serve with its default flags (the demo pair, DFlash 2 drafter, adaptive
+policy) and the official openai client: 20 JSON schemas, streamed and not, every output parses and validates; the
+other constraint forms; bad constraints and a schema bomb get a 400 in bounded time while a stream beside them
+is identical to its solo run."""
+
+import json
+import subprocess
+import sys
+import threading
+import time
+
+import httpx
+import jsonschema
+import openai
+import pytest
+from server_harness import free_port_block
+from structured_schemas import SCHEMAS
+
+from processes import stop_process
+
+MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory):
+    base = free_port_block(8)
+    command = [sys.executable, "-m", "gateway.launcher", "--port", str(base), "--zmq-base-port", str(base + 1),
+               "--metrics-base-port", str(base + 4), "--tp-master-port", str(base + 6), "--feature-pair-port",
+               str(base + 7)]
+    log = tmp_path_factory.mktemp("structured") / "serve.log"
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        line = process.stdout.readline()
+        if not line.startswith("dflash-serve ready"):
+            stop_process(process, 30)
+            raise RuntimeError(f"dflash-serve did not start: {log.read_text()[-3000:]}")
+        yield f"http://127.0.0.1:{base}"
+        stop_process(process, 30)
+
+
+@pytest.fixture(scope="module")
+def client(server):
+    return openai.OpenAI(base_url=f"{server}/v1", api_key="unused", max_retries=0)
+
+
+def answer(client, schema, stream: bool) -> tuple[str, str]:
+    fmt = {"type": "json_schema", "json_schema": {"name": "answer", "schema": schema, "strict": True}}
+    if not stream:
+        response = client.chat.completions.create(model="dflash-demo", messages=MESSAGES, max_tokens=160,
+                                                  temperature=0, response_format=fmt)
+        return response.choices[0].message.content, response.choices[0].finish_reason
+    text, reason = "", None
+    for chunk in client.chat.completions.create(model="dflash-demo", messages=MESSAGES, max_tokens=160,
+                                                temperature=0, response_format=fmt, stream=True):
+        if chunk.choices:
+            text += chunk.choices[0].delta.content or ""
+            reason = chunk.choices[0].finish_reason or reason
+    return text, reason
+
+
+def test_twenty_json_schemas_through_the_openai_client_streamed_and_not(client):
+    assert len(SCHEMAS) >= 20
+    for index, schema in enumerate(SCHEMAS):
+        whole, reason = answer(client, schema, stream=False)
+        assert reason == "stop", (index, whole)
+        jsonschema.validate(json.loads(whole), schema)
+        streamed, _ = answer(client, schema, stream=True)
+        assert streamed == whole, index
+
+
+def test_json_object_regex_choice_and_grammar_forms(server):
+    forms = {
+        "response_format": {"type": "json_object"},
+        "structured_outputs": {"regex": "[a-z]{3}-[0-9]{2}"},
+        "guided_choice": ["left", "right"],
+        "guided_grammar": 'root ::= "x" [0-9] [0-9]?',
+    }
+    for name, value in forms.items():
+        body = {"model": "dflash-demo", "prompt": "value = ", "max_tokens": 40, "temperature": 0, name: value}
+        response = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+        assert response.status_code == 200, response.text
+        text = response.json()["choices"][0]["text"]
+        if name == "response_format":
+            assert isinstance(json.loads(text), dict), text
+        elif name == "structured_outputs":
+            assert len(text) == 6 and text[3] == "-" and text[4:].isdigit(), text
+        elif name == "guided_choice":
+            assert text in ("left", "right"), text
+        else:
+            assert text[0] == "x" and text[1:].isdigit() and len(text) in (2, 3), text
+
+
+BAD = [
+    ({"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": [1]}}}, "response_format",
+     "must be an object with a 'schema'"),
+    ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "objekt"}}}}, "response_format",
+     "cannot be compiled"),
+    ({"response_format": {"type": "yaml"}}, "response_format", "must be"),
+    ({"guided_regex": "a(b"}, "guided_regex", "cannot be compiled"),
+    ({"guided_grammar": "root ::= missing_rule"}, "guided_grammar", "cannot be compiled"),
+    ({"guided_choice": []}, "guided_choice", "non-empty list"),
+    ({"structured_outputs": {"json": {"type": "object"}}, "guided_regex": "a"}, "guided_regex", "one constraint"),
+]
+
+
+@pytest.mark.parametrize("extra,param,message", BAD)
+def test_bad_constraints_get_a_400_naming_them(server, extra, param, message):
+    body = {"model": "dflash-demo", "prompt": "x", "max_tokens": 4, **extra}
+    response = httpx.post(f"{server}/v1/completions", json=body, timeout=60)
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param and message in error["message"], error
+
+
+def bomb_schemas() -> dict:
+    deep: dict = {"type": "integer"}
+    for _ in range(300):
+        deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}
+    return {"deep nesting": deep,
+            "huge enum": {"enum": [f"value-{i:06d}-" + "x" * 40 for i in range(6000)]},
+            "pathological regex": {"type": "string", "pattern": "^((a+)+|(b+)+)+(c{1,1000}){1,1000}$"}}
+
+
+def test_a_schema_bomb_is_refused_in_bounded_time_and_a_stream_beside_it_is_unchanged(server):
+    body = {"model": "dflash-demo", "prompt": "def merge(a, b):", "max_tokens": 48, "temperature": 0,
+            "stream": True}
+
+    def stream() -> str:
+        text = ""
+        with httpx.stream("POST", f"{server}/v1/completions", json=body, timeout=120) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        return text
+
+    alone = stream()
+    beside: dict = {}
+    runner = threading.Thread(target=lambda: beside.update(text=stream()))
+    runner.start()
+    for name, schema in bomb_schemas().items():
+        started = time.monotonic()
+        response = httpx.post(f"{server}/v1/completions", json={
+            "model": "dflash-demo", "prompt": "x", "max_tokens": 4,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "bomb", "schema": schema}}},
+            timeout=60)
+        elapsed = time.monotonic() - started
+        assert elapsed < 10, (name, elapsed)
+        if response.status_code != 200:  # compiled within the bounds is served; past them, a 400 naming them
+            assert response.status_code == 400, (name, response.text)
+            assert response.json()["error"]["param"] == "response_format", response.text
+    runner.join(120)
+    assert beside["text"] == alone
+
+
+def test_a_stop_string_inside_a_forced_block_cuts_the_text(server):
+    """The grammar forces "abc1" in one verify block; the stop string "c1" inside it ends the text there."""
+    body = {"model": "dflash-demo", "prompt": "x = ", "max_tokens": 20, "temperature": 0, "stop": ["c1"],
+            "structured_outputs": {"regex": "abc1[0-9]{3}z"}}
+    for stream in (False, True):
+        if not stream:
+            choice = httpx.post(f"{server}/v1/completions", json=body, timeout=60).json()["choices"][0]
+            assert (choice["text"], choice["finish_reason"]) == ("ab", "stop"), choice
+            continue
+        text = ""
+        with httpx.stream("POST", f"{server}/v1/completions", json={**body, "stream": True}, timeout=60) as response:
+            for line in response.iter_lines():
+                if line.startswith("data: {"):
+                    text += json.loads(line[6:])["choices"][0]["text"]
+        assert text == "ab"
