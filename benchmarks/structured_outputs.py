@@ -4,8 +4,11 @@ same prompts unconstrained; the grammar's share of a step (masks, forced tokens,
 what the gateway's compiler does with schema bombs (outcome, time).
 
     python benchmarks/structured_outputs.py [--drafter draft2|draft] [--max-tokens 96] [--rounds 3]
+    python benchmarks/structured_outputs.py --target /tmp/q06 --batches 1,16   # a real size, plain decoding only
 
-Greedy; every constrained run's tokens are checked equal to constrained plain decoding's.
+Greedy; every constrained run's tokens are checked equal to constrained plain decoding's. With --target (a
+checkpoint with a tokenizer.json, e.g. benchmarks/random_checkpoint.py's) only plain decoding runs, constrained
+and not: what the grammar's masks cost a step of that size.
 """
 
 import argparse
@@ -92,9 +95,12 @@ def main() -> None:
     parser.add_argument("--drafter", default="draft2", choices=("draft2", "draft"))
     parser.add_argument("--max-tokens", type=int, default=96)
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--target", default=None, help="another target folder: plain decoding only")
+    parser.add_argument("--batches", default="1,16")
+    parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
-    torch.set_num_threads(1)
-    target_dir = DEMO_DIR / "target"
+    torch.set_num_threads(args.threads)
+    target_dir = Path(args.target) if args.target else DEMO_DIR / "target"
     target = load_target(target_dir)
     eos = TargetFacts.from_config(read_config(target_dir)).eos_token_ids
     vocabulary = folder_vocabulary(target_dir, target.config.vocab_size, eos)
@@ -104,12 +110,12 @@ def main() -> None:
     stops = tuple(vocabulary.eos_tokens)
     prompt = tuple(tokenizer.encode(PROMPT).ids)
     grammars = [grammar_text(Constraint("json_schema", schema, "bench")) for schema in SCHEMAS]
-    drafter = load_drafter(DEMO_DIR / args.drafter)
-    print(f"demo pair, {args.drafter}, {len(SCHEMAS)} schemas, {args.max_tokens} tokens at most, greedy, medians of "
+    drafter = None if args.target else load_drafter(DEMO_DIR / args.drafter)
+    print(f"{target_dir}, {args.drafter if drafter else 'no drafter'}, {len(SCHEMAS)} schemas, {args.max_tokens} tokens at most, greedy, medians of "
           f"{args.rounds} rounds")
     print("| batch | setup | tok/s | tokens a step | grammar's share of the time | equal to plain |")
     print("| --- | --- | --- | --- | --- | --- |")
-    for batch in (1, 16):
+    for batch in (int(b) for b in args.batches.split(",")):
         constrained = [GenerationRequest(prompt, args.max_tokens, stop_token_ids=stops, grammar=g) for g in grammars]
         free = [GenerationRequest(prompt, args.max_tokens, stop_token_ids=stops)] * len(grammars)
         groups = [constrained[i:i + batch] for i in range(0, len(constrained), batch)]
@@ -122,10 +128,12 @@ def main() -> None:
                   ("drafts cut, every step drafts", "cut", groups, False),
                   ("drafts cut + forced tokens, every step drafts", "forced", groups, False),
                   ("drafts cut + forced tokens, adaptive policy (the default)", "forced", groups, True)]
+        if drafter is None:
+            setups = [("unconstrained plain", None, free_groups, False), ("constrained plain", None, groups, False)]
         for name, mode, chosen, adaptive in setups:
             figures = []
             for _ in range(args.rounds):
-                proposer = None if name == "constrained plain" else LocalProposer(
+                proposer = None if drafter is None or name == "constrained plain" else LocalProposer(
                     drafter, target.embed_weight, target.lm_head_weight, block_size=8, max_requests=batch,
                     max_model_len=1024)
                 outs = [run(target, proposer, group, vocabulary, mode or "forced", adaptive) for group in chosen]

@@ -171,7 +171,8 @@ FIELDS = (
             "properties": {"type": {"enum": ["text", "json_object", "json_schema"]}, "json_schema": {"type": "object"}}}),
     shaped("structured_outputs", "vLLM's constraints, one of: json (a schema), regex, choice (strings), grammar "
            "(EBNF with ::=, else Lark), json_object (true).", {"type": "object"}),
-    shaped("guided_json", "vLLM's older form of structured_outputs.json (a schema, or its JSON text).", {}),
+    shaped("guided_json", "vLLM's older form of structured_outputs.json (a schema, or its JSON text).",
+           {"anyOf": [{"type": "object"}, {"type": "string"}]}),
     shaped("guided_regex", "vLLM's older form of structured_outputs.regex.", {"type": "string"}),
     shaped("guided_choice", "vLLM's older form of structured_outputs.choice.", {"type": "array",
                                                                                "items": {"type": "string"}}),

@@ -126,15 +126,15 @@ class GrammarCompiler:
 
     def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_ids: tuple[int, ...], workers: int = 2):
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
-        self.vocabulary = None if tokenizer_json is None else \
+        self.vocabulary = None if tokenizer_json is None or not eos_ids else \
             self.pool.submit(grammar_vocabulary, tokenizer_json, vocab_size, list(eos_ids))
         self.cache: OrderedDict[str, str | ApiError] = OrderedDict()
 
     async def grammar(self, constraint: Constraint) -> str:
         """The compiled grammar's text; ApiError 400 naming what is wrong or which bound it passed."""
         if self.vocabulary is None:
-            raise ApiError(400, "structured outputs need the target's tokenizer.json, and this server has none",
-                           param=constraint.param)
+            raise ApiError(400, "structured outputs need the target's tokenizer.json and an end-of-text token, and "
+                           "this server has none", param=constraint.param)
         size = len(json.dumps(constraint.spec)) if not isinstance(constraint.spec, str) else len(constraint.spec)
         if size > MAX_SPEC_BYTES:
             raise ApiError(400, f"'{constraint.param}' is {size} bytes; the limit is {MAX_SPEC_BYTES} bytes",
@@ -146,7 +146,11 @@ class GrammarCompiler:
             if isinstance(found, ApiError):
                 raise found
             return found
-        vocabulary = await asyncio.wrap_future(self.vocabulary)
+        try:
+            vocabulary = await asyncio.wrap_future(self.vocabulary)
+        except Exception as exc:  # noqa: BLE001 - llguidance's or tokenizers' error, named to the client
+            raise ApiError(400, f"structured outputs are off on this server: its tokenizer.json cannot be read as a "
+                           f"grammar vocabulary ({exc})", param=constraint.param) from None
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self.pool, _compile, vocabulary, constraint)
         try:

@@ -28,7 +28,8 @@ def grammar_vocabulary(tokenizer_json: str, vocab_size: int, eos_ids: list[int])
 
 def folder_vocabulary(folder: str | Path, vocab_size: int, config_eos: tuple[int, ...]):
     """A model folder's grammar vocabulary, its ends the gateway's stop tokens (shared.end_of_text); None where
-    the folder has no tokenizer.json (grammars are then refused)."""
+    the folder has no tokenizer.json or its text has no end-of-text token (a grammar could never end): grammars
+    are then refused."""
     from tokenizers import Tokenizer
 
     path = Path(folder) / "tokenizer.json"
@@ -36,7 +37,7 @@ def folder_vocabulary(folder: str | Path, vocab_size: int, config_eos: tuple[int
         return None
     text = path.read_text()
     eos = end_of_text_ids(Tokenizer.from_str(text), tokenizer_settings(folder), config_eos)
-    return grammar_vocabulary(text, vocab_size, list(eos))
+    return grammar_vocabulary(text, vocab_size, list(eos)) if eos else None
 
 
 def compile_error(vocabulary, grammar: str) -> str | None:

@@ -167,3 +167,16 @@ def test_a_stop_string_inside_a_forced_block_cuts_the_text(server):
                 if line.startswith("data: {"):
                     text += json.loads(line[6:])["choices"][0]["text"]
         assert text == "ab"
+
+
+def test_a_target_without_an_end_of_text_token_refuses_constraints_with_a_400():
+    import asyncio
+
+    from gateway.schemas import ApiError
+    from gateway.structured_outputs import Constraint, GrammarCompiler
+    from shared.byte_tokenizer import build_byte_tokenizer
+
+    compiler = GrammarCompiler(build_byte_tokenizer().to_str(), 258, ())
+    with pytest.raises(ApiError, match="end-of-text token") as refused:
+        asyncio.run(compiler.grammar(Constraint("regex", "a+", "guided_regex")))
+    assert refused.value.status == 400 and refused.value.param == "guided_regex"

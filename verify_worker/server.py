@@ -93,6 +93,19 @@ def fitting_requests(settings: VerifyCommand, target, draft_cfg: DraftConfig | N
     return min(fit, max_running)
 
 
+def grammar_vocabulary_of(folder: str, vocab_size: int, log):
+    """The target's grammar vocabulary (shared.grammar.folder_vocabulary), or None with a log line: a target it
+    cannot be built for is served without structured outputs."""
+    try:
+        vocabulary = folder_vocabulary(folder, vocab_size, TargetFacts.from_config(read_config(folder)).eos_token_ids)
+    except Exception as exc:  # noqa: BLE001 - an optional feature: the llguidance or tokenizers error is logged
+        log.warning("structured outputs are off: the grammar vocabulary cannot be built (%s)", exc)
+        return None
+    if vocabulary is None:
+        log.info("structured outputs are off: the target has no tokenizer.json or no end-of-text token")
+    return vocabulary
+
+
 def build_server(settings: VerifyCommand, log) -> VerifyServer:
     model, engine_settings, speculation, parallel = (settings.model, settings.engine, settings.speculation,
                                                      settings.parallel)
@@ -127,8 +140,7 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
         proposer = RemoteProposer(settings.channels.draft_addr, draft_cfg, model.block_size, log=log,
                                   transport=transport, deadline=deadline)
     policy = AdaptiveSpeculation() if speculation.spec_policy == "adaptive" else None
-    vocabulary = folder_vocabulary(model.target, target.config.vocab_size,
-                                   TargetFacts.from_config(read_config(model.target)).eos_token_ids)
+    vocabulary = grammar_vocabulary_of(model.target, target.config.vocab_size, log)
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=model.max_model_len,
                                max_prefill_tokens=engine_settings.max_prefill_tokens, policy=policy,
                                step_buckets="cuda-graphs" if engine_settings.cuda_graphs else None,

@@ -63,7 +63,7 @@ def mask_grammars(states: list[RequestState], drafts: torch.Tensor, counts: list
     bitmask = torch.full((len(rows) * positions, words), -1, dtype=torch.int32)  # -1: every token (unreached)
     for i, r in enumerate(rows):
         states[r].grammar.block_masks(drafts[r, : counts[r]].tolist(), bitmask, i * positions)
-    allowed = allowed_tokens(bitmask, vocab).view(len(rows), positions, vocab).to(logits.device)
+    allowed = allowed_tokens(bitmask.to(logits.device), vocab).view(len(rows), positions, vocab)  # on the device
     index = torch.tensor(rows, device=logits.device)
     logits[index] = logits[index].masked_fill(~allowed, float("-inf"))
     return logits
