@@ -207,17 +207,18 @@ def test_the_plan_reads_cpu_memory_gb_or_else_the_host(tmp_path):
     assert read.host_source == host.source and abs(read.host_bytes - host.available) < 2**30
 
 
-def test_dflash_serve_plan_on_a_cpu_gives_the_start_decision(tmp_path):
-    """--plan for the 0.6B shape with 8 GB: the same lowered --max-running a server would start with."""
+def test_dflash_serve_plan_on_a_cpu_gives_the_start_decision(tmp_path, capsys):
+    """--plan's entry point for the 0.6B shape with 8 GB: the same lowered --max-running a server would start
+    with."""
+    from verify_worker.memory_plan import main
+    from verify_worker.server import parse_args
+
     folder = tmp_path / "q06"
     folder.mkdir()
     shutil.copy(PUBLISHED / "qwen3-0.6b.json", folder / "config.json")
     settings = ["--target", str(folder), "--no-draft", "--max-model-len", "4096", "--cpu-memory-gb", "8"]
-    done = subprocess.run([sys.executable, "-m", "gateway.launcher", "--plan", *settings], capture_output=True,
-                          text=True, timeout=120, cwd=ROOT)
-    assert done.returncode == 1, done.stderr
-    from verify_worker.server import parse_args
-
+    assert main(settings) == 1
+    out = capsys.readouterr().out
     plan = make_plan(request_from_settings(parse_args(settings), "cpu"))
-    assert f"starts with --max-running lowered to {plan.fitting_requests}" in done.stdout, done.stdout
-    assert "host: 7.5 GiB (--cpu-memory-gb, as given" in done.stdout, done.stdout
+    assert f"starts with --max-running lowered to {plan.fitting_requests}" in out, out
+    assert "host: 7.5 GiB (--cpu-memory-gb, as given" in out, out

@@ -145,8 +145,9 @@ def test_min_tokens_cannot_extend_a_completed_grammar(demo):
 
 
 def test_a_constrained_sampled_position_keeps_the_masked_distribution(demo):
-    """The first token of a choice among five words, sampled (temperature 1): plain and drafted runs both follow
-    the target's distribution masked to the tokens the grammar allows first (chi-square, seeded: deterministic)."""
+    """The first token of a choice among five words, sampled (temperature 1; 1,000 seeded requests): plain and
+    drafted runs both follow the target's distribution masked to the tokens the grammar allows first (chi-square,
+    seeded: deterministic)."""
     from test_sampling_lossless import chi_square_p_value
 
     target, vocabulary, tokenizer, eos = demo
@@ -158,7 +159,7 @@ def test_a_constrained_sampled_position_keeps_the_masked_distribution(demo):
     with torch.inference_mode():
         hidden = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], None, None).hidden[0, -1]
         probs = torch.softmax(target.logits(hidden).double()[allowed], -1)
-    count = 1500
+    count = 1000
     for proposer in (None, proposer_of(target, "dflash2", 50)):
         requests = [GenerationRequest(prompt, 4, SamplingParams(1.0, 1.0, 0, seed), tuple(eos), grammar=grammar)
                     for seed in range(count)]
