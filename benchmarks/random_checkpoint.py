@@ -1,5 +1,5 @@
 """A random-weight HF checkpoint of a published shape, written by transformers (the bench extra), with a byte-level
-tokenizer, so that `dflash-serve --target` runs a model of real size: what a step, the memory plan and the server
+tokenizer (its <|endoftext|> the end of text), so that `dflash-serve --target` runs a model of real size: what a step, the memory plan and the server
 cost there. Its outputs are noise; its cost is the real model's.
 
     python benchmarks/random_checkpoint.py --config benchmarks/published_configs/qwen3-0.6b.json --out /tmp/q06 \
@@ -19,7 +19,7 @@ def main(argv=None) -> None:
     import sys
 
     sys.path.insert(0, str(ROOT))
-    from shared.byte_tokenizer import write_byte_tokenizer
+    from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--config", required=True, help="a config.json of a Qwen3 or Llama model")
@@ -47,6 +47,7 @@ def main(argv=None) -> None:
     out.mkdir(parents=True, exist_ok=True)
     model.save_pretrained(out)
     write_byte_tokenizer(out)
+    (out / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT}))  # its end: a grammar's too
     size = sum(p.numel() * p.element_size() for p in model.parameters())
     print(f"{out}: {kind}, {sum(p.numel() for p in model.parameters()) / 1e9:.2f}B parameters, "
           f"{size / 1e9:.2f} GB {str(dtype).removeprefix('torch.')}")

@@ -117,7 +117,7 @@ def main() -> None:
     print("| --- | --- | --- | --- | --- | --- |")
     for batch in (int(b) for b in args.batches.split(",")):
         constrained = [GenerationRequest(prompt, args.max_tokens, stop_token_ids=stops, grammar=g) for g in grammars]
-        free = [GenerationRequest(prompt, args.max_tokens, stop_token_ids=stops)] * len(grammars)
+        free = [GenerationRequest(prompt, args.max_tokens, stop_token_ids=stops) for _ in grammars]
         groups = [constrained[i:i + batch] for i in range(0, len(constrained), batch)]
         free_groups = [free[i:i + batch] for i in range(0, len(free), batch)]
         plain = [r.token_ids for group in groups for r in run(target, None, group, vocabulary, "forced")[0]]

@@ -19,25 +19,31 @@ def grammar_limits() -> "llguidance.LLParserLimits":
 
 def grammar_vocabulary(tokenizer_json: str, vocab_size: int, eos_ids: list[int]) -> "llguidance.LLTokenizer":
     """The tokenizer as grammars see it (special tokens are never text), over at least the model's vocab_size ids
-    (the logits' width; a wider tokenizer keeps its own). Built once per model: about a second for 150k tokens."""
+    (the logits' width; a wider tokenizer keeps its own), ended by those of eos_ids the tokenizer has (ValueError
+    where it has none of them: a grammar could never end). Built once per model: about a second for 150k tokens."""
     from tokenizers import Tokenizer
 
-    size = max(Tokenizer.from_str(tokenizer_json).get_vocab(with_added_tokens=True).values()) + 1
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=max(vocab_size, size), eos_token=list(eos_ids))
+    size = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    ends = [t for t in eos_ids if 0 <= t < size]
+    if not ends:
+        raise ValueError(f"none of the end-of-text ids {list(eos_ids)} is a token of the tokenizer ({size} tokens)")
+    return llguidance.LLTokenizer(tokenizer_json, n_vocab=max(vocab_size, size), eos_token=ends)
 
 
 def folder_vocabulary(folder: str | Path, vocab_size: int, config_eos: tuple[int, ...]):
-    """A model folder's grammar vocabulary, its ends the gateway's stop tokens (shared.end_of_text); None where
-    the folder has no tokenizer.json or its text has no end-of-text token (a grammar could never end): grammars
-    are then refused."""
+    """A model folder's grammar vocabulary, ended by the gateway's stop tokens (shared.end_of_text) that the
+    tokenizer has; None where the folder has no tokenizer.json or no such end-of-text token: grammars are then
+    refused."""
     from tokenizers import Tokenizer
 
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         return None
     text = path.read_text()
-    eos = end_of_text_ids(Tokenizer.from_str(text), tokenizer_settings(folder), config_eos)
-    return grammar_vocabulary(text, vocab_size, list(eos)) if eos else None
+    tokenizer = Tokenizer.from_str(text)
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
+    eos = [t for t in end_of_text_ids(tokenizer, tokenizer_settings(folder), config_eos) if t < size]
+    return grammar_vocabulary(text, vocab_size, eos) if eos else None
 
 
 def compile_error(vocabulary, grammar: str) -> str | None:

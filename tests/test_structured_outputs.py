@@ -206,3 +206,16 @@ def test_glm_families_greedy_constrained_speculation_equals_constrained_plain(fa
         assert [r.token_ids for r in spec] == [r.token_ids for r in plain], mode
         assert sum(r.stats.draft_tokens for r in spec) > 0
     assert bytes(plain[2].token_ids[:-1]).decode() in ("north", "south")
+
+
+def test_a_target_whose_end_the_tokenizer_lacks_serves_no_grammars(tmp_path):
+    """A config's eos id the tokenizer does not have (a byte tokenizer on a 152k-logit model) is no grammar end; the
+    tokenizer_config's end-of-text token is."""
+    from shared.byte_tokenizer import END_OF_TEXT, write_byte_tokenizer
+
+    write_byte_tokenizer(tmp_path)
+    assert folder_vocabulary(tmp_path, 151936, (151645,)) is None
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({"eos_token": END_OF_TEXT}))
+    vocabulary = folder_vocabulary(tmp_path, 151936, (151645,))
+    matcher = GrammarMatcher.build(vocabulary, grammar_text(Constraint("regex", "a+", "t")))
+    assert vocabulary.eos_tokens == [256] and matcher.words == 151936 // 32
