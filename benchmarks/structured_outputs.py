@@ -144,7 +144,7 @@ def main() -> None:
             equal = all(f[3] for f in figures)
             same = "-" if name.startswith("unconstrained") else ("yes" if equal else "NO")
             print(f"| {batch} | {name} | {speed:.1f} | {per_step:.2f} | {share:.1%} | {same} |")
-    compiler = GrammarCompiler(tokenizer.to_str(), target.config.vocab_size, stops)
+    compiler = GrammarCompiler(tokenizer, target.config.vocab_size, stops)
     deep: dict = {"type": "integer"}
     for _ in range(300):
         deep = {"type": "object", "properties": {"a": deep}, "required": ["a"]}

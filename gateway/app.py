@@ -69,8 +69,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                            settings.max_model_len, codec.longest_token_bytes, settings.max_pending)
     limits = ModelLimits(settings.vocab_size, settings.max_model_len, settings.default_max_tokens)
     responses = Responses(codec, settings.model_name, log)
-    grammars = GrammarCompiler(codec.tokenizer.to_str() if codec.has_tokenizer else None, settings.vocab_size,
-                               codec.eos_token_ids)
+    grammars = GrammarCompiler(codec.tokenizer, settings.vocab_size, codec.eos_token_ids)
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None)
     app.state.client, app.state.metrics, app.state.probe, app.state.bounds = client, metrics, probe, bounds
 

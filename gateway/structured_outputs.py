@@ -11,9 +11,10 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
+from tokenizers import Tokenizer
 
 from gateway.schemas import ApiError
-from shared.grammar import GRAMMAR_LIMITS, compile_error, grammar_vocabulary
+from shared.grammar import GRAMMAR_LIMITS, grammar_vocabulary, new_matcher
 
 MAX_SPEC_BYTES = 256 * 1024  # a schema, regex or grammar larger than this is refused before it is compiled
 COMPILE_TIMEOUT_S = 5.0  # a grammar whose compilation takes longer is refused (its thread finishes on its own)
@@ -113,9 +114,7 @@ def _compile(vocabulary, constraint: Constraint) -> str:
         text = grammar_text(constraint)
     except Exception as exc:  # llguidance raises ValueError or its own types on a malformed spec
         raise ValueError(str(exc)) from None
-    error = compile_error(vocabulary, text)
-    if error is not None:
-        raise ValueError(error)
+    new_matcher(vocabulary, text)
     return text
 
 
@@ -124,17 +123,14 @@ class GrammarCompiler:
     compiled in a thread of its own pool with a time bound, the last CACHED_GRAMMARS results (and refusals) kept by
     the constraint's hash."""
 
-    def __init__(self, tokenizer_json: str | None, vocab_size: int, eos_ids: tuple[int, ...], workers: int = 2):
+    def __init__(self, tokenizer: Tokenizer | None, vocab_size: int, eos_ids: tuple[int, ...], workers: int = 2):
         self.pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar")
-        self.vocabulary = None if tokenizer_json is None or not eos_ids else \
-            self.pool.submit(grammar_vocabulary, tokenizer_json, vocab_size, list(eos_ids))
+        self.vocabulary = None if tokenizer is None else \
+            self.pool.submit(grammar_vocabulary, tokenizer, vocab_size, eos_ids)
         self.cache: OrderedDict[str, str | ApiError] = OrderedDict()
 
     async def grammar(self, constraint: Constraint) -> str:
         """The compiled grammar's text; ApiError 400 naming what is wrong or which bound it passed."""
-        if self.vocabulary is None:
-            raise ApiError(400, "structured outputs need the target's tokenizer.json and an end-of-text token, and "
-                           "this server has none", param=constraint.param)
         size = len(json.dumps(constraint.spec)) if not isinstance(constraint.spec, str) else len(constraint.spec)
         if size > MAX_SPEC_BYTES:
             raise ApiError(400, f"'{constraint.param}' is {size} bytes; the limit is {MAX_SPEC_BYTES} bytes",
@@ -147,10 +143,13 @@ class GrammarCompiler:
                 raise found
             return found
         try:
-            vocabulary = await asyncio.wrap_future(self.vocabulary)
+            vocabulary = None if self.vocabulary is None else await asyncio.wrap_future(self.vocabulary)
         except Exception as exc:  # noqa: BLE001 - llguidance's or tokenizers' error, named to the client
             raise ApiError(400, f"structured outputs are off on this server: its tokenizer.json cannot be read as a "
                            f"grammar vocabulary ({exc})", param=constraint.param) from None
+        if vocabulary is None:
+            raise ApiError(400, "structured outputs need the target's tokenizer.json and an end-of-text token, and "
+                           "this server has none", param=constraint.param)
         loop = asyncio.get_running_loop()
         work = loop.run_in_executor(self.pool, _compile, vocabulary, constraint)
         try:

@@ -5,6 +5,7 @@ shared/grammar_matcher.py)."""
 from pathlib import Path
 
 import llguidance
+from tokenizers import Tokenizer
 
 from shared.end_of_text import end_of_text_ids, tokenizer_settings
 
@@ -17,40 +18,31 @@ def grammar_limits() -> "llguidance.LLParserLimits":
     return llguidance.LLParserLimits(**GRAMMAR_LIMITS)
 
 
-def grammar_vocabulary(tokenizer_json: str, vocab_size: int, eos_ids: list[int]) -> "llguidance.LLTokenizer":
+def grammar_vocabulary(tokenizer: Tokenizer, vocab_size: int, eos_ids) -> "llguidance.LLTokenizer | None":
     """The tokenizer as grammars see it (special tokens are never text), over at least the model's vocab_size ids
-    (the logits' width; a wider tokenizer keeps its own), ended by those of eos_ids the tokenizer has (ValueError
-    where it has none of them: a grammar could never end). Built once per model: about a second for 150k tokens."""
-    from tokenizers import Tokenizer
-
-    size = Tokenizer.from_str(tokenizer_json).get_vocab_size(with_added_tokens=True)
+    (the logits' width; a wider tokenizer keeps its own), ended by those of eos_ids the tokenizer has; None where it
+    has none of them (a grammar could never end: grammars are then refused). About a second for 150k tokens."""
+    size = tokenizer.get_vocab_size(with_added_tokens=True)
     ends = [t for t in eos_ids if 0 <= t < size]
     if not ends:
-        raise ValueError(f"none of the end-of-text ids {list(eos_ids)} is a token of the tokenizer ({size} tokens)")
-    return llguidance.LLTokenizer(tokenizer_json, n_vocab=max(vocab_size, size), eos_token=ends)
+        return None
+    return llguidance.LLTokenizer(tokenizer.to_str(), n_vocab=max(vocab_size, size), eos_token=ends)
 
 
 def folder_vocabulary(folder: str | Path, vocab_size: int, config_eos: tuple[int, ...]):
-    """A model folder's grammar vocabulary, ended by the gateway's stop tokens (shared.end_of_text) that the
-    tokenizer has; None where the folder has no tokenizer.json or no such end-of-text token: grammars are then
-    refused."""
-    from tokenizers import Tokenizer
-
+    """A model folder's grammar vocabulary, ended by the gateway's stop tokens (shared.end_of_text); None where
+    the folder has no tokenizer.json or the tokenizer has none of them."""
     path = Path(folder) / "tokenizer.json"
     if not path.is_file():
         return None
-    text = path.read_text()
-    tokenizer = Tokenizer.from_str(text)
-    size = tokenizer.get_vocab_size(with_added_tokens=True)
-    eos = [t for t in end_of_text_ids(tokenizer, tokenizer_settings(folder), config_eos) if t < size]
-    return grammar_vocabulary(text, vocab_size, eos) if eos else None
+    tokenizer = Tokenizer.from_file(str(path))
+    return grammar_vocabulary(tokenizer, vocab_size, end_of_text_ids(tokenizer, tokenizer_settings(folder), config_eos))
 
 
-def compile_error(vocabulary, grammar: str) -> str | None:
-    """None where the grammar compiles within GRAMMAR_LIMITS for this vocabulary; else what is wrong."""
-    is_error, messages = llguidance.LLMatcher.validate_grammar_with_warnings(grammar, vocabulary,
-                                                                               limits=grammar_limits())
-    if is_error:
-        return messages[0] if messages else "the grammar does not compile"
+def new_matcher(vocabulary, grammar: str) -> "llguidance.LLMatcher":
+    """A matcher of the grammar over the vocabulary, compiled within GRAMMAR_LIMITS (ValueError with what is
+    wrong where it does not compile)."""
     matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0, limits=grammar_limits())
-    return matcher.get_error() if matcher.is_error() else None
+    if matcher.is_error():
+        raise ValueError(matcher.get_error())
+    return matcher

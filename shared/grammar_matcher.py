@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import llguidance
 import torch
 
-from shared.grammar import grammar_limits
+from shared.grammar import new_matcher
 
 
 def allowed_tokens(bitmask: torch.Tensor, width: int) -> torch.Tensor:
@@ -40,10 +40,8 @@ class GrammarMatcher:
     @classmethod
     def build(cls, vocabulary, grammar: str) -> "GrammarMatcher":
         """Raises ValueError with the grammar's error."""
-        matcher = llguidance.LLMatcher(vocabulary, grammar, log_level=0, limits=grammar_limits())
-        if matcher.is_error():
-            raise ValueError(matcher.get_error())
-        return cls(matcher, frozenset(vocabulary.eos_tokens), (vocabulary.vocab_size + 31) // 32, [])
+        return cls(new_matcher(vocabulary, grammar), frozenset(vocabulary.eos_tokens),
+                   (vocabulary.vocab_size + 31) // 32, [])
 
     def legal_prefix(self, tokens: list[int]) -> int:
         """How many leading tokens the grammar takes from here (once it has ended, only end-of-sequence tokens:

@@ -176,7 +176,7 @@ def test_a_target_without_an_end_of_text_token_refuses_constraints_with_a_400():
     from gateway.structured_outputs import Constraint, GrammarCompiler
     from shared.byte_tokenizer import build_byte_tokenizer
 
-    compiler = GrammarCompiler(build_byte_tokenizer().to_str(), 258, ())
+    compiler = GrammarCompiler(build_byte_tokenizer(), 258, ())
     with pytest.raises(ApiError, match="end-of-text token") as refused:
         asyncio.run(compiler.grammar(Constraint("regex", "a+", "guided_regex")))
     assert refused.value.status == 400 and refused.value.param == "guided_regex"

@@ -30,7 +30,7 @@ from verify_worker.engine.speculation import Speculation
 from verify_worker.engine.verify_inputs import verify_block_rows
 from verify_worker.families.interface import StepBatch, TargetFamily
 from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
-from verify_worker.scheduler import num_drafts, padding_groups, plan_prefill
+from verify_worker.scheduler import padding_groups, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.step_buckets import StepBuckets
 
@@ -224,7 +224,7 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         commit, and tell the policy what the step did."""
         plan, asked = self._plan(states, report)
         # a constrained row the grammar forces is proposed its forced tokens alone, whatever the policy said
-        forced = forced_drafts(states, [num_drafts(s, self.block_size, True) for s in states], self.grammar_drafts)
+        forced = forced_drafts(states, self.block_size, self.grammar_drafts)
         drafts, proposals, counts = self._draft(states, [0 if r in forced else a for r, a in enumerate(asked)],
                                                 report)  # drafts [b, n]
         drafts, counts, probe_drafts = self._keep_probe_drafts(plan, states, drafts, counts, report)

@@ -10,21 +10,23 @@ import torch
 
 from shared.grammar_matcher import allowed_tokens
 from verify_worker.request import RequestState
+from verify_worker.scheduler import num_drafts
 
 GRAMMAR_DRAFTS = ("target", "cut", "forced")  # masks on the target only; drafts cut too; forced tokens too
 
 
-def forced_drafts(states: list[RequestState], budgets: list[int], mode: str) -> dict[int, list[int]]:
-    """In "forced" mode, each constrained row's tokens its grammar forces from the committed state (up to its budget
-    of drafts), by row; rows with none are left out. Such a row is not drafted: its block is the forced tokens."""
+def forced_drafts(states: list[RequestState], block_size: int, mode: str) -> dict[int, list[int]]:
+    """In "forced" mode, each constrained row's tokens its grammar forces from the committed state (up to the drafts
+    the row may take in a block of block_size), by row; rows with none are left out. Such a row is not drafted: its
+    block is the forced tokens."""
     if mode != "forced":
         return {}
     found = {}
-    for row, (state, budget) in enumerate(zip(states, budgets)):
-        if state.grammar is not None and budget > 0:
-            tokens = state.grammar.forced()[:budget]
-            if tokens:
-                found[row] = tokens
+    for row, state in enumerate(states):
+        budget = num_drafts(state, block_size, True) if state.grammar is not None else 0
+        tokens = state.grammar.forced()[:budget] if budget > 0 else []
+        if tokens:
+            found[row] = tokens
     return found
 
 
