@@ -30,7 +30,7 @@ from verify_worker.request import GenerationRequest
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.target_loader import load_target
 
-VOCAB, TOKENS, N, ALPHA = 5, 4, 12000, 1e-3
+VOCAB, TOKENS, N, ALPHA = 5, 4, 4000, 1e-3
 PROMPT = (1, 2, 3)
 
 

@@ -115,12 +115,12 @@ def test_edge_values_beside_running_streams(server):
 
 def test_fuzzed_bodies_beside_running_streams(server):
     """Hypothesis draws bodies from the gateway's field table (in range, at and past the bounds, int64 and float
-    edges, wrong types, broken JSON); 450 of them, about 15 s here. benchmarks/fault_drill.py fuzz runs thousands."""
+    edges, wrong types, broken JSON); 250 of them, about 8 s here. benchmarks/fault_drill.py fuzz runs thousands."""
     outcome = {}
-    victims = beside_victims(server, 120, lambda: outcome.update(fuzz(server.url, "tiny", 450)))
+    victims = beside_victims(server, 120, lambda: outcome.update(fuzz(server.url, "tiny", 250)))
     print(f"fuzz: {outcome['sent']} bodies, status codes {dict(sorted(outcome['codes'].items()))}; "
           f"{victims} victim streams beside them, all complete and identical")
-    assert outcome["sent"] >= 450 and outcome["server_errors"] == 0 and outcome["connection_errors"] == 0
+    assert outcome["sent"] >= 250 and outcome["server_errors"] == 0 and outcome["connection_errors"] == 0
     assert outcome["codes"].get(200, 0) > 20  # valid bodies were served too, not only refused
 
 
