@@ -1,6 +1,6 @@
-"""Structured outputs on the demo pair, in process: acceptance and tok/s under 20 JSON schemas with the target's
-logits masked only, with drafts cut at their first refused token, and with forced tokens proposed too, beside the
-same prompts unconstrained; the grammar's share of a step (masks, forced tokens, commits) at batch 1 and 16; and
+"""Structured outputs on the demo pair, in process: acceptance and tok/s under 20 JSON schemas with the drafter
+drafting under the grammar (the default), and with a drafter unaware of it: the target's logits masked only, drafts
+cut at their first refused token, forced tokens proposed too; beside the same prompts unconstrained; the grammar's share of a step (masks, forced tokens, commits) at batch 1 and 16; and
 what the gateway's compiler does with schema bombs (outcome, time).
 
     python benchmarks/structured_outputs.py [--drafter draft2|draft] [--max-tokens 96] [--rounds 3]
@@ -8,7 +8,8 @@ what the gateway's compiler does with schema bombs (outcome, time).
 
 Greedy; every constrained run's tokens are checked equal to constrained plain decoding's. With --target (a
 checkpoint with a tokenizer.json, e.g. benchmarks/random_checkpoint.py's) only plain decoding runs, constrained
-and not: what the grammar's masks cost a step of that size.
+and not: what the grammar's masks cost a step of that size; and what drafting under the grammar adds to a draft
+call at that vocabulary (random logits: the worst case).
 """
 
 import argparse
@@ -27,6 +28,7 @@ sys.path.insert(0, str(ROOT / "tests"))
 from structured_schemas import SCHEMAS  # noqa: E402
 
 from draft_worker.draft_checkpoint import load_drafter  # noqa: E402
+from draft_worker import local_proposer  # noqa: E402
 from draft_worker.local_proposer import LocalProposer  # noqa: E402
 from gateway.schemas import ApiError  # noqa: E402
 from gateway.structured_outputs import Constraint, GrammarCompiler, grammar_text  # noqa: E402
@@ -44,22 +46,28 @@ PROMPT = "Answer in JSON.\n"
 
 
 class GrammarClock:
-    """Time spent in the grammar's work of a step: masks (verify_inputs), forced tokens and cuts (core), commits
-    taking tokens (shared.grammar through output._commit), summed over a run."""
+    """Time spent in the grammar's work of a step: masks (verify_inputs), forced tokens and cuts (core), drafts
+    under the grammar (local_proposer's masked_drafts, tokens they take included), commits taking tokens
+    (GrammarMatcher.take), summed over a run."""
 
     def __init__(self):
         self.seconds = 0.0
+        self.depth = 0
         self.saved = []
 
     def wrap(self, module, name):
         original = getattr(module, name)
 
         def timed(*args, **kwargs):
+            if self.depth:  # inside another timed call (a draft's takes): counted there
+                return original(*args, **kwargs)
+            self.depth += 1
             started = time.perf_counter()
             try:
                 return original(*args, **kwargs)
             finally:
                 self.seconds += time.perf_counter() - started
+                self.depth -= 1
 
         self.saved.append((module, name, original))
         setattr(module, name, timed)
@@ -67,6 +75,7 @@ class GrammarClock:
     def __enter__(self):
         self.wrap(verify_inputs, "mask_grammars")
         self.wrap(core, "grammar_drafts")
+        self.wrap(local_proposer, "masked_drafts")
         from shared.grammar_matcher import GrammarMatcher
         self.wrap(GrammarMatcher, "take")
         return self
@@ -88,6 +97,50 @@ def run(target, proposer, requests, vocabulary, mode, adaptive=False):
     steps = sum(r.stats.verify_steps for r in results)
     committed = sum(r.stats.committed_tokens for r in results)
     return results, tokens / seconds, committed / max(steps, 1), clock.seconds / seconds
+
+
+class RandomSelector(torch.nn.Module):
+    """A DFlash 2 candidate selector's codebooks at a vocabulary (random: the walk's cost, not its choices)."""
+
+    def __init__(self, vocab: int, rank: int):
+        super().__init__()
+        self.predecessor_codebook = torch.nn.Parameter(torch.randn(vocab, rank) * 0.1)
+        self.successor_codebook = torch.nn.Parameter(torch.randn(vocab, rank) * 0.1)
+
+
+class RandomWalker:
+    def __init__(self, vocab: int, rank: int):
+        self.candidate_selector = RandomSelector(vocab, rank)
+
+    def candidates(self, logits, k):
+        return logits.topk(k, dim=-1)
+
+
+def draft_cost(vocabulary, grammars: list[str], vocab: int, drafts: int = 7, rounds: int = 20) -> None:
+    """What drafting under a grammar adds to a draft call at this vocabulary, per block of `drafts` positions: the
+    DFlash argmax and the DFlash 2 greedy walk (rank 256, 32 candidates) over random logits, so that every position
+    takes the whole mask (the drafter's own choice refused: the worst case). Medians over the schemas and rounds."""
+    from draft_worker.grammar_drafting import masked_drafts, token_chooser, walk_chooser
+    from shared.grammar_matcher import CompiledGrammars
+    from shared.sampling_params import SamplingParams
+
+    compiled, walker = CompiledGrammars(vocabulary), RandomWalker(vocab, 256)
+    generator = torch.Generator().manual_seed(0)
+    print(f"\n| drafts under the grammar, a block of {drafts} at vocabulary {vocab} | ms a block (median) | drafts |")
+    print("| --- | --- | --- |")
+    for name in ("DFlash argmax", "DFlash 2 greedy walk"):
+        times, counts = [], []
+        for grammar in grammars:
+            matcher = compiled.matcher(grammar)
+            for _ in range(rounds):
+                logits = torch.randn(drafts, vocab, generator=generator)
+                started = time.perf_counter()
+                choose = (token_chooser(SamplingParams(), None, None) if name == "DFlash argmax" else
+                          walk_chooser(walker, torch.randn(drafts, 256, generator=generator), logits, 0.0, None, 32))
+                result = masked_drafts(matcher, logits, drafts, 0, choose)
+                times.append(time.perf_counter() - started)
+                counts.append(len(result.tokens))
+        print(f"| {name} | {statistics.median(times) * 1e3:.2f} | {statistics.median(counts)} |")
 
 
 def main() -> None:
@@ -121,21 +174,28 @@ def main() -> None:
         groups = [constrained[i:i + batch] for i in range(0, len(constrained), batch)]
         free_groups = [free[i:i + batch] for i in range(0, len(free), batch)]
         plain = [r.token_ids for group in groups for r in run(target, None, group, vocabulary, "forced")[0]]
-        setups = [("unconstrained, every step drafts", None, free_groups, False),
-                  ("unconstrained, adaptive policy (the default)", None, free_groups, True),
-                  ("constrained plain", None, groups, False),
-                  ("masks on the target only, every step drafts", "target", groups, False),
-                  ("drafts cut, every step drafts", "cut", groups, False),
-                  ("drafts cut + forced tokens, every step drafts", "forced", groups, False),
-                  ("drafts cut + forced tokens, adaptive policy (the default)", "forced", groups, True)]
+        # (name, grammar drafts mode, requests, adaptive policy, the drafter drafts under the grammar)
+        setups = [("unconstrained, every step drafts", None, free_groups, False, False),
+                  ("unconstrained, adaptive policy (the default)", None, free_groups, True, False),
+                  ("constrained plain", None, groups, False, False),
+                  ("drafter unaware: masks on the target only, every step drafts", "target", groups, False, False),
+                  ("drafter unaware: drafts cut, every step drafts", "cut", groups, False, False),
+                  ("drafter unaware: drafts cut + forced tokens, every step drafts", "forced", groups, False, False),
+                  ("drafter unaware: drafts cut + forced tokens, adaptive policy (the default)", "forced", groups,
+                   True, False),
+                  ("drafts under the grammar, forced rows drafted too, every step drafts", "drafted", groups, False,
+                   True),
+                  ("drafts under the grammar + forced tokens, every step drafts", "masked", groups, False, True),
+                  ("drafts under the grammar + forced tokens, adaptive policy", "masked", groups, True, True)]
         if drafter is None:
-            setups = [("unconstrained plain", None, free_groups, False), ("constrained plain", None, groups, False)]
-        for name, mode, chosen, adaptive in setups:
+            setups = [("unconstrained plain", None, free_groups, False, False),
+                      ("constrained plain", None, groups, False, False)]
+        for name, mode, chosen, adaptive, aware in setups:
             figures = []
             for _ in range(args.rounds):
                 proposer = None if drafter is None or name == "constrained plain" else LocalProposer(
                     drafter, target.embed_weight, target.lm_head_weight, block_size=8, max_requests=batch,
-                    max_model_len=1024)
+                    max_model_len=1024, grammar_vocabulary=vocabulary if aware else None)
                 outs = [run(target, proposer, group, vocabulary, mode or "forced", adaptive) for group in chosen]
                 tokens = [r.token_ids for out in outs for r in out[0]]
                 figures.append((statistics.median(o[1] for o in outs), statistics.median(o[2] for o in outs),
@@ -144,6 +204,8 @@ def main() -> None:
             equal = all(f[3] for f in figures)
             same = "-" if name.startswith("unconstrained") else ("yes" if equal else "NO")
             print(f"| {batch} | {name} | {speed:.1f} | {per_step:.2f} | {share:.1%} | {same} |")
+    if drafter is None:
+        draft_cost(vocabulary, grammars, target.config.vocab_size)
     compiler = GrammarCompiler(tokenizer, target.config.vocab_size, stops)
     deep: dict = {"type": "integer"}
     for _ in range(300):

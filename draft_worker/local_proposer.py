@@ -9,6 +9,7 @@ import torch
 
 from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
+from draft_worker.grammar_drafting import DraftGrammars, masked_drafts, token_chooser, walk_chooser
 from shared.cpu_kernels.library import WorkerPool, pool_awake
 from shared.errors import ConfigError
 from shared.kv_cache import consecutive_range
@@ -47,9 +48,12 @@ class LocalProposer:
         draft_sampling: DraftSampling = DraftSampling.DENSE,
         sparse_top_k: int = 16,
         layout: str | None = "auto",
+        grammar_vocabulary=None,
     ):
         """layout: how the drafter and the head pack their projections (shared.packed_linear.kernel_layout:
-        "amx" for bfloat16 products; "auto" for the device's default)."""
+        "amx" for bfloat16 products; "auto" for the device's default). grammar_vocabulary: the target's tokenizer
+        as grammars see it (shared.grammar.grammar_vocabulary): constrained requests are drafted under their
+        grammar (draft_worker/grammar_drafting.py); None: drafted as any other."""
         cfg = drafter.config
         if embed_weight.shape[1] != cfg.hidden_size:
             raise ConfigError(
@@ -85,6 +89,13 @@ class LocalProposer:
         self.clock = 0
         self.pool = None  # the threads the drafter's C++ projections and the head share (share_kernel_threads)
         self.owns_pool = False
+        self.grammars = None if grammar_vocabulary is None else DraftGrammars(grammar_vocabulary)
+
+    @property
+    def masks_grammars(self) -> bool:
+        """Whether constrained requests' drafts obey their grammars (the engine then drafts them, forced
+        continuations included, rather than proposing the grammar's forced tokens alone)."""
+        return self.grammars is not None
 
     def share_kernel_threads(self, threads: int, pool: WorkerPool | None = None) -> None:
         """Run the drafter's C++ projections and the lm_head on `threads` threads (the caller's included; 1: its
@@ -114,6 +125,8 @@ class LocalProposer:
         self.lengths.pop(request_id, None)
         self.generators.pop(request_id, None)
         self.last_used.pop(request_id, None)
+        if self.grammars is not None:
+            self.grammars.release(request_id)
 
     def _evict_least_recent(self, protect: set[str]) -> None:
         """Free the slot of the request drafted longest ago (its release may have been lost while this
@@ -153,15 +166,26 @@ class LocalProposer:
             self.last_used[item.request_id] = self.clock
         results = {item.request_id: DraftResult(tokens=None) for item in items}
         self.ingest_seconds = 0.0
+        matchers = {}
+        if self.grammars is not None:
+            for item in list(synced):
+                sync = self.grammars.sync(item)
+                if sync.resync:  # its grammar copy is lost: it resends its context and grammar from the start
+                    self.release(item.request_id)
+                    synced.remove(item)
+                elif sync.matcher is not None:
+                    matchers[item.request_id] = sync.matcher
         if synced:
             # in slot order: consecutive slots are read from the cache as a view, other sets as a gathered copy
             synced.sort(key=lambda item: self.slots[item.request_id])
-            results.update(zip((i.request_id for i in synced), self._draft(synced)))
+            results.update(zip((i.request_id for i in synced), self._draft(synced, matchers)))
         # ingest: of the draft time, writing the context rows into the cache (what a large call adds to a steady one)
         self.last_timing = {"draft": time.perf_counter() - started, "transfer": 0.0, "ingest": self.ingest_seconds}
         return [results[item.request_id] for item in items]
 
-    def _draft(self, items: list[DraftItem]) -> list[DraftResult]:
+    def _draft(self, items: list[DraftItem], matchers: dict) -> list[DraftResult]:
+        """Every item's drafts from one forward of their blocks; matchers: the grammar state of the constrained
+        items, by request id."""
         device = self.embed_weight.device
         slot_list = [self.slots[item.request_id] for item in items]
         slots = torch.tensor(slot_list, device=device)
@@ -182,6 +206,38 @@ class LocalProposer:
         hidden = self.drafter.block_hidden(  # [b, B, hidden]; the host's facts: nothing read back from a GPU
             self.cache, slots, starts, embeds, key_length=max(start_list) + block,
             slot_range=consecutive_range(slot_list))
+        if not matchers:
+            return self._choose_all(items, hidden, anchors)
+        constrained = [r for r, item in enumerate(items) if item.request_id in matchers]
+        free = [r for r in range(len(items)) if r not in constrained]
+        results: list[DraftResult | None] = [None] * len(items)
+        if free:
+            rows = torch.tensor(free, device=device)
+            for r, result in zip(free, self._choose_all([items[r] for r in free], hidden[rows], anchors[rows])):
+                results[r] = result
+        rows = torch.tensor(constrained, device=device)
+        logits = self.drafter.logits(hidden[rows, 1:], self.lm_head)  # [c, B-1, vocab]
+        for i, r in enumerate(constrained):
+            results[r] = self._grammar_draft(items[r], matchers[items[r].request_id], hidden[r, 1:], logits[i])
+        return results
+
+    def _grammar_draft(self, item: DraftItem, matcher, hidden: torch.Tensor, logits: torch.Tensor) -> DraftResult:
+        """One constrained request's drafts, each position chosen under its grammar's mask (grammar_drafting):
+        hidden [B-1, H] and logits [B-1, vocab] of its drafted rows."""
+        uniforms = None
+        if self._samples(item):
+            uniforms = torch.rand(item.num_draft, generator=self.generators[item.request_id], dtype=torch.float64)
+        if isinstance(self.drafter, DFlash2DraftModel):
+            k = self.drafter.sample_top_k if uniforms is not None else self.drafter.top_k
+            projected = self.drafter.candidate_selector.hidden_projection(hidden)  # [B-1, r]
+            choose = walk_chooser(self.drafter, projected, logits, item.sampling.temperature, uniforms, k)
+        else:
+            sparse = self.sparse_top_k if self.draft_sampling == DraftSampling.SPARSE else None
+            choose = token_chooser(item.sampling, uniforms, sparse)
+        return masked_drafts(matcher, logits, item.num_draft, item.anchor_token, choose)
+
+    def _choose_all(self, items: list[DraftItem], hidden: torch.Tensor, anchors: torch.Tensor) -> list[DraftResult]:
+        """Drafts of unconstrained items from hidden [b, B, H] of their blocks and their anchors [b]."""
         if self.native_walk is not None and not any(self._samples(item) for item in items):
             tokens = self.drafter.greedy_walk(self.native_walk, hidden, anchors)  # [b, B-1], or None
             if tokens is not None:

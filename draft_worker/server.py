@@ -22,6 +22,7 @@ from shared.draft_codec import items_from_message, reply_message
 from shared.dtype_choice import resolve_dtype
 from shared.errors import DFlashError
 from shared.feature_transport import FrameTransport, make_transport
+from shared.grammar import target_grammar_vocabulary
 from shared.packed_linear import float32_kernels_run, kernel_layout
 from shared.proposals import DraftResult
 from shared.role import configure_process, run_worker, usable_cores
@@ -87,7 +88,7 @@ class DraftServer:
     def handle(self, message):
         if isinstance(message, Ping):
             return Pong(call_id=message.call_id, drafter_kind=self.proposer.drafter.config.kind,
-                        block_size=self.proposer.block_size)
+                        block_size=self.proposer.block_size, masks_grammars=self.proposer.masks_grammars)
         if isinstance(message, Release):
             for request_id in message.request_ids:
                 self.proposer.release(request_id)
@@ -153,6 +154,7 @@ def build_server(settings: DraftCommand, log: logging.Logger) -> DraftServer:
         max_model_len=model.max_model_len or target_cfg.max_position_embeddings,
         draft_sampling=DraftSampling(settings.speculation.draft_sampling),
         layout=kernel_layout(model.dtype, target_cfg.checkpoint_dtype, model.device),
+        grammar_vocabulary=target_grammar_vocabulary(model.target, drafter.config.vocab_size, log),
     )
     proposer.share_kernel_threads(settings.threads.kernel_threads or usable_cores())
     metrics = DraftMetrics()

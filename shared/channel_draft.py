@@ -19,6 +19,9 @@ class DraftRequest(Message):
     top_ps: list[float]
     top_ks: list[int]
     seeds: list[int]
+    grammars: list[str | None]  # per request: its grammar where the drafter builds its state anew (DraftItem)
+    grammar_starts: list[int]  # output tokens the drafter's grammar state had taken before grammar_tokens
+    grammar_tokens: list[list[int]]  # output tokens committed since, [] for an unconstrained request
     features: RawTensor | None  # [sum(feature_rows), taps * hidden]; None when they travel over the pair
     pair_session: str  # "" = features in the frame above; else the feature pair session carrying them
     feature_dtype: str
@@ -27,7 +30,7 @@ class DraftRequest(Message):
     def validate(self):
         n = len(self.request_ids)
         lists = (self.context_starts, self.feature_rows, self.anchor_tokens, self.num_drafts, self.temperatures,
-                 self.top_ps, self.top_ks, self.seeds)
+                 self.top_ps, self.top_ks, self.seeds, self.grammars, self.grammar_starts, self.grammar_tokens)
         if any(len(values) != n for values in lists):
             raise WireError("draft: per-request lists differ in length")
         if (self.features is None) != bool(self.pair_session):
@@ -37,6 +40,8 @@ class DraftRequest(Message):
             raise WireError(f"draft: features of shape {shape} do not hold {sum(self.feature_rows)} rows")
         if any(k < 1 for k in self.num_drafts) or any(r < 0 for r in self.feature_rows):
             raise WireError("draft: num_drafts must be >= 1 and feature_rows >= 0")
+        if any(start < 0 for start in self.grammar_starts):
+            raise WireError("draft: grammar_starts must be >= 0")
 
 
 @dataclass(kw_only=True)
@@ -88,6 +93,7 @@ class Pong(Message):
     call_id: int
     drafter_kind: str
     block_size: int
+    masks_grammars: bool  # whether constrained requests' drafts obey their grammars
 
 
 TO_DRAFTER = channel(DraftRequest, Release, Ping)

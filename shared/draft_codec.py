@@ -27,6 +27,9 @@ def request_message(call_id: int, items: list[DraftItem], outgoing: Outgoing) ->
         top_ps=[float(i.sampling.top_p) for i in items],
         top_ks=[i.sampling.top_k for i in items],
         seeds=[i.seed for i in items],
+        grammars=[i.grammar for i in items],
+        grammar_starts=[i.grammar_start for i in items],
+        grammar_tokens=[list(i.grammar_tokens) for i in items],
         features=outgoing.frames, pair_session=outgoing.session, feature_dtype=outgoing.dtype,
         feature_shape=outgoing.shape,
     )
@@ -43,7 +46,8 @@ def items_from_message(message: DraftRequest, features: torch.Tensor) -> list[Dr
             context_features=features[row: row + rows], anchor_token=message.anchor_tokens[i],
             num_draft=message.num_drafts[i],
             sampling=SamplingParams(message.temperatures[i], message.top_ps[i], message.top_ks[i]),
-            seed=message.seeds[i],
+            seed=message.seeds[i], grammar=message.grammars[i], grammar_start=message.grammar_starts[i],
+            grammar_tokens=tuple(message.grammar_tokens[i]),
         ))
         row += rows
     return items

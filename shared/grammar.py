@@ -7,7 +7,9 @@ from pathlib import Path
 import llguidance
 from tokenizers import Tokenizer
 
+from shared.config_json import read_config
 from shared.end_of_text import end_of_text_ids, tokenizer_settings
+from shared.target_facts import TargetFacts
 
 # what one grammar may cost to compile and to step: a grammar past them is refused, in bounded time
 GRAMMAR_LIMITS = dict(max_items_in_row=2000, initial_lexer_fuel=1_000_000, step_lexer_fuel=200_000,
@@ -46,3 +48,16 @@ def new_matcher(vocabulary, grammar: str) -> "llguidance.LLMatcher":
     if matcher.is_error():
         raise ValueError(matcher.get_error())
     return matcher
+
+
+def target_grammar_vocabulary(folder: str, vocab_size: int, log):
+    """A target folder's grammar vocabulary (folder_vocabulary, ended by its stop tokens), or None with a log line:
+    a target it cannot be built for is served without structured outputs (and a drafter drafts without them)."""
+    try:
+        vocabulary = folder_vocabulary(folder, vocab_size, TargetFacts.from_config(read_config(folder)).eos_token_ids)
+    except Exception as exc:  # noqa: BLE001 - an optional feature: the llguidance or tokenizers error is logged
+        log.warning("structured outputs are off: the grammar vocabulary cannot be built (%s)", exc)
+        return None
+    if vocabulary is None:
+        log.info("structured outputs are off: the target has no tokenizer.json or no end-of-text token")
+    return vocabulary

@@ -6,6 +6,9 @@ refuses; the state is then where it was. Bitmasks are llguidance's: int32 [rows,
 allowing token 32 w + j.
 """
 
+import hashlib
+import threading
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import llguidance
@@ -103,3 +106,31 @@ class GrammarMatcher:
         if self.matcher.is_stopped():
             return list(self.eos_ids) if len(self.eos_ids) == 1 else []
         return list(self.matcher.compute_ff_tokens())
+
+
+class CompiledGrammars:
+    """Fresh matchers of the grammars seen lately (an LRU of `size`, keyed by the text's hash), so that a request's
+    matcher is a copy of a compiled one: a copy takes tens of microseconds where compiling takes milliseconds, and
+    agents send the same schemas with every turn. Thread-safe."""
+
+    def __init__(self, vocabulary, size: int = 256):
+        self.vocabulary, self.size = vocabulary, size
+        self.fresh: OrderedDict[bytes, "llguidance.LLMatcher"] = OrderedDict()
+        self.lock = threading.Lock()
+
+    def matcher(self, grammar: str) -> GrammarMatcher:
+        """A matcher of the grammar at its start (ValueError with the grammar's error where it does not compile)."""
+        key = hashlib.sha256(grammar.encode()).digest()
+        with self.lock:
+            fresh = self.fresh.get(key)
+            if fresh is not None:
+                self.fresh.move_to_end(key)
+        if fresh is None:
+            fresh = new_matcher(self.vocabulary, grammar)
+            with self.lock:
+                self.fresh[key] = fresh
+                while len(self.fresh) > self.size:
+                    self.fresh.popitem(last=False)
+        with self.lock:  # a copy is not taken while another thread copies the same matcher
+            copy = fresh.deep_copy()
+        return GrammarMatcher(copy, frozenset(self.vocabulary.eos_tokens), (self.vocabulary.vocab_size + 31) // 32, [])

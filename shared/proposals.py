@@ -28,6 +28,12 @@ class DraftItem:
     num_draft: int  # tokens wanted, 1 .. block_size - 1
     sampling: SamplingParams
     seed: int
+    # a constrained request's grammar (llguidance's text), sent where the drafter must build its copy of the state
+    # anew (the first call, or after the context was resent); its output tokens from grammar_start on (the ones
+    # committed since the drafter's copy last took tokens), for a drafter that masks grammars (masks_grammars)
+    grammar: str | None = None
+    grammar_start: int = 0
+    grammar_tokens: tuple[int, ...] = ()
 
 
 @dataclass

@@ -18,7 +18,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-SCHEMA_VERSION = 4  # 2: log-probabilities in submit and tokens; 3: token_batch; 4: sampling nested in submit
+SCHEMA_VERSION = 5  # 2: log-probabilities in submit and tokens; 3: token_batch; 4: sampling nested in submit;
+# 5: grammars in draft calls
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 

@@ -49,7 +49,7 @@ class ScriptedDrafter:
             identity, *frames = self.socket.recv_multipart()
             message = decode(frames, TO_DRAFTER)
             if isinstance(message, Ping):
-                pong = Pong(call_id=message.call_id, drafter_kind="dflash", block_size=8)
+                pong = Pong(call_id=message.call_id, drafter_kind="dflash", block_size=8, masks_grammars=False)
                 self.socket.send_multipart([identity, *encode(pong)])
                 continue
             if not isinstance(message, DraftRequest):

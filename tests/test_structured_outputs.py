@@ -1,6 +1,7 @@
 """Grammar-constrained decoding is exact and obeys its grammar: on the demo pair, greedy constrained speculative
-output equals greedy constrained plain output token for token (the DFlash and DFlash 2 drafters; masks on the
-target only, drafts cut at their first refused token, forced tokens proposed), every finished output validates
+output equals greedy constrained plain output token for token (the DFlash and DFlash 2 drafters drafting under the
+grammar, and drafting without it with masks on the target only, drafts cut at their first refused token, forced
+tokens proposed), every finished output validates
 against its schema; the end-of-sequence inside a verify block, min_tokens against a completed grammar, and a
 constrained sampled position's distribution, plain and drafted (chi-square)."""
 
@@ -48,10 +49,11 @@ def demo():
     return target, vocabulary, tokenizer, list(vocabulary.eos_tokens)
 
 
-def proposer_of(target, kind: str, max_requests: int = 8) -> LocalProposer:
+def proposer_of(target, kind: str, max_requests: int = 8, vocabulary=None, max_model_len: int = 1024) -> LocalProposer:
+    """The demo drafter of that kind; with the grammar vocabulary, drafting under constrained requests' grammars."""
     drafter = load_drafter(DEMO_DIR / ("draft2" if kind == "dflash2" else "draft"))
     return LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=8,
-                         max_requests=max_requests, max_model_len=1024)
+                         max_requests=max_requests, max_model_len=max_model_len, grammar_vocabulary=vocabulary)
 
 
 def constrained_requests(tokenizer, eos, grammars, sampling=SamplingParams(), **extra):
@@ -73,12 +75,14 @@ def test_greedy_constrained_speculation_equals_constrained_plain_and_obeys_the_s
     requests = constrained_requests(tokenizer, eos, grammars_of(constraints))
     plain = SpeculativeEngine(target, None, max_requests=len(requests), max_model_len=1024,
                               grammar_vocabulary=vocabulary).generate(requests)
-    for kind, mode in [("dflash2", "forced"), ("dflash2", "target"), ("dflash", "cut")]:
-        engine = SpeculativeEngine(target, proposer_of(target, kind, len(requests)), max_requests=len(requests),
-                                   max_model_len=1024, grammar_vocabulary=vocabulary, grammar_drafts=mode)
+    for kind, mode, aware in [("dflash2", "masked", True), ("dflash", "drafted", True), ("dflash2", "forced", False),
+                              ("dflash2", "target", False), ("dflash", "cut", False)]:
+        proposer = proposer_of(target, kind, len(requests), vocabulary if aware else None)
+        engine = SpeculativeEngine(target, proposer, max_requests=len(requests), max_model_len=1024,
+                                   grammar_vocabulary=vocabulary, grammar_drafts=mode)
         spec = engine.generate(requests)
         for request, want, got in zip(requests, plain, spec):
-            assert got.token_ids == want.token_ids, (kind, mode, tokenizer.decode(request.prompt_ids))
+            assert got.token_ids == want.token_ids, (kind, mode, aware, tokenizer.decode(request.prompt_ids))
         assert sum(r.stats.draft_tokens for r in spec) > 0
     finished = 0
     for index, (constraint, result) in enumerate(zip([c for c in constraints for _ in PROMPTS], plain)):
@@ -144,37 +148,63 @@ def test_min_tokens_cannot_extend_a_completed_grammar(demo):
     assert result.finish_reason == "stop" and tokenizer.decode(result.token_ids[:-1]) in ("yes", "no")
 
 
-def test_a_constrained_sampled_position_keeps_the_masked_distribution(demo):
-    """The first token of a choice among five words, sampled (temperature 1; 1,000 seeded requests): plain and
-    drafted runs both follow the target's distribution masked to the tokens the grammar allows first (chi-square,
-    seeded: deterministic)."""
+def masked_joint(target, vocabulary, grammar: str, prompt: tuple, length: int, eos) -> dict[tuple, float]:
+    """The exact probability of every output's first `length` tokens (shorter where it ends) under temperature 1
+    with the grammar's masks: each prefix's next-token distribution from the target, masked and renormalised."""
+    joint, frontier = {}, [((), 1.0)]
+    while frontier:
+        prefix, mass = frontier.pop()
+        if len(prefix) == length or (prefix and prefix[-1] in eos):
+            joint[prefix] = joint.get(prefix, 0.0) + mass
+            continue
+        matcher = GrammarMatcher.build(vocabulary, grammar)
+        matcher.take(list(prefix))
+        bitmask = torch.zeros(1, matcher.words, dtype=torch.int32)
+        matcher.fill(bitmask, 0)
+        allowed = allowed_tokens(bitmask, target.config.vocab_size)[0]
+        ids = prompt + prefix
+        with torch.inference_mode():
+            hidden = target(torch.tensor([ids]), torch.arange(len(ids))[None], None, None).hidden[0, -1]
+            probs = torch.softmax(target.logits(hidden).double().masked_fill(~allowed, float("-inf")), -1)
+        frontier += [(prefix + (token,), mass * float(probs[token])) for token in allowed.nonzero().flatten().tolist()]
+    return joint
+
+
+def test_constrained_sampled_positions_keep_the_masked_distribution(demo):
+    """The four tokens of four letters, sampled (temperature 1; 1,000 seeded requests): the first from the prompt's
+    step, the next three verified drafts and a bonus token (464 outcomes). Plain decoding and speculative decoding
+    (DFlash 2 drafting without the grammar; DFlash 2 and DFlash drafting under it, their q masked) all follow the
+    exact distribution of the target masked by the grammar (chi-square over every outcome, seeded: deterministic). A
+    drafter that reports a q other than the one it drew from fails it (uniform over the same tokens: p < 1e-40)."""
     from test_sampling_lossless import chi_square_p_value
 
     target, vocabulary, tokenizer, eos = demo
-    grammar = grammar_text(Constraint("choice", ["red", "green", "blue", "cyan", "black"], "t"))
-    prompt = tuple(tokenizer.encode("colour = '").ids)
-    bitmask = torch.zeros(1, GrammarMatcher.build(vocabulary, grammar).words, dtype=torch.int32)
-    GrammarMatcher.build(vocabulary, grammar).fill(bitmask, 0)
-    allowed = allowed_tokens(bitmask, target.config.vocab_size)[0].nonzero().flatten()
-    with torch.inference_mode():
-        hidden = target(torch.tensor([prompt]), torch.arange(len(prompt))[None], None, None).hidden[0, -1]
-        probs = torch.softmax(target.logits(hidden).double()[allowed], -1)
-    count = 1000
-    for proposer in (None, proposer_of(target, "dflash2", 50)):
+    grammar = grammar_text(Constraint("regex", "[a-d]( [a-d]){3}", "t"))
+    prompt = tuple(tokenizer.encode("x = '").ids)
+    joint = masked_joint(target, vocabulary, grammar, prompt, 4, set(eos))
+    outcomes = sorted(joint)
+    probs = torch.tensor([joint[o] for o in outcomes], dtype=torch.float64)
+    count, batch = 1000, 100
+    for proposer in (None, proposer_of(target, "dflash2", batch, None, 64),
+                     proposer_of(target, "dflash2", batch, vocabulary, 64), proposer_of(target, "dflash", batch, vocabulary, 64)):
         requests = [GenerationRequest(prompt, 4, SamplingParams(1.0, 1.0, 0, seed), tuple(eos), grammar=grammar)
                     for seed in range(count)]
-        engine = SpeculativeEngine(target, proposer, max_requests=50, max_model_len=1024,
-                                   grammar_vocabulary=vocabulary)
-        first = torch.tensor([r.token_ids[0] for r in engine.generate(requests)])
-        assert torch.isin(first, allowed).all()
-        counts = (first[:, None] == allowed[None]).sum(0).double()
-        assert chi_square_p_value(counts, probs) > 1e-3
+        engine = SpeculativeEngine(target, proposer, max_requests=batch, max_model_len=64,
+                                   grammar_vocabulary=vocabulary, grammar_drafts="drafted")
+        results = engine.generate(requests)
+        counts = torch.zeros(len(outcomes), dtype=torch.float64)
+        for result in results:
+            counts[outcomes.index(tuple(result.token_ids[:4]))] += 1  # an outcome outside the grammar: ValueError
+        if proposer is not None:
+            assert sum(r.stats.draft_tokens for r in results) > 0
+        assert chi_square_p_value(counts, probs) > 1e-3, proposer
 
 
 @pytest.mark.parametrize("family", ["glm_moe_dsa", "glm5_next"])
 def test_glm_families_greedy_constrained_speculation_equals_constrained_plain(family, tmp_path):
     """Tiny random GLM-5.2 and GLM-5.3-Flash checkpoints with a byte tokenizer and a random DFlash drafter: greedy
-    constrained speculative output (forced tokens and cuts, and masks alone) equals constrained plain output."""
+    constrained speculative output (drafts under the grammar; without it, forced tokens and cuts, and masks alone)
+    equals constrained plain output."""
     from conftest import tiny_draft_config
 
     from draft_worker.draft_checkpoint import random_drafter
@@ -198,12 +228,12 @@ def test_glm_families_greedy_constrained_speculation_equals_constrained_plain(fa
                 for g in grammars]
     plain = SpeculativeEngine(target, None, max_requests=3, max_model_len=128,
                               grammar_vocabulary=vocabulary).generate(requests)
-    for mode in ("forced", "target"):
+    for mode, aware in (("drafted", True), ("forced", False), ("target", False)):
         proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=6, max_requests=3,
-                                 max_model_len=128)
+                                 max_model_len=128, grammar_vocabulary=vocabulary if aware else None)
         spec = SpeculativeEngine(target, proposer, max_requests=3, max_model_len=128, grammar_vocabulary=vocabulary,
                                  grammar_drafts=mode).generate(requests)
-        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], mode
+        assert [r.token_ids for r in spec] == [r.token_ids for r in plain], (mode, aware)
         assert sum(r.stats.draft_tokens for r in spec) > 0
     assert bytes(plain[2].token_ids[:-1]).decode() in ("north", "south")
 

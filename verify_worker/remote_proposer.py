@@ -41,6 +41,7 @@ class RemoteProposer:
         self.num_target_layers = draft_config.num_target_layers
         self.feature_width = draft_config.num_taps * draft_config.hidden_size
         self.kind = draft_config.kind  # "dflash" or "dflash2"; the drafter's pong confirms it
+        self.masks_grammars = False  # whether its drafts obey grammars (LocalProposer.masks_grammars): its pong says
         self.vocab_size = draft_config.vocab_size
         self.deadline = deadline or DraftDeadline(cap_s=timeout_s)
         self.retry_interval_s = retry_interval_s
@@ -127,8 +128,9 @@ class RemoteProposer:
         while self.socket.poll(0):
             reply = self._receive()
             if isinstance(reply, Pong):
-                self.log.info("drafter available (%s, block size %d)", reply.drafter_kind, reply.block_size)
-                self.available, self.kind = True, reply.drafter_kind
+                self.log.info("drafter available (%s, block size %d%s)", reply.drafter_kind, reply.block_size,
+                              ", drafting under grammars" if reply.masks_grammars else "")
+                self.available, self.kind, self.masks_grammars = True, reply.drafter_kind, reply.masks_grammars
                 return
         if time.monotonic() >= self.next_probe:
             self.next_probe = time.monotonic() + self.retry_interval_s

@@ -96,6 +96,7 @@ class RequestState:
     feature_chunks: list[torch.Tensor] = field(default_factory=list)  # tapped features of positions 0..cache_len-1
     sent_chunks: int = 0  # leading feature chunks the proposer already has
     drafter_context_len: int = 0  # positions whose features the proposer already has
+    grammar_sent: int = 0  # output tokens the proposer's copy of the grammar state has taken
     stats: RequestStats = field(default_factory=RequestStats)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token, when asked for
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked for
@@ -122,10 +123,12 @@ class RequestState:
     def mark_features_sent(self) -> None:
         self.drafter_context_len += sum(len(c) for c in self.unsent_features())
         self.sent_chunks = len(self.feature_chunks)
+        self.grammar_sent = len(self.output_ids)
 
     def resend_features(self) -> None:
-        """The proposer lost this request's context (restart, timeout): send everything again next time."""
-        self.sent_chunks, self.drafter_context_len = 0, 0
+        """The proposer lost this request's context (restart, timeout): send everything again next time (its
+        grammar too)."""
+        self.sent_chunks, self.drafter_context_len, self.grammar_sent = 0, 0, 0
 
     @property
     def last_token(self) -> int:

@@ -11,7 +11,7 @@ from shared.config_json import read_config
 from shared.draft_config import DraftConfig
 from shared.errors import DFlashError
 from shared.feature_transport import make_transport
-from shared.grammar import folder_vocabulary
+from shared.grammar import target_grammar_vocabulary
 from shared.packed_linear import kernel_layout
 from shared.role import configure_process, run_worker, usable_cores
 from shared.settings.commands import VerifyCommand
@@ -60,15 +60,16 @@ def request_bytes(target, capacity: int, num_taps: int, block: int = DEFAULT_BLO
     return target.state_bytes_per_slot(capacity, block) + capacity * feature_row
 
 
-def local_proposer(settings: VerifyCommand, device: str, target, max_running: int) -> LocalProposer:
-    """The drafter in the verify worker's own process, sharing the target's embedding and lm_head."""
+def local_proposer(settings: VerifyCommand, device: str, target, max_running: int, vocabulary) -> LocalProposer:
+    """The drafter in the verify worker's own process, sharing the target's embedding and lm_head (and the
+    grammar vocabulary: it drafts constrained requests under their grammars)."""
     model = settings.model
     drafter = load_drafter(model.draft, dtype=target.embed_weight.dtype, device=device)
     checkpoint_dtype = TargetFacts.from_config(read_config(model.target)).checkpoint_dtype
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=model.block_size,
                              max_requests=max_running, max_model_len=served_max_len(model, target.config),
                              draft_sampling=DraftSampling(settings.speculation.draft_sampling),
-                             layout=kernel_layout(model.dtype, checkpoint_dtype, device))
+                             layout=kernel_layout(model.dtype, checkpoint_dtype, device), grammar_vocabulary=vocabulary)
     # its calls and the target's alternate: on the target's pool where it has one
     proposer.share_kernel_threads(settings.threads.kernel_threads or usable_cores(), getattr(target, "pool", None))
     return proposer
@@ -93,19 +94,6 @@ def fitting_requests(settings: VerifyCommand, target, draft_cfg: DraftConfig | N
     return min(fit, max_running)
 
 
-def grammar_vocabulary_of(folder: str, vocab_size: int, log):
-    """The target's grammar vocabulary (shared.grammar.folder_vocabulary), or None with a log line: a target it
-    cannot be built for is served without structured outputs."""
-    try:
-        vocabulary = folder_vocabulary(folder, vocab_size, TargetFacts.from_config(read_config(folder)).eos_token_ids)
-    except Exception as exc:  # noqa: BLE001 - an optional feature: the llguidance or tokenizers error is logged
-        log.warning("structured outputs are off: the grammar vocabulary cannot be built (%s)", exc)
-        return None
-    if vocabulary is None:
-        log.info("structured outputs are off: the target has no tokenizer.json or no end-of-text token")
-    return vocabulary
-
-
 def build_server(settings: VerifyCommand, log) -> VerifyServer:
     model, engine_settings, speculation, parallel = (settings.model, settings.engine, settings.speculation,
                                                      settings.parallel)
@@ -127,9 +115,10 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
         target = TargetLeader(target)
     draft_cfg = DraftConfig.from_dict(read_config(model.draft)) if settings.drafting else None
     max_running = min(fitting_requests(settings, target, draft_cfg, log), planned)
+    vocabulary = target_grammar_vocabulary(model.target, target.config.vocab_size, log)
     proposer = None
     if settings.drafting and speculation.draft_placement == "local":
-        proposer = local_proposer(settings, device, target, max_running)
+        proposer = local_proposer(settings, device, target, max_running, vocabulary)
         log.info("drafter %s runs in this process (%s, block size %d)", model.draft, proposer.kind,
                  proposer.block_size)
     elif settings.drafting:
@@ -140,11 +129,10 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
         proposer = RemoteProposer(settings.channels.draft_addr, draft_cfg, model.block_size, log=log,
                                   transport=transport, deadline=deadline)
     policy = AdaptiveSpeculation() if speculation.spec_policy == "adaptive" else None
-    vocabulary = grammar_vocabulary_of(model.target, target.config.vocab_size, log)
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=model.max_model_len,
                                max_prefill_tokens=engine_settings.max_prefill_tokens, policy=policy,
                                step_buckets="cuda-graphs" if engine_settings.cuda_graphs else None,
-                               grammar_vocabulary=vocabulary)
+                               grammar_vocabulary=vocabulary, grammar_drafts=speculation.grammar_drafts)
     capacity = engine.state.capacity
     block = max(engine.block_size, 1)
     per_request = target.state_bytes_per_slot(capacity, block)

@@ -28,7 +28,7 @@ class Admission:
         if self.grammar_vocabulary is None:
             raise RequestError("this server has no tokenizer.json for its target: grammars cannot be served")
         try:
-            return GrammarMatcher.build(self.grammar_vocabulary, grammar)
+            return self.compiled_grammars.matcher(grammar)
         except ValueError as exc:
             raise RequestError(f"the grammar does not compile: {exc}") from None
 

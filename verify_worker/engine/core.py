@@ -20,6 +20,7 @@ import torch
 
 from shared.cpu_kernels.library import WorkerPool, pool_awake
 from shared.errors import ConfigError
+from shared.grammar_matcher import CompiledGrammars
 from shared.kv_cache import consecutive_range
 from shared.proposals import Proposer
 from verify_worker.engine.admission import Admission
@@ -55,7 +56,7 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         (verify_worker/step_buckets.py), "cuda-graphs" too and replays one CUDA graph per bucket (a CUDA target
         whose family takes padded steps). grammar_vocabulary: the target's tokenizer as grammars see it
         (shared.grammar.grammar_vocabulary; None: requests with a grammar are refused); grammar_drafts: how a
-        constrained request's drafts obey its grammar (engine/grammar_masks.py: "target", "cut", "forced")."""
+        constrained request's drafts obey its grammar (engine/grammar_masks.py: "target", "cut", "forced", "drafted")."""
         cfg = target.config
         self.target = target
         self.proposer = proposer
@@ -81,6 +82,7 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         if grammar_drafts not in GRAMMAR_DRAFTS:
             raise ConfigError(f"grammar drafts must be one of {GRAMMAR_DRAFTS}, got {grammar_drafts!r}")
         self.grammar_vocabulary, self.grammar_drafts = grammar_vocabulary, grammar_drafts
+        self.compiled_grammars = None if grammar_vocabulary is None else CompiledGrammars(grammar_vocabulary)
         if step_buckets not in (None, "eager", "cuda-graphs"):
             raise ConfigError(f"step buckets must be None, 'eager' or 'cuda-graphs', got {step_buckets!r}")
         if step_buckets is not None and not getattr(target, "graphable_steps", False):
@@ -223,11 +225,17 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         """One decode step of the running batch: plan (the policy asked once), draft, forward the block, verify,
         commit, and tell the policy what the step did."""
         plan, asked = self._plan(states, report)
-        # a constrained row the grammar forces is proposed its forced tokens alone, whatever the policy said
-        forced = forced_drafts(states, self.block_size, self.grammar_drafts)
+        # a constrained row its grammar forces is proposed the forced tokens alone, whatever the policy said; in
+        # "drafted" mode a drafter that masks grammars drafts it instead (its drafts take the forced tokens and go
+        # on past them), and only the rows it did not draft are proposed their forced tokens
+        drafted = self.grammar_drafts == "drafted" and getattr(self.proposer, "masks_grammars", False)
+        forced = {} if drafted else forced_drafts(states, self.block_size, self.grammar_drafts)
         drafts, proposals, counts = self._draft(states, [0 if r in forced else a for r, a in enumerate(asked)],
                                                 report)  # drafts [b, n]
         drafts, counts, probe_drafts = self._keep_probe_drafts(plan, states, drafts, counts, report)
+        if drafted:
+            undrafted = [r for r, c in enumerate(counts) if not c]
+            forced = forced_drafts(states, self.block_size, self.grammar_drafts, undrafted)
         drafts, counts = grammar_drafts(states, drafts, counts, forced, self.grammar_drafts)
         report.forced_tokens = sum(counts[r] for r in forced)
         started = time.perf_counter()

@@ -1,6 +1,7 @@
 """Grammar-constrained requests in a decode step: their drafts made to obey the grammar before the forward (a row
-whose grammar forces its next tokens is proposed them instead of the drafter's, whatever the policy chose: they
-are always accepted; a block is cut at its first refused draft), and the target's logits of every block position
+whose grammar forces its next tokens is proposed them instead of the drafter's, whatever the policy chose, unless a
+drafter that masks grammars drafts it ("drafted" mode): forced tokens are always accepted; a block is cut at its
+first refused draft), and the target's logits of every block position
 masked to what the grammar allows after the drafts before it, so that greedy choice and rejection sampling see the
 grammar's distribution: a refused draft has probability 0 and the token after the accepted prefix is always legal.
 Exact: a forced position's masked distribution is a point mass, and a forced draft's proposal is a point mass on it
@@ -12,17 +13,23 @@ from shared.grammar_matcher import allowed_tokens
 from verify_worker.request import RequestState
 from verify_worker.scheduler import num_drafts
 
-GRAMMAR_DRAFTS = ("target", "cut", "forced")  # masks on the target only; drafts cut too; forced tokens too
+# masks on the target only; drafts cut too; forced tokens too (a row the grammar forces is not drafted); "masked":
+# as "forced", a drafter that masks grammars drafting under them; "drafted": such a drafter drafts forced rows too
+# (forced tokens for the rows it does not draft)
+GRAMMAR_DRAFTS = ("target", "cut", "forced", "masked", "drafted")
+UNDER_GRAMMAR = ("masked", "drafted")  # the modes whose drafter drafts under the grammar
 
 
-def forced_drafts(states: list[RequestState], block_size: int, mode: str) -> dict[int, list[int]]:
-    """In "forced" mode, each constrained row's tokens its grammar forces from the committed state (up to the drafts
-    the row may take in a block of block_size), by row; rows with none are left out. Such a row is not drafted: its
-    block is the forced tokens."""
-    if mode != "forced":
+def forced_drafts(states: list[RequestState], block_size: int, mode: str,
+                  rows: list[int] | None = None) -> dict[int, list[int]]:
+    """In "forced", "masked" and "drafted" modes, each constrained row's tokens its grammar forces from the committed state (up to the drafts
+    the row may take in a block of block_size), by row, among `rows` (None: all); rows with none are left out. Such a
+    row's block is the forced tokens."""
+    if mode not in ("forced", "masked", "drafted"):
         return {}
     found = {}
-    for row, state in enumerate(states):
+    for row in range(len(states)) if rows is None else rows:
+        state = states[row]
         budget = num_drafts(state, block_size, True) if state.grammar is not None else 0
         tokens = state.grammar.forced()[:budget] if budget > 0 else []
         if tokens:
@@ -33,7 +40,7 @@ def forced_drafts(states: list[RequestState], block_size: int, mode: str) -> dic
 def grammar_drafts(states: list[RequestState], drafts: torch.Tensor, counts: list[int], forced: dict[int, list[int]],
                    mode: str) -> tuple[torch.Tensor, list[int]]:
     """drafts [b, n] and counts made to obey each constrained row's grammar: a row's forced tokens (forced_drafts)
-    are its drafts, and in "cut" and "forced" modes a block is cut at its first refused draft ("target" changes
+    are its drafts, and in the other modes a block is cut at its first refused draft ("target" changes
     nothing: the masks alone reject refused drafts). A forced row's proposal stays None, a point mass on the draft."""
     counts = list(counts)
     width = max([drafts.shape[1], *(len(tokens) for tokens in forced.values())])

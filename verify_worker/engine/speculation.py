@@ -8,6 +8,7 @@ import torch
 
 from shared.cpu_kernels.library import pool_awake
 from shared.proposals import DraftItem, ProposerUnavailable
+from verify_worker.engine.grammar_masks import UNDER_GRAMMAR
 from verify_worker.request import RequestState, Status, StepReport
 from verify_worker.scheduler import num_drafts
 from verify_worker.spec_step import RowNeed, StepOutcome, StepPlan
@@ -72,14 +73,19 @@ class Speculation:
         if not rows:
             return torch.zeros(len(states), 0, dtype=torch.long), q_rows, counts
         items = []
+        masks = self.grammar_drafts in UNDER_GRAMMAR and getattr(self.proposer, "masks_grammars", False)
         for r in rows:
             state = states[r]
             unsent = state.unsent_features()
             features = torch.cat(unsent) if unsent else self._no_features()
-            items.append(DraftItem(
+            item = DraftItem(
                 request_id=state.request_id, context_start=state.drafter_context_len, context_features=features,
                 anchor_token=state.last_token, num_draft=counts[r], sampling=state.request.sampling, seed=state.seed,
-            ))
+            )
+            if masks and state.grammar is not None:  # the drafter's copy of its grammar: anew, or the tokens since
+                item.grammar = state.request.grammar if state.grammar_sent == 0 else None
+                item.grammar_start, item.grammar_tokens = state.grammar_sent, tuple(state.output_ids[state.grammar_sent:])
+            items.append(item)
         report.catch_up = any(len(item.context_features) > self.block_size for item in items)
         started = time.perf_counter()
         try:
