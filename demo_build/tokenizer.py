@@ -8,8 +8,13 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from demo_build.corpus import read_text
 from shared.byte_tokenizer import END_OF_TEXT, MASK
 
+# tools (hermes-style calls, as Qwen3 writes them) render only where a request offers them
 CHAT_TEMPLATE = (
-    "{% for message in messages %}<|{{ message['role'] }}|>\n{{ message['content'] }}\n{% endfor %}"
+    "{% if tools %}<|system|>\nTo call a function, answer <tool_call>\n{\"name\": ..., \"arguments\": {...}}\n"
+    "</tool_call>. The functions:\n{% for tool in tools %}{{ tool | tojson }}\n{% endfor %}{% endif %}"
+    "{% for message in messages %}<|{{ message['role'] }}|>\n{% if message.tool_calls %}"
+    "{% for call in message.tool_calls %}<tool_call>\n{{ {'name': call.function.name, 'arguments': "
+    "call.function.arguments} | tojson }}\n</tool_call>{% endfor %}{% endif %}{{ message['content'] }}\n{% endfor %}"
     "{% if add_generation_prompt %}<|assistant|>\n{% endif %}"
 )
 

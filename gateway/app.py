@@ -19,9 +19,10 @@ from gateway.request_bounds import RequestBounds
 from gateway.request_fields import CHAT, COMPLETIONS, body_schema, unknown_fields
 from gateway.responses import Responses
 from gateway.schemas import ApiError, GenerationParams, Prompt, parse_chat, parse_completion, parse_json
-from gateway.structured_outputs import GrammarCompiler, constraint_of
+from gateway.structured_outputs import Constraint, GrammarCompiler, constraint_of
 from gateway.submission import ModelLimits, max_tokens_for, submit_messages
 from gateway.tokenization import RenderedTooLong, TextCodec
+from gateway.tool_calls import call_format, forced_call_grammar
 from gateway.verify_client import VerifyClient
 from shared.channel_gateway import RequestFailed
 
@@ -49,6 +50,7 @@ class GatewaySettings:
     ready_window_s: float = 10.0
     dead_after_s: float = 2.0
     max_body_bytes: int | None = None  # None: body_limit.default_body_bytes(max_model_len)
+    tool_call_parser: str = "auto"  # tool_calls.call_format's choice (--tool-call-parser)
 
 
 def refusal(failed: RequestFailed) -> ApiError:
@@ -68,7 +70,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     bounds = RequestBounds(settings.max_body_bytes or body_bytes(None, settings.max_model_len),
                            settings.max_model_len, codec.longest_token_bytes, settings.max_pending)
     limits = ModelLimits(settings.vocab_size, settings.max_model_len, settings.default_max_tokens)
-    responses = Responses(codec, settings.model_name, log)
+    call_fmt = call_format(settings.tool_call_parser, codec.chat_template)  # None: tools are refused
+    responses = Responses(codec, settings.model_name, log, call_fmt)
     grammars = GrammarCompiler(codec.tokenizer, settings.vocab_size, codec.eos_token_ids)
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None)
     app.state.client, app.state.metrics, app.state.probe, app.state.bounds = client, metrics, probe, bounds
@@ -147,6 +150,20 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         if constraint is not None:
             params.grammar = await grammars.grammar(constraint)
 
+    async def offer_tools(params: GenerationParams, body: dict) -> None:
+        """The request's tools (parse_chat read them): read from its answer unless tool_choice is "none"; a call
+        that tool_choice forces ("required", a named function) is forced by a grammar in the model's call format."""
+        if params.tools is None:
+            return
+        if call_fmt is None:
+            raise ApiError(400, "tool calling is off on this server (--tool-call-parser none)", param="tools")
+        grammar = forced_call_grammar(call_fmt, params.tools)
+        if grammar is not None:
+            if params.grammar is not None:
+                raise ApiError(400, "a forced tool call (tool_choice) and a response format cannot both constrain "
+                               "one answer", param="tool_choice")
+            params.grammar = await grammars.grammar(Constraint("lark", grammar, "tool_choice"))
+
     @app.post("/v1/completions", openapi_extra=documented_body(COMPLETIONS))
     async def completions(request: Request):
         authorize(request)
@@ -169,10 +186,12 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         body = await read_json(request, CHAT)
         params = parse_chat(body, settings.model_name, settings.vocab_size, bounds.context_tokens)
         await constrain(params, body)
+        await offer_tools(params, body)
         needs_text("a chat completion (its messages go through the chat template)", "messages")
         bounds.check_params(params, codec.normalized_chars)
         try:
-            text = codec.render_chat(params.messages, bounds.text_chars)
+            text = codec.render_chat(params.messages, bounds.text_chars,
+                                     tools=params.tools.raw if params.tools else None)
         except RenderedTooLong:
             raise ApiError(400, f"the conversation through the chat template passes {bounds.text_chars} characters, "
                            f"more than this model's context of {settings.max_model_len} tokens can hold",

@@ -45,6 +45,7 @@ async def serve(settings: GatewayCommand, log) -> int:
         requests_addr=settings.channels.requests_addr, events_addr=settings.channels.events_addr,
         api_key=http.api_key, max_pending=http.max_pending, default_max_tokens=http.default_max_tokens,
         drafter_configured=not model.no_draft, max_body_bytes=body_bytes(http.max_body_mb, max_model_len),
+        tool_call_parser=http.tool_call_parser,
     )
     app = create_app(app_settings, codec, log)
     server = uvicorn.Server(uvicorn.Config(app, host=http.host, port=http.port, log_level="warning",

@@ -159,12 +159,23 @@ FIELDS = (
     integer("best_of", "Not implemented: only 1 is accepted.", default=1, minimum=1, only=1),
     shaped("logit_bias", "Not implemented: only an empty object is accepted.", {"type": "object", "maxProperties": 0}),
     shaped("suffix", "Not implemented: only an empty string is accepted.", {"type": "string", "maxLength": 0}),
-    shaped("tools", "Tool calling is not implemented: only an empty list is accepted.",
+    shaped("tools", "Functions the model may call: {\"type\": \"function\", \"function\": {\"name\", "
+           "\"description\", \"parameters\": a JSON schema}}; rendered by the chat template, and the output's calls "
+           "parsed in the model's format (--tool-call-parser) into message.tool_calls.",
+           {"type": "array", "items": {"type": "object"}}, endpoints=(CHAT,)),
+    shaped("tools", "A chat parameter: only an empty list is accepted here.", {"type": "array", "maxItems": 0},
+           endpoints=(COMPLETIONS,)),
+    shaped("tool_choice", "none (no call is parsed), auto (the model chooses), required (at least one call, forced "
+           "by a grammar in the model's call format) or {\"type\": \"function\", \"function\": {\"name\": ...}} "
+           "(that call, forced).",
+           {"anyOf": [{"type": "string", "enum": ["none", "auto", "required"]}, {"type": "object"}]},
+           endpoints=(CHAT,)),
+    shaped("tool_choice", "A chat parameter: only none or auto.", _NEUTRAL_TOOL_CHOICE, endpoints=(COMPLETIONS,)),
+    RequestField("parallel_tool_calls", "boolean", "Whether a forced (required) answer may hold several calls.",
+                 True, endpoints=(CHAT,)),
+    shaped("functions", "The deprecated form of tools: not implemented, only an empty list is accepted.",
            {"type": "array", "maxItems": 0}),
-    shaped("functions", "Tool calling is not implemented: only an empty list is accepted.",
-           {"type": "array", "maxItems": 0}),
-    shaped("tool_choice", "Only none or auto (no tool is ever called).", _NEUTRAL_TOOL_CHOICE),
-    shaped("function_call", "Only none or auto (no function is ever called).", _NEUTRAL_TOOL_CHOICE),
+    shaped("function_call", "The deprecated form of tool_choice: only none or auto.", _NEUTRAL_TOOL_CHOICE),
     shaped("response_format", "text, json_object (any JSON object) or json_schema ({\"json_schema\": {\"name\": ..., "
            "\"schema\": {...}, \"strict\": true}}): the output obeys it (compact JSON, no free whitespace).",
            {"type": "object", "required": ["type"],

@@ -11,14 +11,31 @@ from gateway.choices import ChoiceSet, Disconnected, Failed
 from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.schemas import ApiError, Prompt
 from gateway.tokenization import TextCodec
+from gateway.tool_calls import ToolCallStream, parse_whole
 from gateway.turn import Turn, event_logprobs, usage
 
 
 class Responses:
     """Writes the answers of one served model."""
 
-    def __init__(self, codec: TextCodec, model_name: str, log: logging.Logger):
+    def __init__(self, codec: TextCodec, model_name: str, log: logging.Logger, call_format=None):
         self.codec, self.model_name, self.log = codec, model_name, log
+        self.call_format = call_format  # how tool calls are read from a chat answer (tool_calls.py)
+
+    def reads_calls(self, turn: Turn) -> bool:
+        return turn.params.tools is not None and turn.params.tools.parses and self.call_format is not None
+
+    def message_of(self, turn: Turn) -> tuple[dict, str | None]:
+        """A chat choice's message, and its finish reason ("tool_calls" where it ended on its own with calls)."""
+        if not self.reads_calls(turn):
+            return {"role": "assistant", "content": turn.text}, turn.finish_reason
+        content, calls = parse_whole(self.call_format, turn.params.tools, turn.text)
+        message = {"role": "assistant", "content": content or (None if calls else "")}
+        if not calls:
+            return message, turn.finish_reason
+        message["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
+                                 for call_id, name, args in calls]
+        return message, "tool_calls" if turn.finish_reason == "stop" else turn.finish_reason
 
     def echoed_prompt(self, prompt: Prompt) -> str:
         if prompt.text is not None:
@@ -40,7 +57,7 @@ class Responses:
         if turn.params.return_token_ids or not self.codec.has_tokenizer:  # without a tokenizer, ids are the output
             choice["token_ids"] = turn.token_ids
         if chat:
-            choice["message"] = {"role": "assistant", "content": turn.text}
+            choice["message"], choice["finish_reason"] = self.message_of(turn)
         else:
             choice["text"] = (self.echoed_prompt(turn.prompt) if turn.params.echo else "") + turn.text
         return choice
@@ -77,10 +94,15 @@ class Responses:
         offsets = {turn.request_id: TextOffsets(codec) for turn in ordered}  # legacy text_offset, per choice
         params = choices.params
 
+        calls = {turn.request_id: ToolCallStream(self.call_format, turn.params.tools) for turn in ordered
+                 if chat and self.reads_calls(turn)}  # the choices whose text is read for tool calls
+
         def chunk(turn: Turn, delta: str | None, finish: str | None, role: bool = False, token_ids=None,
-                  logprobs: dict | None = None) -> str:
+                  logprobs: dict | None = None, tool_calls: list | None = None) -> str:
             if chat:
                 body = {} if delta is None else {"content": delta}
+                if tool_calls:
+                    body["tool_calls"] = tool_calls
                 if role:
                     body["role"] = "assistant"
                 choice = {"index": turn.index, "delta": body, "finish_reason": finish, "logprobs": logprobs}
@@ -105,14 +127,28 @@ class Responses:
                         turn.prompt.ids, turn.prompt_logprobs, codec, offsets[turn.request_id],
                         turn.prompt.text is not None) if wants_logprobs else None)
             async for turn, delta, event in choices.events(early):
-                if delta or (event.token_ids and (params.return_token_ids or wants_logprobs
-                                                  or not codec.has_tokenizer)):
+                parser = calls.get(turn.request_id)
+                if parser is not None:  # content and whole calls; never a part of a call's tag as content
+                    for piece in parser.feed(delta) + (parser.finish() if turn.finish_reason is not None else []):
+                        if piece.index is None:
+                            yield chunk(turn, piece.content, None)
+                        else:
+                            yield chunk(turn, None, None, tool_calls=[piece.as_openai()])
+                    if event.token_ids and (params.return_token_ids or wants_logprobs):
+                        run = event_logprobs(event) if wants_logprobs else None
+                        yield chunk(turn, None, None, token_ids=event.token_ids,
+                                    logprobs=None if run is None else chat_logprobs(run, codec))
+                elif delta or (event.token_ids and (params.return_token_ids or wants_logprobs
+                                                    or not codec.has_tokenizer)):
                     run = event_logprobs(event) if wants_logprobs else None
                     logprobs = None if run is None else chat_logprobs(run, codec) if chat else \
                         completion_logprobs(run, codec, offsets[turn.request_id])
                     yield chunk(turn, delta, None, token_ids=event.token_ids, logprobs=logprobs)
                 if turn.finish_reason is not None:
-                    yield chunk(turn, None if chat else "", turn.finish_reason)
+                    finish = turn.finish_reason
+                    if parser is not None and parser.calls and finish == "stop":
+                        finish = "tool_calls"
+                    yield chunk(turn, None if chat else "", finish)
             if params.include_usage:
                 body = {"id": response_id, "object": kind, "created": created, "model": self.model_name,
                         "choices": [], "usage": usage(ordered)}

@@ -61,6 +61,7 @@ class GenerationParams:
     min_tokens: int = 0  # extension: no stop token is sampled, and no stop string acts, before this many tokens
     stop_token_ids: list[int] = field(default_factory=list)  # extension: more token ids that end a choice
     grammar: str | None = None  # the compiled grammar of response_format / structured_outputs (structured_outputs.py)
+    tools: "object | None" = None  # chat: the request's tool_calls.ToolRequest, or None
     prompts: list[Prompt] = field(default_factory=list)
     messages: list[dict] | None = None
 
@@ -268,13 +269,17 @@ def reject_unsupported(body: dict, fields: dict[str, RequestField]) -> None:
         field_value(body, fields[name])
     if body.get("logit_bias"):
         raise ApiError(400, "'logit_bias' is not supported by this server", param="logit_bias")
-    if body.get("tools") or body.get("functions"):
-        raise ApiError(400, "tool calling is not supported by this server", param="tools" if body.get("tools")
-                       else "functions")
+    chat = "parallel_tool_calls" in fields  # the chat endpoint: its tools are read by tool_calls.tool_request
+    if body.get("functions") or (body.get("tools") and not chat):
+        raise ApiError(400, "'functions' is not supported: send 'tools' to /v1/chat/completions" if
+                       body.get("functions") else "'tools' is a chat parameter (/v1/chat/completions)",
+                       param="functions" if body.get("functions") else "tools")
     neutral = (None, "none", "auto")  # with no tools offered, "auto" means no tool call either
-    if body.get("tool_choice") not in neutral or body.get("function_call") not in neutral:
-        raise ApiError(400, "tool calling is not supported by this server", param="tool_choice"
-                       if body.get("tool_choice") not in neutral else "function_call")
+    if (body.get("tool_choice") not in neutral and not chat) or body.get("function_call") not in neutral:
+        raise ApiError(400, "'tool_choice' is a chat parameter (/v1/chat/completions)" if not chat and
+                       body.get("tool_choice") not in neutral else "'function_call' is not supported: send "
+                       "'tool_choice' with 'tools'", param="tool_choice" if not chat and body.get("tool_choice")
+                       not in neutral else "function_call")
     if body.get("suffix"):
         raise ApiError(400, "'suffix' is not supported by this server", param="suffix")
 
@@ -328,6 +333,9 @@ def parse_chat(body: dict, served_model: str, vocab_size: int, max_messages: int
     elif top:
         raise ApiError(400, "'top_logprobs' needs 'logprobs': true", param="top_logprobs")
     params.messages = parse_messages(body["messages"], max_messages)
+    from gateway.tool_calls import tool_request  # it raises this module's ApiError
+
+    params.tools = tool_request(body)
     return params
 
 
@@ -351,10 +359,42 @@ def parse_messages(messages, max_messages: int) -> list[dict]:
                 raise ApiError(400, f"messages[{i}].content: only text parts (with a string 'text') are supported",
                                param="messages")
             content = "".join(p.get("text", "") for p in content)
+        calls = message.get("tool_calls") if message["role"] == "assistant" else None
+        if content is None and calls:  # an assistant turn of calls alone
+            content = ""
         if not isinstance(content, str):
             raise ApiError(400, f"messages[{i}].content must be a string", param="messages")
         if not _valid_text(message["role"]) or not _valid_text(content):
             raise ApiError(400, f"messages[{i}] is not valid Unicode (it holds a lone surrogate escape)",
                            param="messages")
-        cleaned.append({"role": message["role"], "content": content})
+        cleaned.append({"role": message["role"], "content": content, **_tool_parts(message, i)})
     return cleaned
+
+
+def _tool_parts(message: dict, i: int) -> dict:
+    """What a chat template reads of a message besides its role and content: an assistant's tool_calls (their
+    arguments as objects, as templates expect) and reasoning_content, a tool result's tool_call_id and name."""
+    parts = {}
+    calls = message.get("tool_calls")
+    if message["role"] == "assistant" and calls:
+        if not isinstance(calls, list):
+            raise ApiError(400, f"messages[{i}].tool_calls must be a list", param="messages")
+        parts["tool_calls"] = []
+        for j, call in enumerate(calls):
+            function = call.get("function") if isinstance(call, dict) else None
+            if not isinstance(function, dict) or not isinstance(function.get("name"), str):
+                raise ApiError(400, f"messages[{i}].tool_calls[{j}] must hold a function with a name",
+                               param="messages")
+            arguments = function.get("arguments", "{}")
+            if isinstance(arguments, str):
+                try:
+                    arguments = json.loads(arguments or "{}")
+                except json.JSONDecodeError:
+                    raise ApiError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
+                                   param="messages") from None
+            parts["tool_calls"].append({"id": call.get("id"), "type": "function",
+                                        "function": {"name": function["name"], "arguments": arguments}})
+    for name in ("reasoning_content", "tool_call_id", "name"):
+        if isinstance(message.get(name), str):
+            parts[name] = message[name]
+    return parts

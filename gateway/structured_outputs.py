@@ -103,6 +103,8 @@ def grammar_text(constraint: Constraint) -> str:
         return llguidance.LLMatcher.grammar_from_regex(spec)
     if kind == "choice":
         return llguidance.LLMatcher.grammar_from_lark("start: " + " | ".join(json.dumps(c) for c in spec))
+    if kind == "lark":  # the server's own (a forced tool call's): never read as EBNF
+        return llguidance.LLMatcher.grammar_from_lark(spec)
     if "::=" in spec:  # EBNF as vLLM's and llama.cpp's grammars write it
         return llguidance.grammar_from("gbnf", spec)
     return llguidance.LLMatcher.grammar_from_lark(spec)

@@ -58,16 +58,17 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render_chat(self, messages: list[dict], max_chars: int) -> str:
-        """The conversation through the chat template; RenderedTooLong as soon as the text passes max_chars (a
-        template can expand a small body: it is rendered piece by piece and stopped there)."""
+    def render_chat(self, messages: list[dict], max_chars: int, tools: list | None = None) -> str:
+        """The conversation (and the tools offered, for a template that renders them) through the chat template;
+        RenderedTooLong as soon as the text passes max_chars (a template can expand a small body: it is rendered
+        piece by piece and stopped there)."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         pieces, chars = [], 0
         for piece in env.from_string(self.chat_template).generate(
                 messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or ""):
+                eos_token=self.eos_token or "", tools=tools):
             chars += len(piece)
             if chars > max_chars:
                 raise RenderedTooLong(max_chars)

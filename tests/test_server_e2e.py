@@ -311,7 +311,7 @@ BAD = [
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "logprobs": 3},
      400, "logprobs"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                              "tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+                              "tools": [{"type": "function", "function": {"name": "no spaces"}}]}, 400, "tools"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
                               "tool_choice": "required"}, 400, "tool_choice"),
     ("/v1/chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],

@@ -1,7 +1,7 @@
 """Structured outputs through dflash-serve with its default flags (the demo pair, DFlash 2 drafter, adaptive
 policy) and the official openai client: 20 JSON schemas, streamed and not, every output parses and validates; the
 other constraint forms; bad constraints and a schema bomb get a 400 in bounded time while a stream beside them
-is identical to its solo run."""
+is identical to its solo run; a tool-call loop whose calls tool_choice forces with a grammar."""
 
 import json
 import subprocess
@@ -22,12 +22,17 @@ MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 
 
 @pytest.fixture(scope="module")
-def server(tmp_path_factory):
+def server_log(tmp_path_factory):
+    return tmp_path_factory.mktemp("structured") / "serve.log"
+
+
+@pytest.fixture(scope="module")
+def server(server_log):
     base = free_port_block(8)
     command = [sys.executable, "-m", "gateway.launcher", "--port", str(base), "--zmq-base-port", str(base + 1),
                "--metrics-base-port", str(base + 4), "--tp-master-port", str(base + 6), "--feature-pair-port",
                str(base + 7)]
-    log = tmp_path_factory.mktemp("structured") / "serve.log"
+    log = server_log
     with open(log, "w") as stderr:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
         line = process.stdout.readline()
@@ -66,6 +71,17 @@ def test_twenty_json_schemas_through_the_openai_client_streamed_and_not(client):
         jsonschema.validate(json.loads(whole), schema)
         streamed, _ = answer(client, schema, stream=True)
         assert streamed == whole, index
+
+
+def test_the_draft_worker_drafts_under_the_grammar(server, server_log):
+    """The draft worker builds the target's grammar vocabulary and says in its pong that it can draft under
+    grammars (what --grammar-drafts masked and drafted use: tests/test_grammar_drafting.py drafts over its socket);
+    with the default flags a constrained request's drafts are accepted (forced tokens among them)."""
+    assert "drafting under grammars" in server_log.read_text()
+    body = {"model": "dflash-demo", "messages": MESSAGES, "max_tokens": 160, "temperature": 0,
+            "response_format": {"type": "json_schema", "json_schema": {"name": "a", "schema": SCHEMAS[0]}}}
+    usage = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=60).json()["usage"]
+    assert usage["speculative"]["accepted_tokens"] > 0, usage
 
 
 def test_json_object_regex_choice_and_grammar_forms(server):
@@ -180,3 +196,72 @@ def test_a_target_without_an_end_of_text_token_refuses_constraints_with_a_400():
     with pytest.raises(ApiError, match="end-of-text token") as refused:
         asyncio.run(compiler.grammar(Constraint("regex", "a+", "guided_regex")))
     assert refused.value.status == 400 and refused.value.param == "guided_regex"
+
+
+WEATHER = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city.",
+                                            "parameters": {"type": "object", "properties": {
+                                                "city": {"type": "string", "maxLength": 20},
+                                                "days": {"type": "integer", "minimum": 1, "maximum": 7}},
+                                                "required": ["city", "days"], "additionalProperties": False}}}
+CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {},
+                                                                          "additionalProperties": False}}}
+
+
+def tool_turn(client, messages, tool_choice, stream: bool, plain: bool):
+    """One chat turn with the two tools: (content, [(id, name, arguments)], finish_reason)."""
+    extra = {"num_speculative_tokens": 0} if plain else {}
+    kwargs = dict(model="dflash-demo", messages=messages, tools=[WEATHER, CLOCK], tool_choice=tool_choice,
+                  parallel_tool_calls=False, max_tokens=80, temperature=0, extra_body=extra)
+    if not stream:
+        choice = client.chat.completions.create(**kwargs).choices[0]
+        calls = [(c.id, c.function.name, c.function.arguments) for c in choice.message.tool_calls or []]
+        return choice.message.content, calls, choice.finish_reason
+    content, calls, reason = "", {}, None
+    for chunk in client.chat.completions.create(stream=True, **kwargs):
+        if not chunk.choices:
+            continue
+        delta = chunk.choices[0].delta
+        content += delta.content or ""
+        for call in delta.tool_calls or []:
+            entry = calls.setdefault(call.index, ["", "", ""])
+            entry[0] = call.id or entry[0]
+            entry[1] += call.function.name or ""
+            entry[2] += call.function.arguments or ""
+        reason = chunk.choices[0].finish_reason or reason
+    return content or None, [tuple(calls[i]) for i in sorted(calls)], reason
+
+
+@pytest.mark.parametrize("stream", [False, True], ids=["whole", "streamed"])
+def test_a_forced_tool_call_loop_through_the_openai_client(client, stream):
+    """tool_choice "required", then a named function: a parsed call whose arguments validate against the tool's
+    schema, finish_reason "tool_calls"; its result sent back as a tool message and the next turn answered;
+    speculative greedy output equal to plain greedy output (num_speculative_tokens 0) at every turn."""
+    messages = [{"role": "user", "content": "What is the weather in Paris for the next 3 days?"}]
+    for choice in ("required", {"type": "function", "function": {"name": "get_time"}}):
+        content, calls, reason = tool_turn(client, messages, choice, stream, plain=False)
+        plain = tool_turn(client, messages, choice, stream, plain=True)  # call ids differ: the rest is equal
+        assert [c[1:] for c in calls] == [c[1:] for c in plain[1]] and (content, reason) == (plain[0], plain[2])
+        assert reason == "tool_calls" and calls and content is None, (content, calls)
+        for call_id, name, arguments in calls:
+            assert call_id.startswith("call_")
+            schema = {"get_weather": WEATHER, "get_time": CLOCK}[name]["function"]["parameters"]
+            jsonschema.validate(json.loads(arguments), schema)
+        if isinstance(choice, dict):
+            assert [c[1] for c in calls] == ["get_time"]
+        messages = messages + [
+            {"role": "assistant", "content": None, "tool_calls": [
+                {"id": i, "type": "function", "function": {"name": n, "arguments": a}} for i, n, a in calls]},
+            *({"role": "tool", "tool_call_id": i, "content": '{"ok": true}'} for i, _, _ in calls)]
+    content, calls, reason = tool_turn(client, messages, "none", stream, plain=False)
+    assert calls == [] and reason in ("stop", "length") and content
+    assert tool_turn(client, messages, "none", stream, plain=True) == (content, calls, reason)
+
+
+def test_tool_fields_that_are_wrong_get_a_400(server):
+    body = {"model": "dflash-demo", "messages": MESSAGES, "tools": [WEATHER],
+            "tool_choice": {"type": "function", "function": {"name": "nope"}}}
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400 and response.json()["error"]["param"] == "tool_choice"
+    body = {**body, "tool_choice": "required", "response_format": {"type": "json_object"}}
+    response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
+    assert response.status_code == 400 and "both constrain" in response.json()["error"]["message"]

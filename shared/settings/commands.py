@@ -100,11 +100,11 @@ class ServeCommand:
     """dflash-serve: every process's settings, from which it builds each child's."""
     model: ModelSettings = topic()
     engine: EngineSettings = topic()
-    speculation: SpeculationSettings = topic(only=("spec_policy", "draft_placement", "draft_sampling",
+    speculation: SpeculationSettings = topic(only=("spec_policy", "draft_placement", "draft_sampling", "grammar_drafts",
                                                    "draft_timeout"))
     transport: TransportSettings = topic(only=("feature_transport",))
     http: HttpSettings = topic(only=("host", "port", "served_model_name", "api_key", "default_max_tokens",
-                                     "max_body_mb", "shutdown_timeout"))
+                                     "max_body_mb", "tool_call_parser", "shutdown_timeout"))
     parallel: ParallelSettings = topic(only=("world_size", "collective_timeout"))
     metrics: MetricsSettings = topic(only=("metrics_host",))
     verify_threads: ThreadSettings = topic(prefix="verify-", env_role="VERIFY")

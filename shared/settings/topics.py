@@ -76,6 +76,13 @@ class SpeculationSettings:
                                   choices=("worker", "local"), env="DFLASH_DRAFT_PLACEMENT")
     draft_sampling: str = option("dense", "how the drafter proposes for sampled requests (all three are lossless)",
                                  choices=DRAFT_SAMPLING)
+    grammar_drafts: str = option("forced", "drafts of a constrained request (all are exact): forced: the tokens its "
+                                           "grammar forces where it forces some, else the drafter's, cut at the first "
+                                           "one the grammar refuses; masked: the same, the drafter drafting under the "
+                                           "grammar; drafted: the drafter drafting under the grammar, forced tokens "
+                                           "included, every step it drafts; cut, target: for measurement "
+                                           "(docs/benchmarks.md)",
+                                 choices=("forced", "masked", "drafted", "cut", "target"))
     draft_timeout: float = option(5.0, "the longest wait for a draft (a fresh drafter waits it until 4 calls are "
                                        "answered); other calls wait 8x their recent median plus their extra context "
                                        "rows at the measured cost of a row, at least --draft-deadline-floor; a "
@@ -163,6 +170,11 @@ class HttpSettings:
     default_max_tokens: int = option(256, "max_tokens of a request that sends none (at most what its context "
                                           "leaves)", minimum=1)
     max_body_mb: float | None = option(None, MAX_BODY_HELP, above=0)
+    tool_call_parser: str = option("auto", "how tool calls are read from a chat answer: hermes (Qwen3: <tool_call> "
+                                           "JSON), glm45 / glm47 (GLM's <arg_key>/<arg_value> calls, spaced or "
+                                           "compact), none (tools refused); auto: GLM's where the chat template "
+                                           "writes <arg_key>, else hermes",
+                                   choices=("auto", "hermes", "glm45", "glm47", "none"))
     shutdown_timeout: float = option(30.0, "on SIGTERM, seconds the gateway lets requests in flight finish (new "
                                            "connections are refused meanwhile) before they are cut and the workers "
                                            "stop; Ctrl-C stops at once", minimum=0, env="DFLASH_SHUTDOWN_TIMEOUT")

@@ -1,0 +1,268 @@
+"""Tool calls in a chat completion: the request's tools and tool_choice, the model's call formats (hermes/Qwen3
+JSON and GLM's <arg_key>/<arg_value> form), a stream parser that turns generated text into content and calls
+whatever number of characters each step delivers, and the grammar that forces a call where tool_choice asks for
+one. Pure text: no torch, no tokens."""
+
+import json
+import re
+import uuid
+from dataclasses import dataclass, field
+
+from gateway.schemas import ApiError
+from gateway.structured_outputs import JSON_OPTIONS
+
+@dataclass(frozen=True)
+class ToolSpec:
+    name: str
+    parameters: dict  # its JSON schema ({"type": "object"} where the tool sends none)
+
+
+@dataclass(frozen=True)
+class ToolRequest:
+    tools: tuple[ToolSpec, ...]
+    raw: list  # the request's tools as sent (the chat template renders them)
+    choice: str  # "none", "auto", "required", or "function" (one named tool: `named`)
+    named: str | None = None
+    parallel: bool = True
+
+    def spec(self, name: str) -> ToolSpec | None:
+        return next((tool for tool in self.tools if tool.name == name), None)
+
+    @property
+    def parses(self) -> bool:
+        """Whether the output is read for calls."""
+        return self.choice != "none"
+
+    @property
+    def forced(self) -> tuple[ToolSpec, ...]:
+        """The tools a call is forced among (none: the model chooses whether to call)."""
+        if self.choice == "required":
+            return self.tools
+        return tuple(t for t in self.tools if t.name == self.named) if self.choice == "function" else ()
+
+
+def tool_request(body: dict) -> ToolRequest | None:
+    """The request's tools, tool_choice and parallel_tool_calls, checked (400 naming the field); None without
+    tools."""
+    tools, choice = body.get("tools"), body.get("tool_choice")
+    parallel = body.get("parallel_tool_calls", True)
+    if not isinstance(parallel, bool):
+        raise ApiError(400, "'parallel_tool_calls' must be a boolean", param="parallel_tool_calls")
+    if tools is None or tools == []:
+        if choice not in (None, "none", "auto"):
+            raise ApiError(400, "'tool_choice' names a call but the request offers no 'tools'", param="tool_choice")
+        return None
+    if not isinstance(tools, list):
+        raise ApiError(400, "'tools' must be a list of {\"type\": \"function\", \"function\": {...}}", param="tools")
+    specs = []
+    for i, tool in enumerate(tools):
+        function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
+        name = function.get("name") if isinstance(function, dict) else None
+        if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", name):
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with a "
+                           "name of letters, digits, '_', '.', ':' or '-' (at most 128)", param="tools")
+        parameters = function.get("parameters", {"type": "object"})
+        if not isinstance(parameters, dict):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        specs.append(ToolSpec(name, parameters))
+    if len({s.name for s in specs}) != len(specs):
+        raise ApiError(400, "'tools' has two functions of the same name", param="tools")
+    if choice is None or choice in ("none", "auto", "required"):
+        return ToolRequest(tuple(specs), tools, choice or "auto", None, parallel)
+    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(named, str)):
+        raise ApiError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
+                       "\"function\": {\"name\": ...}}", param="tool_choice")
+    if named not in {s.name for s in specs}:
+        raise ApiError(400, f"'tool_choice' names {named!r}, which is not among 'tools'", param="tool_choice")
+    return ToolRequest(tuple(specs), tools, "function", named, parallel)
+
+
+def _schema_types(schema: dict) -> set:
+    kinds = schema.get("type")
+    return set(kinds) if isinstance(kinds, list) else {kinds} if isinstance(kinds, str) else set()
+
+
+def _compact(schema: dict) -> str:
+    """A schema as Lark's %json takes it, its JSON compact (no whitespace a model could repeat without end)."""
+    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+
+
+def _lark_string(text: str) -> str:
+    return json.dumps(text)  # a Lark string literal: JSON's escapes are Lark's
+
+
+class HermesFormat:
+    """hermes / Qwen3: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>."""
+
+    name = "hermes"
+    start, end = "<tool_call>", "</tool_call>"
+
+    def parse(self, body: str, tools: ToolRequest) -> tuple[str, str] | None:
+        try:
+            call = json.loads(body)
+        except json.JSONDecodeError:
+            return None
+        if not isinstance(call, dict) or not isinstance(call.get("name"), str):
+            return None
+        arguments = call.get("arguments", call.get("parameters", {}))
+        return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+
+    def call_rule(self, tool: ToolSpec) -> str:
+        schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
+                  "required": ["name", "arguments"], "additionalProperties": False}
+        return f'{_lark_string(self.start + chr(10))} %json {_compact(schema)} {_lark_string(chr(10) + self.end)}'
+
+
+class GlmFormat:
+    """GLM-4.5 (spaced: a newline after the name and after each tag pair) and GLM-4.7 / 5.x (compact):
+    <tool_call>name<arg_key>k</arg_key><arg_value>v</arg_value></tool_call>. A value is the raw text where the
+    tool's schema says string, else JSON (raw text where it does not parse)."""
+
+    start, end = "<tool_call>", "</tool_call>"
+    PAIR = re.compile(r"<arg_key>(.*?)</arg_key>\s*<arg_value>(.*?)</arg_value>", re.S)
+
+    def __init__(self, spaced: bool):
+        self.spaced = spaced
+        self.name = "glm45" if spaced else "glm47"
+
+    def parse(self, body: str, tools: ToolRequest) -> tuple[str, str] | None:
+        cut = body.find("<arg_key>")
+        name = (body if cut < 0 else body[:cut]).strip()
+        if not name:
+            return None
+        spec = tools.spec(name)
+        properties = (spec.parameters.get("properties") or {}) if spec else {}
+        arguments = {}
+        for key, raw in self.PAIR.findall(body):
+            key = key.strip()
+            schema = properties.get(key, {}) if isinstance(properties.get(key), dict) else {}
+            if "string" in _schema_types(schema):
+                arguments[key] = raw
+                continue
+            try:
+                arguments[key] = json.loads(raw)
+            except json.JSONDecodeError:
+                arguments[key] = raw
+        return name, json.dumps(arguments, ensure_ascii=False)
+
+    def call_rule(self, tool: ToolSpec) -> str:
+        gap = _lark_string("\n") if self.spaced else ""
+        pairs = []
+        properties = tool.parameters.get("properties") or {}
+        required = set(tool.parameters.get("required") or [])
+        for key, schema in properties.items():
+            value = ('/[^<]*/' if "string" in _schema_types(schema) or not isinstance(schema, dict)
+                     else f"%json {_compact(schema)}")
+            pair = (f'"<arg_key>" {_lark_string(key)} "</arg_key>" {gap} "<arg_value>" {value} "</arg_value>" {gap}')
+            pairs.append(pair if key in required else f"({pair})?")
+        return f'"<tool_call>" {_lark_string(tool.name)} {gap} {" ".join(pairs)} "</tool_call>"'
+
+
+def call_format(parser: str, chat_template: str):
+    """The format of `--tool-call-parser` (auto: from the chat template: GLM's tags, else hermes); None: "none"."""
+    if parser == "none":
+        return None
+    if parser == "auto":
+        if "<arg_key>" not in chat_template:
+            return HermesFormat()
+        parser = "glm45" if re.search(r"</arg_key>\s*\\?n|</arg_key>\n", chat_template) else "glm47"
+    return HermesFormat() if parser == "hermes" else GlmFormat(spaced=parser == "glm45")
+
+
+def forced_call_grammar(fmt, tools: ToolRequest) -> str | None:
+    """A Lark grammar whose texts are calls (one, or one or more where parallel calls are allowed) to the tools
+    tool_choice forces; None where it forces none."""
+    forced = tools.forced
+    if not forced:
+        return None
+    rules = " | ".join(f"({fmt.call_rule(tool)})" for tool in forced)
+    repeat = "+" if tools.parallel and tools.choice == "required" else ""
+    return f"start: call{repeat}\ncall: {rules}\n"
+
+
+@dataclass
+class CallDelta:
+    """One piece of a stream: content text, or a whole call (its id, name and arguments)."""
+
+    index: int | None = None  # the call's index among this choice's calls (None: content)
+    content: str = ""
+    id: str | None = None
+    name: str | None = None
+    arguments: str | None = None
+
+    def as_openai(self) -> dict:
+        call: dict = {"index": self.index}
+        if self.id is not None:
+            call.update(id=self.id, type="function")
+        function = {}
+        if self.name is not None:
+            function["name"] = self.name
+        if self.arguments is not None:
+            function["arguments"] = self.arguments
+        call["function"] = function
+        return call
+
+
+@dataclass
+class ToolCallStream:
+    """Generated text -> content and calls, fed in pieces of any size: text before a call's start tag is content
+    (a piece that may begin the tag is held back, so content never carries part of a tag); a call goes out whole
+    (id, name and arguments in one delta) when it closes, so no name is ever cut short. A call still open at the
+    end, or one that does not parse, is given back as content."""
+
+    fmt: object
+    tools: ToolRequest
+    buffer: str = ""
+    in_call: bool = False
+    calls: list = field(default_factory=list)  # (id, name, arguments) of the calls closed so far
+
+    def feed(self, text: str) -> list[CallDelta]:
+        self.buffer += text
+        out: list[CallDelta] = []
+        while True:
+            if not self.in_call:
+                at = self.buffer.find(self.fmt.start)
+                if at < 0:
+                    keep = _partial_suffix(self.buffer, self.fmt.start)
+                    if len(self.buffer) > keep:
+                        out.append(CallDelta(content=self.buffer[:len(self.buffer) - keep]))
+                        self.buffer = self.buffer[len(self.buffer) - keep:]
+                    return out
+                if at:
+                    out.append(CallDelta(content=self.buffer[:at]))
+                self.buffer, self.in_call = self.buffer[at + len(self.fmt.start):], True
+            end = self.buffer.find(self.fmt.end)
+            if end < 0:
+                return out
+            body, self.buffer = self.buffer[:end], self.buffer[end + len(self.fmt.end):]
+            self.in_call = False
+            parsed = self.fmt.parse(body.strip(), self.tools)
+            if parsed is None:  # not a call after all: its text is content
+                out.append(CallDelta(content=self.fmt.start + body + self.fmt.end))
+                continue
+            name, arguments = parsed
+            index, call_id = len(self.calls), "call_" + uuid.uuid4().hex[:24]
+            self.calls.append((call_id, name, arguments))
+            out.append(CallDelta(index=index, id=call_id, name=name, arguments=arguments))
+
+    def finish(self) -> list[CallDelta]:
+        """What is left at the end: an open call's text and a held-back piece, as content."""
+        text = (self.fmt.start if self.in_call else "") + self.buffer
+        self.buffer, self.in_call = "", False
+        return [CallDelta(content=text)] if text else []
+
+
+def _partial_suffix(text: str, tag: str) -> int:
+    """The length of the longest end of text that is a beginning of tag (held back: the tag may be arriving)."""
+    for size in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-size:]):
+            return size
+    return 0
+
+
+def parse_whole(fmt, tools: ToolRequest, text: str) -> tuple[str, list[tuple[str, str, str]]]:
+    """A whole output: (its content, its calls as (id, name, arguments))."""
+    stream = ToolCallStream(fmt, tools)
+    deltas = stream.feed(text) + stream.finish()
+    return "".join(d.content for d in deltas if d.index is None), stream.calls

@@ -1,0 +1,128 @@
+"""Tool-call parsing (gateway/tool_calls.py) on the failures users report of other servers: zero-argument calls,
+names cut short and arguments lost when a step delivers several tokens at once, a partial tag leaking into content,
+several calls in one answer, GLM's typed values read by the tool's schema; each streamed in pieces of 1, 3 and 8
+tokens of the demo tokenizer and whole. The grammars that force a call accept the calls and nothing else."""
+
+import json
+
+import llguidance
+import pytest
+from tokenizers import Tokenizer
+
+from gateway.schemas import ApiError
+from gateway.tool_calls import (GlmFormat, HermesFormat, ToolCallStream, call_format, forced_call_grammar, parse_whole,
+                                tool_request)
+from shared.demo_models import DEMO_DIR
+from shared.grammar import folder_vocabulary, new_matcher
+
+TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "parameters": {
+        "type": "object", "properties": {"city": {"type": "string"}, "days": {"type": "integer"},
+                                         "units": {"enum": ["c", "f"]}, "detail": {"type": "object"}},
+        "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time"}},
+]
+TOKENIZER = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
+
+HERMES = ('Let me check.<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "days": 3}}\n</tool_call>'
+          '<tool_call>\n{"name": "get_time", "arguments": {}}\n</tool_call>')
+GLM47 = ('Let me check.<tool_call>get_weather<arg_key>city</arg_key><arg_value>Paris</arg_value><arg_key>days'
+         '</arg_key><arg_value>3</arg_value></tool_call><tool_call>get_time</tool_call>')
+GLM45 = ('Let me check.<tool_call>get_weather\n<arg_key>city</arg_key>\n<arg_value>Paris</arg_value>\n<arg_key>days'
+         '</arg_key>\n<arg_value>3</arg_value>\n</tool_call><tool_call>get_time\n</tool_call>')
+WANT = [("get_weather", {"city": "Paris", "days": 3}), ("get_time", {})]
+
+
+def pieces(text: str, tokens_a_step: int) -> list[str]:
+    """The text as a server streams it: the demo tokenizer's tokens, `tokens_a_step` decoded at a time."""
+    ids = TOKENIZER.encode(text).ids
+    out, sent = [], ""
+    for end in range(tokens_a_step, len(ids) + tokens_a_step, tokens_a_step):
+        whole = TOKENIZER.decode(ids[:end])
+        out.append(whole[len(sent):])
+        sent = whole
+    assert sent == text
+    return out
+
+
+@pytest.mark.parametrize("fmt,text", [(HermesFormat(), HERMES), (GlmFormat(spaced=False), GLM47),
+                                      (GlmFormat(spaced=True), GLM45)], ids=["hermes", "glm47", "glm45"])
+@pytest.mark.parametrize("tokens_a_step", [1, 3, 8, 10_000])
+def test_calls_come_out_whole_whatever_a_step_delivers(fmt, text, tokens_a_step):
+    tools = tool_request({"tools": TOOLS})
+    stream = ToolCallStream(fmt, tools)
+    deltas = []
+    for piece in pieces(text, tokens_a_step):
+        deltas += stream.feed(piece)
+        for delta in deltas:
+            assert "<" not in delta.content, delta  # no part of a tag ever reaches content
+    deltas += stream.finish()
+    assert "".join(d.content for d in deltas if d.index is None) == "Let me check."
+    calls = [d for d in deltas if d.index is not None]
+    assert [(c.index, c.name, json.loads(c.arguments)) for c in calls] == [(i, n, a) for i, (n, a) in enumerate(WANT)]
+    assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
+    assert [c.as_openai()["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+
+
+def test_glm_values_are_read_by_the_tool_schema():
+    tools = tool_request({"tools": TOOLS})
+    body = ("<tool_call>get_weather<arg_key>city</arg_key><arg_value>42</arg_value><arg_key>days</arg_key>"
+            "<arg_value>7</arg_value><arg_key>detail</arg_key><arg_value>{\"wind\": true}</arg_value><arg_key>extra"
+            "</arg_key><arg_value>not json</arg_value></tool_call>")
+    content, calls = parse_whole(GlmFormat(spaced=False), tools, body)
+    assert content == "" and json.loads(calls[0][2]) == {"city": "42", "days": 7, "detail": {"wind": True},
+                                                          "extra": "not json"}
+
+
+def test_an_unclosed_or_broken_call_is_content_not_a_call():
+    tools = tool_request({"tools": TOOLS})
+    content, calls = parse_whole(HermesFormat(), tools, 'a <tool_call>\n{"name": "get_wea')  # cut by max_tokens
+    assert calls == [] and content == 'a <tool_call>\n{"name": "get_wea'
+    content, calls = parse_whole(HermesFormat(), tools, "x <tool_call>not json</tool_call> y <tool")
+    assert calls == [] and content == "x <tool_call>not json</tool_call> y <tool"
+
+
+@pytest.mark.parametrize("body,message", [
+    ({"tools": {"a": 1}}, "must be a list"),
+    ({"tools": [{"type": "function", "function": {"name": "bad name!"}}]}, "letters, digits"),
+    ({"tools": [{"type": "function", "function": {"name": "f", "parameters": [1]}}]}, "JSON schema object"),
+    ({"tools": TOOLS + TOOLS[:1]}, "same name"),
+    ({"tools": TOOLS, "tool_choice": "sometimes"}, "must be"),
+    ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "nope"}}}, "not among"),
+    ({"tool_choice": "required"}, "offers no 'tools'"),
+    ({"tools": TOOLS, "parallel_tool_calls": "yes"}, "boolean"),
+])
+def test_bad_tool_fields_get_a_400_naming_them(body, message):
+    with pytest.raises(ApiError) as caught:
+        tool_request(body)
+    assert caught.value.status == 400 and message in caught.value.message
+
+
+def test_the_parser_follows_the_chat_template():
+    assert isinstance(call_format("auto", "{{ messages }}"), HermesFormat)
+    assert call_format("auto", "<tool_call>{{ name }}<arg_key>{{ k }}</arg_key><arg_value>").name == "glm47"
+    assert call_format("auto", "<tool_call>{{ name }}\n<arg_key>{{ k }}</arg_key>\n<arg_value>").name == "glm45"
+    assert call_format("none", "") is None and call_format("glm45", "").name == "glm45"
+
+
+@pytest.mark.parametrize("fmt,text", [(HermesFormat(), HERMES.replace(": ", ":").replace(", ", ",")),
+                                      (GlmFormat(spaced=False), GLM47), (GlmFormat(spaced=True), GLM45)],
+                         ids=["hermes", "glm47", "glm45"])
+def test_a_forced_call_grammar_takes_calls_and_nothing_else(fmt, text):
+    """The calls of a forced answer, JSON compact (as structured outputs: no whitespace to repeat without end)."""
+    vocabulary = folder_vocabulary(DEMO_DIR / "target", 4096, (0,))
+    required = tool_request({"tools": TOOLS, "tool_choice": "required"})
+    named = tool_request({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "get_time"}},
+                          "parallel_tool_calls": False})
+    calls = text[len("Let me check."):]
+    second = calls[calls.index(fmt.start, 1):]
+    for tools, good, bad in ((required, calls, "Let me check." + calls), (named, second, calls)):
+        grammar = llguidance.LLMatcher.grammar_from_lark(forced_call_grammar(fmt, tools))
+        ids = TOKENIZER.encode(good).ids
+        matcher = new_matcher(vocabulary, grammar)
+        assert matcher.validate_tokens(ids) == len(ids)
+        matcher.consume_tokens(ids)
+        assert matcher.is_accepting()
+        ids = TOKENIZER.encode(bad).ids
+        assert new_matcher(vocabulary, grammar).validate_tokens(ids) < len(ids)
+    assert forced_call_grammar(fmt, tool_request({"tools": TOOLS})) is None  # "auto" forces nothing
