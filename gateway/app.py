@@ -1,4 +1,5 @@
-"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics.
+"""The OpenAI-compatible HTTP API: /v1/completions, /v1/chat/completions, /v1/models, /health, /ready, /metrics
+(and /tokenize, /detokenize: token_routes.py).
 The routes only: a request's choices (choices.py), its messages to the verify worker (submission.py), its answer
 (responses.py) and the readiness probe (readiness.py) live beside them."""
 
@@ -11,18 +12,21 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
+from gateway.anthropic_routes import AnthropicRoutes, add_anthropic_routes
 from gateway.body_limit import body_bytes
 from gateway.choices import ChoiceSet
 from gateway.metrics import GatewayMetrics
 from gateway.readiness import ReadinessProbe
+from gateway.reasoning import opens_thinking, reasoning_parser_on
 from gateway.request_bounds import RequestBounds
 from gateway.request_fields import CHAT, COMPLETIONS, body_schema, unknown_fields
 from gateway.responses import Responses
 from gateway.schemas import ApiError, GenerationParams, Prompt, parse_chat, parse_completion, parse_json
 from gateway.structured_outputs import Constraint, GrammarCompiler, constraint_of
 from gateway.submission import ModelLimits, max_tokens_for, submit_messages
+from gateway.token_routes import add_token_routes
 from gateway.tokenization import RenderedTooLong, TextCodec
-from gateway.tool_calls import call_format, forced_call_grammar
+from gateway.tool_calls import after_thinking, call_format, forced_call_grammar
 from gateway.verify_client import VerifyClient
 from shared.channel_gateway import RequestFailed
 
@@ -51,6 +55,8 @@ class GatewaySettings:
     dead_after_s: float = 2.0
     max_body_bytes: int | None = None  # None: body_limit.default_body_bytes(max_model_len)
     tool_call_parser: str = "auto"  # tool_calls.call_format's choice (--tool-call-parser)
+    reasoning_parser: str = "auto"  # reasoning.reasoning_parser_on's choice (--reasoning-parser)
+    drafter_license: str | None = None  # as the drafter's model card names it (shared/model_card.py)
 
 
 def refusal(failed: RequestFailed) -> ApiError:
@@ -71,6 +77,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
                            settings.max_model_len, codec.longest_token_bytes, settings.max_pending)
     limits = ModelLimits(settings.vocab_size, settings.max_model_len, settings.default_max_tokens)
     call_fmt = call_format(settings.tool_call_parser, codec.chat_template)  # None: tools are refused
+    splits_reasoning = reasoning_parser_on(settings.reasoning_parser, codec.chat_template)
+    tags = codec.added_token_texts  # tags a grammar names as tokens
     responses = Responses(codec, settings.model_name, log, call_fmt)
     grammars = GrammarCompiler(codec.tokenizer, settings.vocab_size, codec.eos_token_ids)
     app = FastAPI(title="dflash-serve", docs_url=None, redoc_url=None)
@@ -122,7 +130,8 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             "id": settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-serve",
             "max_model_len": settings.max_model_len,
             "drafter": {"kind": heartbeat.drafter_kind if heartbeat else "unknown",
-                        "available": bool(heartbeat and heartbeat.drafter_available)},
+                        "available": bool(heartbeat and heartbeat.drafter_available),
+                        "license": settings.drafter_license},
         }]}
 
     unknown_logged: set[str] = set()
@@ -150,19 +159,28 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         if constraint is not None:
             params.grammar = await grammars.grammar(constraint)
 
-    async def offer_tools(params: GenerationParams, body: dict) -> None:
-        """The request's tools (parse_chat read them): read from its answer unless tool_choice is "none"; a call
-        that tool_choice forces ("required", a named function) is forced by a grammar in the model's call format."""
-        if params.tools is None:
-            return
-        if call_fmt is None:
-            raise ApiError(400, "tool calling is off on this server (--tool-call-parser none)", param="tools")
-        grammar = forced_call_grammar(call_fmt, params.tools)
-        if grammar is not None:
-            if params.grammar is not None:
-                raise ApiError(400, "a forced tool call (tool_choice) and a response format cannot both constrain "
-                               "one answer", param="tool_choice")
-            params.grammar = await grammars.grammar(Constraint("lark", grammar, "tool_choice"))
+    async def constrain_chat(params: GenerationParams, body: dict) -> None:
+        """A chat answer's grammar: a call that tool_choice forces ("required", a named function), in the model's
+        call format, or the response format. Where the prompt left a thinking section open, a forced call or a
+        JSON answer closes it first (</think>, then the grammar: no thinking); another constraint applies from
+        the first token, and the answer is then not split into reasoning."""
+        forced = None if params.tools is None else forced_call_grammar(call_fmt, params.tools, tags,
+                                                                       after_thinking=bool(params.thinking))
+        constraint = constraint_of(body)
+        if forced is not None and constraint is not None:
+            raise ApiError(400, "a forced tool call (tool_choice) and a response format cannot both constrain one "
+                           "answer", param="tool_choice")
+        if params.thinking and constraint is not None and constraint.kind in ("json_schema", "json_object"):
+            forced = after_thinking(constraint, tags)
+        elif constraint is not None and params.thinking:
+            params.thinking = None
+        if forced is not None:
+            params.grammar = await grammars.grammar(Constraint("lark", forced, "tool_choice" if constraint is None
+                                                               else constraint.param))
+        elif constraint is not None:
+            params.grammar = await grammars.grammar(constraint)
+
+    add_token_routes(app, codec, bounds, settings.model_name, settings.max_model_len, settings.vocab_size, authorize)
 
     @app.post("/v1/completions", openapi_extra=documented_body(COMPLETIONS))
     async def completions(request: Request):
@@ -183,15 +201,20 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
     @app.post("/v1/chat/completions", openapi_extra=documented_body(CHAT))
     async def chat_completions(request: Request):
         authorize(request)
-        body = await read_json(request, CHAT)
+        params = await prepare_chat(await read_json(request, CHAT))
+        return await generate(request, params, chat=True)
+
+    async def prepare_chat(body: dict) -> GenerationParams:
+        """A chat body's parameters, its prompt rendered and tokenized, its grammar compiled."""
         params = parse_chat(body, settings.model_name, settings.vocab_size, bounds.context_tokens)
-        await constrain(params, body)
-        await offer_tools(params, body)
+        if params.tools is not None and call_fmt is None:
+            raise ApiError(400, "tool calling is off on this server (--tool-call-parser none)", param="tools")
         needs_text("a chat completion (its messages go through the chat template)", "messages")
         bounds.check_params(params, codec.normalized_chars)
         try:
             text = codec.render_chat(params.messages, bounds.text_chars,
-                                     tools=params.tools.raw if params.tools else None)
+                                     tools=params.tools.raw if params.tools else None,
+                                     template_kwargs=params.template_kwargs)
         except RenderedTooLong:
             raise ApiError(400, f"the conversation through the chat template passes {bounds.text_chars} characters, "
                            f"more than this model's context of {settings.max_model_len} tokens can hold",
@@ -199,12 +222,25 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         except Exception as exc:  # jinja raises many types on a template the messages do not fit
             raise ApiError(400, f"cannot apply the chat template to these messages: {exc}", param="messages")
         bounds.check_text(text, codec.normalized_chars, "messages", "the conversation through the chat template")
+        params.thinking = opens_thinking(text) if splits_reasoning else None
+        await constrain_chat(params, body)
         params.prompts = [Prompt(None, codec.encode(text))]
-        return await generate(request, params, chat=True)
+        return params
 
     async def generate(request: Request, params: GenerationParams, chat: bool):
-        """Submit one verify-worker request per choice (n per prompt), all answering on one queue; fail the
-        whole request with an HTTP error if any choice is refused before it starts."""
+        """The answer of a request in OpenAI's shapes (start: its choices)."""
+        started = await start(request, params, "chatcmpl-" if chat else "cmpl-")
+        if isinstance(started, Response):
+            return started
+        choices, early, base = started
+        if params.stream:
+            return StreamingResponse(responses.stream(choices, early, chat, base), media_type="text/event-stream")
+        return await responses.collect(choices, early, chat, base)
+
+    async def start(request: Request, params: GenerationParams, id_prefix: str):
+        """Submit one verify-worker request per choice (n per prompt), all answering on one queue: (the choices,
+        their first events, the response id), or a 499 for a client gone; an HTTP error if any choice is refused
+        before it starts."""
         max_tokens = [max_tokens_for(params, prompt, limits) for prompt in params.prompts]
         count = len(params.prompts) * params.n  # at most max_pending: RequestBounds.check_params
         if not client.alive:
@@ -215,7 +251,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             metrics.requests.labels("rejected").inc()
             raise ApiError(429, f"the server is at capacity ({settings.max_pending} requests in flight); retry "
                            "shortly", kind="rate_limit_error", code="server_busy", headers={"Retry-After": "1"})
-        base = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        base = id_prefix + uuid.uuid4().hex
         choices = ChoiceSet(request, params, client, metrics)
         await choices.submit(submit_messages(params, max_tokens, base, count, codec.eos_token_ids), codec)
         metrics.prompt_tokens.inc(sum(len(prompt.ids) for prompt in params.prompts))
@@ -227,8 +263,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         if isinstance(early, RequestFailed):
             metrics.requests.labels("rejected" if early.code == "queue_full" else "error").inc()
             raise refusal(early)
-        if params.stream:
-            return StreamingResponse(responses.stream(choices, early, chat, base), media_type="text/event-stream")
-        return await responses.collect(choices, early, chat, base)
+        return choices, early, base
 
+    add_anthropic_routes(app, AnthropicRoutes(prepare_chat, start, responses, codec, settings, bounds))
     return app

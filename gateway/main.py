@@ -12,6 +12,7 @@ from gateway.body_limit import body_bytes
 from gateway.tokenization import TextCodec
 from shared.config_json import read_config
 from shared.errors import ConfigError, DFlashError
+from shared.model_card import model_license
 from shared.role import announce_ready, configure_process
 from shared.settings.commands import GatewayCommand
 from shared.settings.options import build_parser, parse_command
@@ -45,8 +46,12 @@ async def serve(settings: GatewayCommand, log) -> int:
         requests_addr=settings.channels.requests_addr, events_addr=settings.channels.events_addr,
         api_key=http.api_key, max_pending=http.max_pending, default_max_tokens=http.default_max_tokens,
         drafter_configured=not model.no_draft, max_body_bytes=body_bytes(http.max_body_mb, max_model_len),
-        tool_call_parser=http.tool_call_parser,
+        tool_call_parser=http.tool_call_parser, reasoning_parser=http.reasoning_parser,
+        drafter_license=None if model.no_draft else model_license(model.draft),
     )
+    if app_settings.drafter_license:
+        log.warning("the drafter %s is published under %s: check its terms before a commercial deployment",
+                    model.draft, app_settings.drafter_license)
     app = create_app(app_settings, codec, log)
     server = uvicorn.Server(uvicorn.Config(app, host=http.host, port=http.port, log_level="warning",
                                            timeout_graceful_shutdown=http.shutdown_timeout))

@@ -173,6 +173,10 @@ FIELDS = (
     shaped("tool_choice", "A chat parameter: only none or auto.", _NEUTRAL_TOOL_CHOICE, endpoints=(COMPLETIONS,)),
     RequestField("parallel_tool_calls", "boolean", "Whether a forced (required) answer may hold several calls.",
                  True, endpoints=(CHAT,)),
+    shaped("chat_template_kwargs", "Variables for the chat template (e.g. enable_thinking); they never replace "
+           "messages, tools or the generation prompt (extension, as vLLM).", {"type": "object"}, endpoints=(CHAT,)),
+    shaped("reasoning_effort", "Passed to the chat template as reasoning_effort (e.g. low, high, max: GLM-5.3's "
+           "thinking depth).", {"type": "string"}, endpoints=(CHAT,)),
     shaped("functions", "The deprecated form of tools: not implemented, only an empty list is accepted.",
            {"type": "array", "maxItems": 0}),
     shaped("function_call", "The deprecated form of tool_choice: only none or auto.", _NEUTRAL_TOOL_CHOICE),

@@ -11,7 +11,8 @@ from gateway.choices import ChoiceSet, Disconnected, Failed
 from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, joined, prompt_logprobs
 from gateway.schemas import ApiError, Prompt
 from gateway.tokenization import TextCodec
-from gateway.tool_calls import ToolCallStream, parse_whole
+from gateway.reasoning import ReasoningSplit
+from gateway.tool_calls import ToolCallStream
 from gateway.turn import Turn, event_logprobs, usage
 
 
@@ -22,20 +23,22 @@ class Responses:
         self.codec, self.model_name, self.log = codec, model_name, log
         self.call_format = call_format  # how tool calls are read from a chat answer (tool_calls.py)
 
-    def reads_calls(self, turn: Turn) -> bool:
-        return turn.params.tools is not None and turn.params.tools.parses and self.call_format is not None
+    def reader(self, turn: Turn) -> "ChatReader":
+        return ChatReader(turn, self.call_format)
 
     def message_of(self, turn: Turn) -> tuple[dict, str | None]:
         """A chat choice's message, and its finish reason ("tool_calls" where it ended on its own with calls)."""
-        if not self.reads_calls(turn):
-            return {"role": "assistant", "content": turn.text}, turn.finish_reason
-        content, calls = parse_whole(self.call_format, turn.params.tools, turn.text)
+        reader = self.reader(turn)
+        deltas = reader.feed(turn.text, final=True)
+        reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
+        content = "".join(d.get("content", "") for d in deltas)
+        calls = [call for d in deltas for call in d.get("tool_calls", [])]
         message = {"role": "assistant", "content": content or (None if calls else "")}
-        if not calls:
-            return message, turn.finish_reason
-        message["tool_calls"] = [{"id": call_id, "type": "function", "function": {"name": name, "arguments": args}}
-                                 for call_id, name, args in calls]
-        return message, "tool_calls" if turn.finish_reason == "stop" else turn.finish_reason
+        if reader.split is not None:
+            message["reasoning_content"] = reasoning or None
+        if calls:
+            message["tool_calls"] = [{key: call[key] for key in ("id", "type", "function")} for call in calls]
+        return message, reader.finish_reason(turn.finish_reason)
 
     def echoed_prompt(self, prompt: Prompt) -> str:
         if prompt.text is not None:
@@ -94,15 +97,14 @@ class Responses:
         offsets = {turn.request_id: TextOffsets(codec) for turn in ordered}  # legacy text_offset, per choice
         params = choices.params
 
-        calls = {turn.request_id: ToolCallStream(self.call_format, turn.params.tools) for turn in ordered
-                 if chat and self.reads_calls(turn)}  # the choices whose text is read for tool calls
+        readers = {turn.request_id: self.reader(turn) for turn in ordered if chat}
+        readers = {rid: r for rid, r in readers.items() if r.reads}  # choices split into reasoning or calls
 
         def chunk(turn: Turn, delta: str | None, finish: str | None, role: bool = False, token_ids=None,
-                  logprobs: dict | None = None, tool_calls: list | None = None) -> str:
+                  logprobs: dict | None = None, parts: dict | None = None) -> str:
             if chat:
                 body = {} if delta is None else {"content": delta}
-                if tool_calls:
-                    body["tool_calls"] = tool_calls
+                body.update(parts or {})
                 if role:
                     body["role"] = "assistant"
                 choice = {"index": turn.index, "delta": body, "finish_reason": finish, "logprobs": logprobs}
@@ -127,13 +129,10 @@ class Responses:
                         turn.prompt.ids, turn.prompt_logprobs, codec, offsets[turn.request_id],
                         turn.prompt.text is not None) if wants_logprobs else None)
             async for turn, delta, event in choices.events(early):
-                parser = calls.get(turn.request_id)
-                if parser is not None:  # content and whole calls; never a part of a call's tag as content
-                    for piece in parser.feed(delta) + (parser.finish() if turn.finish_reason is not None else []):
-                        if piece.index is None:
-                            yield chunk(turn, piece.content, None)
-                        else:
-                            yield chunk(turn, None, None, tool_calls=[piece.as_openai()])
+                reader = readers.get(turn.request_id)
+                if reader is not None:  # reasoning, content and whole calls; never a part of a tag in either
+                    for parts in reader.feed(delta, final=turn.finish_reason is not None):
+                        yield chunk(turn, None, None, parts=parts)
                     if event.token_ids and (params.return_token_ids or wants_logprobs):
                         run = event_logprobs(event) if wants_logprobs else None
                         yield chunk(turn, None, None, token_ids=event.token_ids,
@@ -145,9 +144,7 @@ class Responses:
                         completion_logprobs(run, codec, offsets[turn.request_id])
                     yield chunk(turn, delta, None, token_ids=event.token_ids, logprobs=logprobs)
                 if turn.finish_reason is not None:
-                    finish = turn.finish_reason
-                    if parser is not None and parser.calls and finish == "stop":
-                        finish = "tool_calls"
+                    finish = turn.finish_reason if reader is None else reader.finish_reason(turn.finish_reason)
                     yield chunk(turn, None if chat else "", finish)
             if params.include_usage:
                 body = {"id": response_id, "object": kind, "created": created, "model": self.model_name,
@@ -178,3 +175,36 @@ class Responses:
             if not finished:  # the client went away while we were sending
                 await choices.release()
                 choices.metrics.requests.labels("aborted").inc()
+
+
+class ChatReader:
+    """A chat choice's text, piece by piece, as the deltas of its message: reasoning_content (where answers are
+    split: reasoning.py), content, and whole tool calls read from the content (where the request's tools are read:
+    tool_calls.py); a <tool_call> inside the reasoning stays reasoning."""
+
+    def __init__(self, turn: Turn, call_format):
+        params = turn.params
+        self.split = ReasoningSplit(thinking=params.thinking) if params.thinking is not None else None
+        reads_calls = params.tools is not None and params.tools.parses and call_format is not None
+        self.calls = ToolCallStream(call_format, params.tools) if reads_calls else None
+
+    @property
+    def reads(self) -> bool:
+        return self.split is not None or self.calls is not None
+
+    def feed(self, text: str, final: bool) -> list[dict]:
+        """The deltas of this piece (final: the choice ended, nothing is held back)."""
+        reasoning, content = ("", text) if self.split is None else self.split.feed(text)
+        if final and self.split is not None:
+            rest = self.split.finish()
+            reasoning, content = reasoning + rest[0], content + rest[1]
+        out = [{"reasoning_content": reasoning}] if reasoning else []
+        if self.calls is None:
+            return out + ([{"content": content}] if content else [])
+        for piece in self.calls.feed(content) + (self.calls.finish() if final else []):
+            out.append({"content": piece.content} if piece.index is None else {"tool_calls": [piece.as_openai()]})
+        return out
+
+    def finish_reason(self, reason: str | None) -> str | None:
+        """"tool_calls" for a choice that ended on its own after calls."""
+        return "tool_calls" if reason == "stop" and self.calls is not None and self.calls.calls else reason

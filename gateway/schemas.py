@@ -62,6 +62,8 @@ class GenerationParams:
     stop_token_ids: list[int] = field(default_factory=list)  # extension: more token ids that end a choice
     grammar: str | None = None  # the compiled grammar of response_format / structured_outputs (structured_outputs.py)
     tools: "object | None" = None  # chat: the request's tool_calls.ToolRequest, or None
+    template_kwargs: dict = field(default_factory=dict)  # chat: chat_template_kwargs and reasoning_effort
+    thinking: bool | None = None  # chat: None: answers not split; else whether the prompt left <think> open
     prompts: list[Prompt] = field(default_factory=list)
     messages: list[dict] | None = None
 
@@ -222,15 +224,21 @@ def _include_usage(body: dict) -> bool:
     return bool(include)
 
 
-def parse_common(body: dict, served_model: str, vocab_size: int, endpoint: str) -> GenerationParams:
-    """The fields both endpoints share. vocab_size: a top_k this large or larger cuts nothing (sent as 0)."""
-    fields = fields_of(endpoint)
+def served_model_of(body: dict, served_model: str) -> str:
+    """The body's model (the served one where it names none): a 404 naming the served model for any other."""
     model = body.get("model", served_model)
     if not isinstance(model, str):
         raise ApiError(400, "'model' must be a string", param="model")
     if model != served_model:
         raise ApiError(404, f"the model {_shown(model)} does not exist; this server serves '{served_model}'",
                        param="model", code="model_not_found")
+    return model
+
+
+def parse_common(body: dict, served_model: str, vocab_size: int, endpoint: str) -> GenerationParams:
+    """The fields both endpoints share. vocab_size: a top_k this large or larger cuts nothing (sent as 0)."""
+    fields = fields_of(endpoint)
+    model = served_model_of(body, served_model)
     for spec in fields.values():
         if spec.required and spec.name not in body:
             raise ApiError(400, f"'{spec.name}' is required", param=spec.name)
@@ -336,7 +344,23 @@ def parse_chat(body: dict, served_model: str, vocab_size: int, max_messages: int
     from gateway.tool_calls import tool_request  # it raises this module's ApiError
 
     params.tools = tool_request(body)
+    params.template_kwargs = template_kwargs(body)
     return params
+
+
+def template_kwargs(body: dict) -> dict:
+    """chat_template_kwargs (an object of at most 64 keys) and reasoning_effort (a string) for the template."""
+    kwargs = body.get("chat_template_kwargs") or {}
+    if not isinstance(kwargs, dict) or len(kwargs) > 64 or not all(isinstance(k, str) for k in kwargs):
+        raise ApiError(400, "'chat_template_kwargs' must be an object of at most 64 variables",
+                       param="chat_template_kwargs")
+    effort = body.get("reasoning_effort")
+    if effort is not None:
+        if not isinstance(effort, str) or len(effort) > 32:
+            raise ApiError(400, "'reasoning_effort' must be a short string (low, medium, high, max)",
+                           param="reasoning_effort")
+        kwargs = {**kwargs, "reasoning_effort": effort}
+    return kwargs
 
 
 def parse_messages(messages, max_messages: int) -> list[dict]:

@@ -58,17 +58,19 @@ class TextCodec:
     def encode(self, text: str) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens=False).ids
 
-    def render_chat(self, messages: list[dict], max_chars: int, tools: list | None = None) -> str:
-        """The conversation (and the tools offered, for a template that renders them) through the chat template;
+    def render_chat(self, messages: list[dict], max_chars: int, tools: list | None = None,
+                    add_generation_prompt: bool = True, template_kwargs: dict | None = None) -> str:
+        """The conversation (and the tools offered, and the request's template_kwargs: enable_thinking,
+        reasoning_effort...) through the chat template;
         RenderedTooLong as soon as the text passes max_chars (a template can expand a small body: it is rendered
         piece by piece and stopped there)."""
         from jinja2.sandbox import ImmutableSandboxedEnvironment
 
         env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True)
         pieces, chars = [], 0
-        for piece in env.from_string(self.chat_template).generate(
-                messages=messages, add_generation_prompt=True, bos_token=self.bos_token or "",
-                eos_token=self.eos_token or "", tools=tools):
+        variables = {**(template_kwargs or {}), "messages": messages, "add_generation_prompt": add_generation_prompt,
+                     "bos_token": self.bos_token or "", "eos_token": self.eos_token or "", "tools": tools}
+        for piece in env.from_string(self.chat_template).generate(**variables):
             chars += len(piece)
             if chars > max_chars:
                 raise RenderedTooLong(max_chars)
@@ -115,6 +117,11 @@ class TextCodec:
         if self.tokenizer is None:
             return {}
         return {t.content: t.special for t in self.tokenizer.get_added_tokens_decoder().values()}
+
+    @property
+    def added_token_texts(self) -> frozenset[str]:
+        """The texts of the tokenizer's added tokens (special or not)."""
+        return frozenset(self._added_tokens)
 
     def is_special(self, token_id: int) -> bool:
         if self.tokenizer is None:

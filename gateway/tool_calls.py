@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from gateway.schemas import ApiError
 from gateway.structured_outputs import JSON_OPTIONS
+from gateway.text_tags import partial_tag_suffix
 
 @dataclass(frozen=True)
 class ToolSpec:
@@ -59,7 +60,8 @@ def tool_request(body: dict) -> ToolRequest | None:
         function = tool.get("function") if isinstance(tool, dict) and tool.get("type") == "function" else None
         name = function.get("name") if isinstance(function, dict) else None
         if not isinstance(name, str) or not re.fullmatch(r"[A-Za-z0-9_.:-]{1,128}", name):
-            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} with a "
+            raise ApiError(400, f"tools[{i}] must be {{\"type\": \"function\", \"function\": {{\"name\": ...}}}} "
+                           "with a "
                            "name of letters, digits, '_', '.', ':' or '-' (at most 128)", param="tools")
         parameters = function.get("parameters", {"type": "object"})
         if not isinstance(parameters, dict):
@@ -92,6 +94,12 @@ def _lark_string(text: str) -> str:
     return json.dumps(text)  # a Lark string literal: JSON's escapes are Lark's
 
 
+def lark_tag(text: str, tokens: frozenset[str]) -> str:
+    """A tag in a Lark grammar: the tokenizer's own token where it has one (llguidance reads an added token as a
+    special token, named bare: `<tool_call>`, never spelled as text), else the text."""
+    return text if text in tokens else _lark_string(text)
+
+
 class HermesFormat:
     """hermes / Qwen3: <tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>."""
 
@@ -108,10 +116,12 @@ class HermesFormat:
         arguments = call.get("arguments", call.get("parameters", {}))
         return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
 
-    def call_rule(self, tool: ToolSpec) -> str:
+    def call_rule(self, tool: ToolSpec, tags: frozenset[str] = frozenset()) -> str:
         schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
                   "required": ["name", "arguments"], "additionalProperties": False}
-        return f'{_lark_string(self.start + chr(10))} %json {_compact(schema)} {_lark_string(chr(10) + self.end)}'
+        newline = _lark_string("\n")
+        return (f"{lark_tag(self.start, tags)} {newline} %json {_compact(schema)} {newline} "
+                f"{lark_tag(self.end, tags)}")
 
 
 class GlmFormat:
@@ -146,17 +156,20 @@ class GlmFormat:
                 arguments[key] = raw
         return name, json.dumps(arguments, ensure_ascii=False)
 
-    def call_rule(self, tool: ToolSpec) -> str:
+    def call_rule(self, tool: ToolSpec, tags: frozenset[str] = frozenset()) -> str:
         gap = _lark_string("\n") if self.spaced else ""
+        key_open, key_close, value_open, value_close = (lark_tag(t, tags) for t in (
+            "<arg_key>", "</arg_key>", "<arg_value>", "</arg_value>"))
         pairs = []
         properties = tool.parameters.get("properties") or {}
         required = set(tool.parameters.get("required") or [])
         for key, schema in properties.items():
             value = ('/[^<]*/' if "string" in _schema_types(schema) or not isinstance(schema, dict)
                      else f"%json {_compact(schema)}")
-            pair = (f'"<arg_key>" {_lark_string(key)} "</arg_key>" {gap} "<arg_value>" {value} "</arg_value>" {gap}')
+            pair = f"{key_open} {_lark_string(key)} {key_close} {gap} {value_open} {value} {value_close} {gap}"
             pairs.append(pair if key in required else f"({pair})?")
-        return f'"<tool_call>" {_lark_string(tool.name)} {gap} {" ".join(pairs)} "</tool_call>"'
+        return (f"{lark_tag(self.start, tags)} {_lark_string(tool.name)} {gap} {' '.join(pairs)} "
+                f"{lark_tag(self.end, tags)}")
 
 
 def call_format(parser: str, chat_template: str):
@@ -170,15 +183,24 @@ def call_format(parser: str, chat_template: str):
     return HermesFormat() if parser == "hermes" else GlmFormat(spaced=parser == "glm45")
 
 
-def forced_call_grammar(fmt, tools: ToolRequest) -> str | None:
+def after_thinking(constraint, tags: frozenset[str] = frozenset()) -> str:
+    """A JSON response format as a Lark grammar that first closes an open thinking section."""
+    schema = constraint.spec if constraint.kind == "json_schema" else {"type": "object"}
+    return f"start: {lark_tag('</think>', tags)} %json {_compact(schema if isinstance(schema, dict) else {})}\n"
+
+
+def forced_call_grammar(fmt, tools: ToolRequest, tags: frozenset[str] = frozenset(),
+                        after_thinking: bool = False) -> str | None:
     """A Lark grammar whose texts are calls (one, or one or more where parallel calls are allowed) to the tools
-    tool_choice forces; None where it forces none."""
+    tool_choice forces, after closing an open thinking section where asked; None where it forces none. tags: the
+    tokenizer's added tokens (lark_tag)."""
     forced = tools.forced
     if not forced:
         return None
-    rules = " | ".join(f"({fmt.call_rule(tool)})" for tool in forced)
+    rules = " | ".join(f"({fmt.call_rule(tool, tags)})" for tool in forced)
     repeat = "+" if tools.parallel and tools.choice == "required" else ""
-    return f"start: call{repeat}\ncall: {rules}\n"
+    close = lark_tag("</think>", tags) + " " if after_thinking else ""
+    return f"start: {close}call{repeat}\ncall: {rules}\n"
 
 
 @dataclass
@@ -224,7 +246,7 @@ class ToolCallStream:
             if not self.in_call:
                 at = self.buffer.find(self.fmt.start)
                 if at < 0:
-                    keep = _partial_suffix(self.buffer, self.fmt.start)
+                    keep = partial_tag_suffix(self.buffer, self.fmt.start)
                     if len(self.buffer) > keep:
                         out.append(CallDelta(content=self.buffer[:len(self.buffer) - keep]))
                         self.buffer = self.buffer[len(self.buffer) - keep:]
@@ -251,14 +273,6 @@ class ToolCallStream:
         text = (self.fmt.start if self.in_call else "") + self.buffer
         self.buffer, self.in_call = "", False
         return [CallDelta(content=text)] if text else []
-
-
-def _partial_suffix(text: str, tag: str) -> int:
-    """The length of the longest end of text that is a beginning of tag (held back: the tag may be arriving)."""
-    for size in range(min(len(tag) - 1, len(text)), 0, -1):
-        if tag.startswith(text[-size:]):
-            return size
-    return 0
 
 
 def parse_whole(fmt, tools: ToolRequest, text: str) -> tuple[str, list[tuple[str, str, str]]]:

@@ -177,7 +177,8 @@ def test_a_draft_worker_drafts_under_the_grammar_over_its_socket(vocabulary, tok
     eos = tuple(vocabulary.eos_tokens)
     prompt = tuple(tokenizer.encode("Answer in JSON.\n").ids)
     requests = [GenerationRequest(prompt, 48, SamplingParams(), eos,
-                                  grammar=grammar_text(Constraint("json_schema", schema, "t"))) for schema in SCHEMAS[:6]]
+                                  grammar=grammar_text(Constraint("json_schema", schema, "t")))
+                for schema in SCHEMAS[:6]]
     plain = SpeculativeEngine(target, None, max_requests=6, max_model_len=512,
                               grammar_vocabulary=vocabulary).generate(requests)
     spec = SpeculativeEngine(target, remote, max_requests=6, max_model_len=512, grammar_vocabulary=vocabulary,

@@ -61,7 +61,7 @@ def test_models_health_ready(server, client):
     assert server.wait_ready()["drafter"] == "available"
     models = client.models.list()
     assert [m.id for m in models.data] == ["tiny"]
-    assert models.data[0].model_extra["drafter"] == {"kind": "dflash", "available": True}
+    assert models.data[0].model_extra["drafter"] == {"kind": "dflash", "available": True, "license": None}
 
 
 def test_completion_through_openai_client_with_usage(server, client):

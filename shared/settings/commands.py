@@ -90,7 +90,7 @@ class DraftCommand:
 @frozen
 class GatewayCommand:
     """dflash-gateway."""
-    model: ModelSettings = topic(only=("target", "no_draft", "max_model_len"))
+    model: ModelSettings = topic(only=("target", "draft", "no_draft", "max_model_len"))
     http: HttpSettings = topic()
     channels: ChannelSettings = topic(only=("requests_addr", "events_addr"))
 
@@ -104,7 +104,8 @@ class ServeCommand:
                                                    "draft_timeout"))
     transport: TransportSettings = topic(only=("feature_transport",))
     http: HttpSettings = topic(only=("host", "port", "served_model_name", "api_key", "default_max_tokens",
-                                     "max_body_mb", "tool_call_parser", "shutdown_timeout"))
+                                     "max_body_mb", "tool_call_parser", "reasoning_parser",
+                                     "shutdown_timeout"))
     parallel: ParallelSettings = topic(only=("world_size", "collective_timeout"))
     metrics: MetricsSettings = topic(only=("metrics_host",))
     verify_threads: ThreadSettings = topic(prefix="verify-", env_role="VERIFY")

@@ -175,6 +175,10 @@ class HttpSettings:
                                            "compact), none (tools refused); auto: GLM's where the chat template "
                                            "writes <arg_key>, else hermes",
                                    choices=("auto", "hermes", "glm45", "glm47", "none"))
+    reasoning_parser: str = option("auto", "think: a chat answer's <think>...</think> section goes to "
+                                           "reasoning_content (also where the chat template opened it); none: left "
+                                           "in content; auto: think where the chat template writes <think>",
+                                   choices=("auto", "think", "none"))
     shutdown_timeout: float = option(30.0, "on SIGTERM, seconds the gateway lets requests in flight finish (new "
                                            "connections are refused meanwhile) before they are cut and the workers "
                                            "stop; Ctrl-C stops at once", minimum=0, env="DFLASH_SHUTDOWN_TIMEOUT")

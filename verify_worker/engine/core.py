@@ -56,7 +56,8 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         (verify_worker/step_buckets.py), "cuda-graphs" too and replays one CUDA graph per bucket (a CUDA target
         whose family takes padded steps). grammar_vocabulary: the target's tokenizer as grammars see it
         (shared.grammar.grammar_vocabulary; None: requests with a grammar are refused); grammar_drafts: how a
-        constrained request's drafts obey its grammar (engine/grammar_masks.py: "target", "cut", "forced", "drafted")."""
+        constrained request's drafts obey its grammar (engine/grammar_masks.py: "target", "cut", "forced",
+        "masked", "drafted")."""
         cfg = target.config
         self.target = target
         self.proposer = proposer

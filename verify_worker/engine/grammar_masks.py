@@ -22,9 +22,9 @@ UNDER_GRAMMAR = ("masked", "drafted")  # the modes whose drafter drafts under th
 
 def forced_drafts(states: list[RequestState], block_size: int, mode: str,
                   rows: list[int] | None = None) -> dict[int, list[int]]:
-    """In "forced", "masked" and "drafted" modes, each constrained row's tokens its grammar forces from the committed state (up to the drafts
-    the row may take in a block of block_size), by row, among `rows` (None: all); rows with none are left out. Such a
-    row's block is the forced tokens."""
+    """In "forced", "masked" and "drafted" modes, each constrained row's tokens its grammar forces from the
+    committed state (up to the drafts the row may take in a block of block_size), by row, among `rows` (None: all);
+    rows with none are left out. Such a row's block is the forced tokens."""
     if mode not in ("forced", "masked", "drafted"):
         return {}
     found = {}

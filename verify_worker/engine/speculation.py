@@ -84,7 +84,8 @@ class Speculation:
             )
             if masks and state.grammar is not None:  # the drafter's copy of its grammar: anew, or the tokens since
                 item.grammar = state.request.grammar if state.grammar_sent == 0 else None
-                item.grammar_start, item.grammar_tokens = state.grammar_sent, tuple(state.output_ids[state.grammar_sent:])
+                item.grammar_start = state.grammar_sent
+                item.grammar_tokens = tuple(state.output_ids[state.grammar_sent:])
             items.append(item)
         report.catch_up = any(len(item.context_features) > self.block_size for item in items)
         started = time.perf_counter()
