@@ -115,6 +115,8 @@ def chat_body(body: dict, count_only: bool = False) -> dict:
     thinking = body.get("thinking")
     if isinstance(thinking, dict) and thinking.get("type") in ("enabled", "disabled"):
         chat["chat_template_kwargs"] = {"enable_thinking": thinking["type"] == "enabled"}
+        if thinking["type"] == "enabled" and isinstance(thinking.get("budget_tokens"), int):
+            chat["thinking_token_budget"] = thinking["budget_tokens"]
     return chat
 
 

@@ -14,6 +14,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 
 from gateway.anthropic_routes import AnthropicRoutes, add_anthropic_routes
 from gateway.body_limit import body_bytes
+from gateway.chat_grammar import CLOSE as CLOSE_THINKING, chat_grammar
 from gateway.choices import ChoiceSet
 from gateway.metrics import GatewayMetrics
 from gateway.readiness import ReadinessProbe
@@ -26,7 +27,7 @@ from gateway.structured_outputs import Constraint, GrammarCompiler, constraint_o
 from gateway.submission import ModelLimits, max_tokens_for, submit_messages
 from gateway.token_routes import add_token_routes
 from gateway.tokenization import RenderedTooLong, TextCodec
-from gateway.tool_calls import after_thinking, call_format, forced_call_grammar
+from gateway.tool_calls import call_format
 from gateway.verify_client import VerifyClient
 from shared.channel_gateway import RequestFailed
 
@@ -160,25 +161,12 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
             params.grammar = await grammars.grammar(constraint)
 
     async def constrain_chat(params: GenerationParams, body: dict) -> None:
-        """A chat answer's grammar: a call that tool_choice forces ("required", a named function), in the model's
-        call format, or the response format. Where the prompt left a thinking section open, a forced call or a
-        JSON answer closes it first (</think>, then the grammar: no thinking); another constraint applies from
-        the first token, and the answer is then not split into reasoning."""
-        forced = None if params.tools is None else forced_call_grammar(call_fmt, params.tools, tags,
-                                                                       after_thinking=bool(params.thinking))
-        constraint = constraint_of(body)
-        if forced is not None and constraint is not None:
-            raise ApiError(400, "a forced tool call (tool_choice) and a response format cannot both constrain one "
-                           "answer", param="tool_choice")
-        if params.thinking and constraint is not None and constraint.kind in ("json_schema", "json_object"):
-            forced = after_thinking(constraint, tags)
-        elif constraint is not None and params.thinking:
-            params.thinking = None
-        if forced is not None:
-            params.grammar = await grammars.grammar(Constraint("lark", forced, "tool_choice" if constraint is None
-                                                               else constraint.param))
-        elif constraint is not None:
+        """A chat answer's grammar (chat_grammar.py), compiled off the event loop."""
+        constraint = chat_grammar(params, constraint_of(body), call_fmt, tags)
+        if constraint is not None:
             params.grammar = await grammars.grammar(constraint)
+        if params.thinking and params.thinking_budget is not None:  # chat_grammar checked </think> is a token
+            params.thinking_end = [params.thinking_budget, codec.tokenizer.token_to_id(CLOSE_THINKING)]
 
     add_token_routes(app, codec, bounds, settings.model_name, settings.max_model_len, settings.vocab_size, authorize)
 

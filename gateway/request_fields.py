@@ -175,6 +175,8 @@ FIELDS = (
                  True, endpoints=(CHAT,)),
     shaped("chat_template_kwargs", "Variables for the chat template (e.g. enable_thinking); they never replace "
            "messages, tools or the generation prompt (extension, as vLLM).", {"type": "object"}, endpoints=(CHAT,)),
+    integer("thinking_token_budget", "Where the chat template opens a thinking section: its tokens at most; "
+            "the closing </think> is then forced at that position (extension).", minimum=0, endpoints=(CHAT,)),
     shaped("reasoning_effort", "Passed to the chat template as reasoning_effort (e.g. low, high, max: GLM-5.3's "
            "thinking depth).", {"type": "string"}, endpoints=(CHAT,)),
     shaped("functions", "The deprecated form of tools: not implemented, only an empty list is accepted.",

@@ -64,6 +64,8 @@ class GenerationParams:
     tools: "object | None" = None  # chat: the request's tool_calls.ToolRequest, or None
     template_kwargs: dict = field(default_factory=dict)  # chat: chat_template_kwargs and reasoning_effort
     thinking: bool | None = None  # chat: None: answers not split; else whether the prompt left <think> open
+    thinking_budget: int | None = None  # chat: thinking tokens at most, where the prompt left <think> open
+    thinking_end: list[int] | None = None  # [budget, </think>'s id] where the budget holds (the verify worker's)
     prompts: list[Prompt] = field(default_factory=list)
     messages: list[dict] | None = None
 
@@ -345,6 +347,7 @@ def parse_chat(body: dict, served_model: str, vocab_size: int, max_messages: int
 
     params.tools = tool_request(body)
     params.template_kwargs = template_kwargs(body)
+    params.thinking_budget = field_value(body, fields["thinking_token_budget"])
     return params
 
 

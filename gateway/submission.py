@@ -58,5 +58,6 @@ def submit_messages(params: GenerationParams, limits: list[int], base: str, coun
                 request_id=base if count == 1 else f"{base}-{index}", prompt_ids=prompt.ids, max_tokens=limit,
                 sampling=sampling, stop_token_ids=stop_ids, min_tokens=params.min_tokens,
                 num_speculative_tokens=params.num_speculative_tokens, logprobs=params.logprobs,
-                prompt_logprobs=params.echo and params.logprobs is not None, grammar=params.grammar))
+                prompt_logprobs=params.echo and params.logprobs is not None, grammar=params.grammar,
+                thinking_end=params.thinking_end))
     return messages

@@ -183,24 +183,26 @@ def call_format(parser: str, chat_template: str):
     return HermesFormat() if parser == "hermes" else GlmFormat(spaced=parser == "glm45")
 
 
-def after_thinking(constraint, tags: frozenset[str] = frozenset()) -> str:
-    """A JSON response format as a Lark grammar that first closes an open thinking section."""
+def json_expression(constraint) -> str:
+    """A JSON response format (json_schema, json_object) as a Lark expression."""
     schema = constraint.spec if constraint.kind == "json_schema" else {"type": "object"}
-    return f"start: {lark_tag('</think>', tags)} %json {_compact(schema if isinstance(schema, dict) else {})}\n"
+    return f"%json {_compact(schema if isinstance(schema, dict) else {})}"
 
 
-def forced_call_grammar(fmt, tools: ToolRequest, tags: frozenset[str] = frozenset(),
-                        after_thinking: bool = False) -> str | None:
-    """A Lark grammar whose texts are calls (one, or one or more where parallel calls are allowed) to the tools
-    tool_choice forces, after closing an open thinking section where asked; None where it forces none. tags: the
-    tokenizer's added tokens (lark_tag)."""
+def forced_calls(fmt, tools: ToolRequest, tags: frozenset[str] = frozenset()) -> tuple[str, str] | None:
+    """The calls tool_choice forces (one, or one or more where parallel calls are allowed) as (a Lark expression,
+    its rules); None where it forces none. tags: the tokenizer's added tokens (lark_tag)."""
     forced = tools.forced
     if not forced:
         return None
     rules = " | ".join(f"({fmt.call_rule(tool, tags)})" for tool in forced)
-    repeat = "+" if tools.parallel and tools.choice == "required" else ""
-    close = lark_tag("</think>", tags) + " " if after_thinking else ""
-    return f"start: {close}call{repeat}\ncall: {rules}\n"
+    return ("call+" if tools.parallel and tools.choice == "required" else "call"), f"call: {rules}\n"
+
+
+def forced_call_grammar(fmt, tools: ToolRequest, tags: frozenset[str] = frozenset()) -> str | None:
+    """forced_calls as a whole Lark grammar."""
+    calls = forced_calls(fmt, tools, tags)
+    return None if calls is None else f"start: {calls[0]}\n{calls[1]}"
 
 
 @dataclass

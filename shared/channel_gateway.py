@@ -25,10 +25,13 @@ class SubmitRequest(Message):
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     prompt_logprobs: bool = False  # also for the prompt's tokens after the first
     grammar: str | None = None  # an llguidance grammar the output obeys (compiled once by the gateway)
+    thinking_end: list[int] | None = None  # [budget, token]: that token at output index budget unless it came before
 
     def validate(self):
         if not self.request_id:
             raise WireError("submit: empty request_id")
+        if self.thinking_end is not None and (len(self.thinking_end) != 2 or min(self.thinking_end) < 0):
+            raise WireError("submit: thinking_end must be [budget >= 0, token id]")
 
 
 @dataclass(kw_only=True)

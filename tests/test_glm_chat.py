@@ -79,3 +79,26 @@ def test_a_forced_tool_loop_in_glm_format_speculative_equals_plain(client):
     assert answer == turn(client, messages, "auto", stream, plain=True, chat_template_kwargs={"enable_thinking": False})
     reasoning, content, calls, reason = answer  # enable_thinking false, yet the template opened <think>:
     assert reasoning and "</think>" not in reasoning, answer  # the answer is reasoning up to its </think>
+
+
+def test_a_thinking_budget_closes_the_section_at_its_position(client):
+    """thinking_token_budget 0 and 5: </think> is the first token, and at the latest the sixth, speculative as
+    plain; the thinking before it is reasoning_content."""
+    import httpx
+
+    from glm_chat import ROLES
+
+    close = 258 + len(ROLES) + 1  # </think>: the second tag after the role tokens
+    for budget in (0, 5):
+        answers = []
+        for plain in (False, True):
+            body = {"model": "tiny", "messages": [{"role": "user", "content": "Think briefly."}], "max_tokens": 12,
+                    "temperature": 0, "thinking_token_budget": budget, "return_token_ids": True,
+                    **({"num_speculative_tokens": 0} if plain else {})}
+            response = httpx.post(f"{client.base_url}chat/completions", json=body, timeout=60)
+            assert response.status_code == 200, response.text
+            answers.append(response.json()["choices"][0])
+        assert answers[0]["token_ids"] == answers[1]["token_ids"]
+        ids = answers[0]["token_ids"]
+        assert close in ids and ids.index(close) <= budget and (budget or ids[0] == close), ids
+        assert (answers[0]["message"].get("reasoning_content") is None) == (ids.index(close) == 0)

@@ -249,3 +249,22 @@ def test_a_target_whose_end_the_tokenizer_lacks_serves_no_grammars(tmp_path):
     vocabulary = folder_vocabulary(tmp_path, 151936, (151645,))
     matcher = GrammarMatcher.build(vocabulary, grammar_text(Constraint("regex", "a+", "t")))
     assert vocabulary.eos_tokens == [256] and matcher.words == 151936 // 32
+
+
+def test_a_thinking_end_lands_at_its_budget_speculative_as_plain(demo):
+    """thinking_end (budget, token): the token at output index budget unless it came before, greedy and sampled,
+    speculative and plain; greedy speculative output equal to plain."""
+    target, vocabulary, tokenizer, eos = demo
+    close = tokenizer.encode(":").ids[0]  # a stand-in for </think>: any token id
+    prompts = [tuple(tokenizer.encode(p).ids) for p in PROMPTS]
+    for sampling in (SamplingParams(), SamplingParams(1.0, 1.0, 0, 7)):
+        requests = [GenerationRequest(p, 12, sampling, (), thinking_end=(budget, close))
+                    for p in prompts for budget in (0, 3, 9)]
+        plain = SpeculativeEngine(target, None, max_requests=6, max_model_len=256).generate(requests)
+        spec = SpeculativeEngine(target, proposer_of(target, "dflash2", 6, max_model_len=256), max_requests=6,
+                                 max_model_len=256).generate(requests)
+        if sampling.greedy:  # sampled: speculation draws other numbers, so only the rule is compared
+            assert [r.token_ids for r in spec] == [r.token_ids for r in plain]
+        for request, result in zip(requests * 2, plain + spec):
+            budget = request.thinking_end[0]
+            assert close in result.token_ids[: budget + 1], (budget, result.token_ids)

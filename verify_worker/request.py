@@ -27,6 +27,8 @@ class GenerationRequest:
     prompt_logprobs: bool = False  # also for the prompt's tokens after the first
     min_tokens: int = 0  # no stop token is chosen before this many output tokens (their logits are masked)
     grammar: str | None = None  # an llguidance grammar the output obeys (shared/grammar.py), or None
+    thinking_end: tuple[int, int] | None = None  # (budget, token): that token at output index budget, unless
+    # it came before (a thinking section's end at its budget)
 
 
 class Status(Enum):

@@ -121,6 +121,7 @@ class VerifyServer:
                 tuple(message.prompt_ids), message.max_tokens, message.sampling, tuple(message.stop_token_ids),
                 message.num_speculative_tokens, request_id=message.request_id, logprobs=message.logprobs,
                 prompt_logprobs=message.prompt_logprobs, min_tokens=message.min_tokens, grammar=message.grammar,
+                thinking_end=tuple(message.thinking_end) if message.thinking_end else None,
             )
             if request.grammar is None:
                 self.engine.add(request)

@@ -57,6 +57,10 @@ class Admission:
         if not is_int64(least) or not 0 <= least <= request.max_tokens:
             raise RequestError(f"min_tokens must be an integer from 0 to max_tokens ({request.max_tokens}), "
                                f"got {least!r}")
+        end = request.thinking_end
+        if end is not None and not (len(end) == 2 and all(is_int64(v) for v in end) and end[0] >= 0
+                                    and 0 <= end[1] < vocab):
+            raise RequestError(f"thinking_end must be (a budget >= 0, a token id below {vocab}), got {end!r}")
         if not isinstance(request.sampling, SamplingParams):
             raise RequestError("sampling must be SamplingParams")
         top = request.logprobs

@@ -7,7 +7,7 @@ import torch
 from cuda_ext.verify.op import verify_block, verify_greedy
 from cuda_ext.verify.reference import DENSE, SPARSE
 from shared.sampling import batch_sampling_probs
-from verify_worker.engine.early_stops import mask_early_stops
+from verify_worker.engine.early_stops import mask_early_stops, mask_thinking_ends
 from verify_worker.engine.grammar_masks import mask_grammars
 from verify_worker.request import RequestState
 
@@ -19,7 +19,8 @@ def verify_block_rows(states: list[RequestState], drafts: torch.Tensor, counts: 
     None for a point mass); logits [b, n+1, vocab] (a constrained request's positions masked to its grammar, then
     the stop tokens before a request's min_tokens). Returns the accepted counts and next tokens."""
     b, n = drafts.shape
-    logits = mask_early_stops(states, mask_grammars(states, drafts, counts, logits))
+    logits = mask_grammars(states, drafts, counts, logits)
+    logits = mask_early_stops(states, mask_thinking_ends(states, drafts, counts, logits))
     num = torch.tensor(counts, device=device)
     sampled_rows = [r for r, s in enumerate(states) if not s.request.sampling.greedy]
     if not sampled_rows and n == 0:  # greedy plain decoding: the argmax (the kernel's rule, first of ties)
