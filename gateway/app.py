@@ -129,7 +129,7 @@ def create_app(settings: GatewaySettings, codec: TextCodec, log: logging.Logger 
         heartbeat = client.last_heartbeat
         return {"object": "list", "data": [{
             "id": settings.model_name, "object": "model", "created": 0, "owned_by": "dflash-serve",
-            "max_model_len": settings.max_model_len,
+            "root": settings.model_name, "parent": None, "max_model_len": settings.max_model_len,
             "drafter": {"kind": heartbeat.drafter_kind if heartbeat else "unknown",
                         "available": bool(heartbeat and heartbeat.drafter_available),
                         "license": settings.drafter_license},

@@ -276,7 +276,7 @@ def test_dflash_serve_serves_a_dflash2_drafter_and_says_so(tmp_path):
     try:
         server.wait_ready()
         models = httpx.get(f"{server.url}/v1/models", timeout=10).json()
-        assert models["data"][0]["drafter"] == {"kind": "dflash2", "available": True}
+        assert models["data"][0]["drafter"] == {"kind": "dflash2", "available": True, "license": None}
         body = {"model": "tiny", "prompt": "def f(x):", "max_tokens": 40, "temperature": 0, "return_token_ids": True}
         spec = httpx.post(f"{server.url}/v1/completions", json=body, timeout=60).json()
         plain = httpx.post(f"{server.url}/v1/completions", json={**body, "num_speculative_tokens": 0}, timeout=60).json()

@@ -1,5 +1,5 @@
 """A drafter's license as its model card or config names it (the GLM-5.3-Flash DFlash 2 drafter is published
-under CC BY-NC-ND 4.0: an operator must see it), shown in /v1/models."""
+under CC BY-NC-ND 4.0: an operator must see it), shown in /v1/models beside vLLM's model fields."""
 
 import asyncio
 import json
@@ -31,5 +31,7 @@ def test_v1_models_shows_it():
     try:
         model = TestClient(app).get("/v1/models").json()["data"][0]
         assert model["drafter"]["license"] == "cc-by-nc-nd-4.0" and model["max_model_len"] == 1024
+        assert {k: model[k] for k in ("id", "object", "owned_by", "root", "parent")} == {  # vLLM's fields
+            "id": "m", "object": "model", "owned_by": "dflash-serve", "root": "m", "parent": None}
     finally:
         asyncio.run(app.state.client.close())

@@ -158,34 +158,36 @@ def test_verify_worker_killed(models):
         server.stop()
 
 
-@pytest.mark.parametrize("choices", [{}, {"n": 3}, {"prompt": ["import os", "import sys"], "n": 2}],
-                         ids=["one", "n3", "batch2x2"])
-def test_client_disconnect_aborts_and_frees_the_cache(tmp_path, choices):
+def test_client_disconnect_aborts_and_frees_the_cache(tmp_path):
+    """One choice, three choices, and a batch of two prompts of two choices, one server: a client that goes away
+    mid-stream has every choice aborted and its cache freed, and the server serves on."""
     target, draft = write_server_models(tmp_path)
     (target / "tokenizer_config.json").write_text("{}")  # no end-of-text token: no choice ends before the abort
     server = Server(target, draft, log_dir=tmp_path)
+
+    def aborted() -> int:
+        return sum(" INFO aborted " in line for line in server.stderr_path.read_text().splitlines())
+
     try:
         server.wait_ready()
-        body = {"model": "tiny", "prompt": "import os", "max_tokens": 480, "temperature": 0, "stream": True,
-                **choices}
-        with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
-            assert response.status_code == 200
-            lines = response.iter_lines()
-            for _ in range(3):
-                next(lines)
-        count = choices.get("n", 1) * (len(choices["prompt"]) if "prompt" in choices else 1)
-
-        def aborted() -> int:
-            return sum(" INFO aborted " in line for line in server.stderr_path.read_text().splitlines())
-
-        deadline = time.monotonic() + 15
-        while time.monotonic() < deadline and aborted() < count:
-            time.sleep(0.1)
-        assert aborted() == count  # the verify worker dropped every choice, none ran on to max_tokens
-        time.sleep(0.6)  # the running gauge is refreshed by the worker's heartbeat (every 0.25 s)
-        assert metric_value(server.metrics("verify"), "dflash_running_requests") == 0
-        assert metric_value(server.metrics("gateway"), "dflash_requests_total", {"outcome": "aborted"}) == 1
-        assert completion_tokens(server.url, "ok", 4)["usage"]["completion_tokens"] == 4  # and serving on
+        expected = 0
+        for round_, choices in enumerate([{}, {"n": 3}, {"prompt": ["import os", "import sys"], "n": 2}], 1):
+            body = {"model": "tiny", "prompt": "import os", "max_tokens": 480, "temperature": 0, "stream": True,
+                    **choices}
+            with httpx.stream("POST", f"{server.url}/v1/completions", json=body, timeout=60) as response:
+                assert response.status_code == 200
+                lines = response.iter_lines()
+                for _ in range(3):
+                    next(lines)
+            expected += choices.get("n", 1) * (len(choices["prompt"]) if "prompt" in choices else 1)
+            deadline = time.monotonic() + 15
+            while time.monotonic() < deadline and aborted() < expected:
+                time.sleep(0.1)
+            assert aborted() == expected, choices  # the verify worker dropped every choice, none ran on
+            time.sleep(0.6)  # the running gauge is refreshed by the worker's heartbeat (every 0.25 s)
+            assert metric_value(server.metrics("verify"), "dflash_running_requests") == 0
+            assert metric_value(server.metrics("gateway"), "dflash_requests_total", {"outcome": "aborted"}) == round_
+            assert completion_tokens(server.url, "ok", 4)["usage"]["completion_tokens"] == 4  # and serving on
     finally:
         assert server.stop() == 0
 
@@ -214,51 +216,41 @@ def test_full_queue_gets_429_and_api_key_is_enforced(models):
         assert server.stop() == 0
 
 
-def test_bad_wire_messages_are_rejected_and_workers_keep_running(models):
-    target, draft, root = models
-    server = Server(target, draft, log_dir=root)
-    try:
-        server.wait_ready()
-        context = zmq.Context()
-        to_verify = context.socket(zmq.PUSH)
-        to_verify.connect(f"tcp://127.0.0.1:{server.zmq_base}")
-        to_drafter = context.socket(zmq.DEALER)
-        to_drafter.connect(f"tcp://127.0.0.1:{server.zmq_base + 2}")
-        bad = [
-            [msgpack.packb({"v": 99, "type": "submit", "body": {}, "tensors": []})],
-            [msgpack.packb({"v": SCHEMA_VERSION, "type": "submit", "body": {"request_id": "x"}, "tensors": []})],
-            [b"\x00\x01garbage"],
-        ]
-        for frames in bad:
-            to_verify.send_multipart(frames)
-            to_drafter.send_multipart(frames)
-        shapes = {"v": SCHEMA_VERSION, "type": "draft", "body": {"call_id": 1, "request_ids": ["a"], "context_starts": [0],
-                  "feature_rows": [3], "anchor_tokens": [1], "num_drafts": [2], "temperatures": [0.0],
-                  "top_ps": [1.0], "top_ks": [0], "seeds": [1]},
-                  "tensors": [{"field": "features", "dtype": "float32", "shape": [2, 4]}]}
-        to_drafter.send_multipart([msgpack.packb(shapes), b"\x00" * 32])
-        time.sleep(1.0)
-        assert metric_value(server.metrics("verify"), "dflash_bad_messages_total") == 3
-        assert metric_value(server.metrics("draft"), "dflash_bad_messages_total") == 4
-        assert completion_tokens(server.url, "ok", 10)["usage"]["speculative"]["draft_tokens"] > 0
-        context.destroy(linger=0)
-    finally:
-        assert server.stop() == 0
+def test_bad_wire_messages_are_rejected_and_workers_keep_running(default_server):
+    server, _ = default_server
+    verify_bad = metric_value(server.metrics("verify"), "dflash_bad_messages_total")
+    draft_bad = metric_value(server.metrics("draft"), "dflash_bad_messages_total")
+    context = zmq.Context()
+    to_verify = context.socket(zmq.PUSH)
+    to_verify.connect(f"tcp://127.0.0.1:{server.zmq_base}")
+    to_drafter = context.socket(zmq.DEALER)
+    to_drafter.connect(f"tcp://127.0.0.1:{server.zmq_base + 2}")
+    bad = [
+        [msgpack.packb({"v": 99, "type": "submit", "body": {}, "tensors": []})],
+        [msgpack.packb({"v": SCHEMA_VERSION, "type": "submit", "body": {"request_id": "x"}, "tensors": []})],
+        [b"\x00\x01garbage"],
+    ]
+    for frames in bad:
+        to_verify.send_multipart(frames)
+        to_drafter.send_multipart(frames)
+    shapes = {"v": SCHEMA_VERSION, "type": "draft", "body": {"call_id": 1, "request_ids": ["a"], "context_starts": [0],
+              "feature_rows": [3], "anchor_tokens": [1], "num_drafts": [2], "temperatures": [0.0],
+              "top_ps": [1.0], "top_ks": [0], "seeds": [1]},
+              "tensors": [{"field": "features", "dtype": "float32", "shape": [2, 4]}]}
+    to_drafter.send_multipart([msgpack.packb(shapes), b"\x00" * 32])
+    time.sleep(1.0)
+    assert metric_value(server.metrics("verify"), "dflash_bad_messages_total") == verify_bad + 3
+    assert metric_value(server.metrics("draft"), "dflash_bad_messages_total") == draft_bad + 4
+    assert completion_tokens(server.url, "ok", 10)["usage"]["completion_tokens"] == 10  # both serve on
+    assert metric_value(server.metrics("verify"), "dflash_drafter_available", {"kind": "dflash"}) == 1
+    context.destroy(linger=0)
 
 
-def test_sigterm_leaves_no_orphans(models):
-    target, draft, root = models
-    server = Server(target, draft, log_dir=root)
-    pids = [server.child_pid(role) for role in ("gateway", "verify", "draft")]
-    assert server.stop() == 0
-    time.sleep(0.5)
-    assert not any(process_alive(pid) for pid in pids)
-
-
-def test_sigterm_drains_the_streams_in_flight_and_refuses_new_ones(tmp_path):
+def test_sigterm_drains_the_streams_in_flight_refuses_new_ones_and_leaves_no_orphans(tmp_path):
     target, draft = write_server_models(tmp_path)
     (target / "tokenizer_config.json").write_text("{}")  # no end-of-text token: every stream runs to max_tokens
     server = Server(target, draft, "--shutdown-timeout", "60", log_dir=tmp_path)
+    pids = [server.child_pid(role) for role in ("gateway", "verify", "draft")]
     try:
         server.wait_ready()
         events = [threading.Event() for _ in range(16)]
@@ -280,6 +272,8 @@ def test_sigterm_drains_the_streams_in_flight_and_refuses_new_ones(tmp_path):
         for tokens, error, done in results:  # every stream in flight finished, none was cut
             assert error is None and done and len(tokens) == 480
         assert server.process.wait(60) == 0
+        time.sleep(0.5)
+        assert not any(process_alive(pid) for pid in pids)  # SIGTERM leaves no orphans
     finally:
         server.stop()
     print(f"drained 16 streams in {drained:.1f} s")  # before the drain (a 2 s cap) all 16 were cut here
