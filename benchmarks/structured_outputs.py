@@ -117,9 +117,10 @@ class RandomWalker:
 
 
 def draft_cost(vocabulary, grammars: list[str], vocab: int, drafts: int = 7, rounds: int = 20) -> None:
-    """What drafting under a grammar adds to a draft call at this vocabulary, per block of `drafts` positions: the
-    DFlash argmax and the DFlash 2 greedy walk (rank 256, 32 candidates) over random logits, so that every position
-    takes the whole mask (the drafter's own choice refused: the worst case). Medians over the schemas and rounds."""
+    """What drafting under a grammar takes of a draft call at this vocabulary, per block of `drafts` positions: the
+    DFlash argmax and the DFlash 2 greedy walk (rank 256, 32 candidates; its top-32 of each position included, which
+    an unconstrained walk computes too) over random logits, so that every position takes the whole mask (the
+    drafter's own choice refused: the worst case). Medians over the schemas and rounds."""
     from draft_worker.grammar_drafting import masked_drafts, token_chooser, walk_chooser
     from shared.grammar_matcher import CompiledGrammars
     from shared.sampling_params import SamplingParams
@@ -134,9 +135,10 @@ def draft_cost(vocabulary, grammars: list[str], vocab: int, drafts: int = 7, rou
             matcher = compiled.matcher(grammar)
             for _ in range(rounds):
                 logits = torch.randn(drafts, vocab, generator=generator)
+                projected = torch.randn(drafts, 256, generator=generator)
                 started = time.perf_counter()
                 choose = (token_chooser(SamplingParams(), None, None) if name == "DFlash argmax" else
-                          walk_chooser(walker, torch.randn(drafts, 256, generator=generator), logits, 0.0, None, 32))
+                          walk_chooser(walker, projected, logits, 0.0, None, 32))
                 result = masked_drafts(matcher, logits, drafts, 0, choose)
                 times.append(time.perf_counter() - started)
                 counts.append(len(result.tokens))
