@@ -146,8 +146,8 @@ def _tools(body: dict) -> dict:
     return out
 
 
-def message_of(message_id: str, model: str, answer: dict) -> dict:
-    """A chat completion (one choice) as an Anthropic message."""
+def message_of(message_id: str, model: str, answer: dict, stop_sequence: str | None = None) -> dict:
+    """A chat completion (one choice) as an Anthropic message; stop_sequence: the stop string that ended it."""
     choice, usage = answer["choices"][0], answer["usage"]
     chat = choice["message"]
     content = []
@@ -159,7 +159,8 @@ def message_of(message_id: str, model: str, answer: dict) -> dict:
         content.append({"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
                         "input": json.loads(call["function"]["arguments"] or "{}")})
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
-            "stop_reason": STOP_REASONS.get(choice["finish_reason"], "end_turn"), "stop_sequence": None,
+            "stop_reason": "stop_sequence" if stop_sequence else STOP_REASONS.get(choice["finish_reason"], "end_turn"),
+            "stop_sequence": stop_sequence,
             "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
 
 
@@ -218,8 +219,9 @@ class MessageEvents:
             out += self._close()
         return out
 
-    def stop(self, finish_reason: str | None, output_tokens: int) -> list[str]:
+    def stop(self, finish_reason: str | None, output_tokens: int, stop_sequence: str | None = None) -> list[str]:
+        reason = "stop_sequence" if stop_sequence else STOP_REASONS.get(finish_reason, "end_turn")
         return self._close() + [
-            event("message_delta", {"delta": {"stop_reason": STOP_REASONS.get(finish_reason, "end_turn"),
-                                              "stop_sequence": None}, "usage": {"output_tokens": output_tokens}}),
+            event("message_delta", {"delta": {"stop_reason": reason, "stop_sequence": stop_sequence},
+                                    "usage": {"output_tokens": output_tokens}}),
             event("message_stop", {})]

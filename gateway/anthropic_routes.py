@@ -70,7 +70,7 @@ def add_anthropic_routes(app: FastAPI, routes: AnthropicRoutes) -> None:
             return refused(exc)
         if isinstance(answer, Response):
             return answer
-        return message_of(message_id, params.model, answer)
+        return message_of(message_id, params.model, answer, choices.ordered[0].stops.matched)
 
     async def stream(choices, early, message_id: str, params):
         events = MessageEvents(params.model, len(params.prompts[0].ids))
@@ -80,12 +80,11 @@ def add_anthropic_routes(app: FastAPI, routes: AnthropicRoutes) -> None:
         finished = False
         try:
             yield events.start()
-            async for turn, delta, _ in choices.events(early):
-                final = turn.finish_reason is not None
-                for parts in reader.feed(delta, final) if reader.reads else ([{"content": delta}] if delta else []):
+            async for turn, delta, _, ended in choices.events(early):
+                for parts in reader.feed(delta, ended) if reader.reads else ([{"content": delta}] if delta else []):
                     for line in events.delta(parts):
                         yield line
-            for line in events.stop(reader.finish_reason(turn.finish_reason), len(turn.token_ids)):
+            for line in events.stop(reader.finish_reason(turn.finish_reason), len(turn.token_ids), turn.stops.matched):
                 yield line
             finished = True
             choices.finish("success")

@@ -111,17 +111,18 @@ class ChoiceSet:
         return early
 
     async def take(self, event):
-        """Absorb a token event into its choice: (turn, text delta, event), or None for a choice already ended."""
+        """Absorb a token event into its choice: (turn, text delta, event, whether the choice ended with it), or None
+        for a choice already ended (replayed items carry the flag: their turn may have ended since)."""
         turn = self.turns.get(event.request_id)
         if turn is None or turn.finish_reason is not None:
             return None  # a stop string ended this choice already; its late events are dropped
         delta = turn.absorb(event, self.metrics)
         if turn.finish_reason is not None and event.finish_reason is None:
             await self.client.abort(turn.request_id)  # a stop string ended it: stop the verify worker too
-        return turn, delta, event
+        return turn, delta, event, turn.finish_reason is not None
 
     async def events(self, early: list):
-        """Yields the early items, then (turn, text delta, event) until every choice has ended; raises Failed on
+        """Yields the early items, then (turn, text delta, event, ended) until every choice has ended; raises Failed on
         a failure event and Disconnected when the client went away."""
         for item in early:
             yield item

@@ -128,10 +128,10 @@ class Responses:
                     yield chunk(turn, self.echoed_prompt(turn.prompt), None, logprobs=prompt_logprobs(
                         turn.prompt.ids, turn.prompt_logprobs, codec, offsets[turn.request_id],
                         turn.prompt.text is not None) if wants_logprobs else None)
-            async for turn, delta, event in choices.events(early):
+            async for turn, delta, event, ended in choices.events(early):
                 reader = readers.get(turn.request_id)
                 if reader is not None:  # reasoning, content and whole calls; never a part of a tag in either
-                    for parts in reader.feed(delta, final=turn.finish_reason is not None):
+                    for parts in reader.feed(delta, final=ended):
                         yield chunk(turn, None, None, parts=parts)
                     if event.token_ids and (params.return_token_ids or wants_logprobs):
                         run = event_logprobs(event) if wants_logprobs else None
@@ -143,7 +143,7 @@ class Responses:
                     logprobs = None if run is None else chat_logprobs(run, codec) if chat else \
                         completion_logprobs(run, codec, offsets[turn.request_id])
                     yield chunk(turn, delta, None, token_ids=event.token_ids, logprobs=logprobs)
-                if turn.finish_reason is not None:
+                if ended:  # once per choice, after its last text
                     finish = turn.finish_reason if reader is None else reader.finish_reason(turn.finish_reason)
                     yield chunk(turn, None if chat else "", finish)
             if params.include_usage:

@@ -7,7 +7,7 @@ from collections.abc import Callable
 from fastapi import FastAPI, Request
 
 from gateway.request_bounds import RequestBounds
-from gateway.schemas import ApiError, parse_json, parse_messages, served_model_of
+from gateway.schemas import ApiError, parse_json, parse_messages, served_model_of, template_kwargs
 from gateway.tokenization import RenderedTooLong, TextCodec
 from gateway.tool_calls import tool_request
 
@@ -36,7 +36,8 @@ def add_token_routes(app: FastAPI, codec: TextCodec, bounds: RequestBounds, mode
             tools = tool_request(body)
             try:
                 text = codec.render_chat(parse_messages(body["messages"], bounds.context_tokens), bounds.text_chars,
-                                         tools=tools.raw if tools else None, add_generation_prompt=generation)
+                                         tools=tools.raw if tools else None, add_generation_prompt=generation,
+                                         template_kwargs=template_kwargs(body))
             except RenderedTooLong:
                 raise ApiError(400, f"the conversation through the chat template passes {bounds.text_chars} "
                                "characters", param="messages", code="context_length_exceeded") from None

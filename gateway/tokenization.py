@@ -196,12 +196,14 @@ class StopMatcher:
     def __init__(self, stops: list[str]):
         self.stops = [s for s in stops if s]
         self.held = ""
+        self.matched: str | None = None  # the stop string that ended the text
 
     def feed(self, delta: str) -> tuple[str, bool]:
         """Returns (text safe to emit, stopped)."""
         text = self.held + delta
-        cut = min((i for i in (text.find(s) for s in self.stops) if i >= 0), default=-1)
-        if cut >= 0:
+        found = [(text.find(s), s) for s in self.stops if text.find(s) >= 0]
+        if found:
+            cut, self.matched = min(found, key=lambda f: f[0])
             self.held = ""
             return text[:cut], True
         keep = 0

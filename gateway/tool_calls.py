@@ -64,14 +64,18 @@ def tool_request(body: dict) -> ToolRequest | None:
                            "with a "
                            "name of letters, digits, '_', '.', ':' or '-' (at most 128)", param="tools")
         parameters = function.get("parameters", {"type": "object"})
-        if not isinstance(parameters, dict):
-            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object", param="tools")
+        if not isinstance(parameters, dict) or not isinstance(parameters.get("properties", {}), dict) or not (
+                isinstance(parameters.get("required", []), list)
+                and all(isinstance(r, str) for r in parameters.get("required", []))):
+            raise ApiError(400, f"tools[{i}].function.parameters must be a JSON schema object (its properties an "
+                           "object, its required a list of names)", param="tools")
         specs.append(ToolSpec(name, parameters))
     if len({s.name for s in specs}) != len(specs):
         raise ApiError(400, "'tools' has two functions of the same name", param="tools")
     if choice is None or choice in ("none", "auto", "required"):
         return ToolRequest(tuple(specs), tools, choice or "auto", None, parallel)
-    named = choice.get("function", {}).get("name") if isinstance(choice, dict) else None
+    function = choice.get("function") if isinstance(choice, dict) else None
+    named = function.get("name") if isinstance(function, dict) else None
     if not (isinstance(choice, dict) and choice.get("type") == "function" and isinstance(named, str)):
         raise ApiError(400, "'tool_choice' must be \"none\", \"auto\", \"required\" or {\"type\": \"function\", "
                        "\"function\": {\"name\": ...}}", param="tool_choice")
@@ -80,14 +84,22 @@ def tool_request(body: dict) -> ToolRequest | None:
     return ToolRequest(tuple(specs), tools, "function", named, parallel)
 
 
-def _schema_types(schema: dict) -> set:
+def _schema_types(schema) -> set:
+    if not isinstance(schema, dict):  # a boolean schema (true: anything)
+        return set()
     kinds = schema.get("type")
     return set(kinds) if isinstance(kinds, list) else {kinds} if isinstance(kinds, str) else set()
 
 
-def _compact(schema: dict) -> str:
+def _compact(schema) -> str:
     """A schema as Lark's %json takes it, its JSON compact (no whitespace a model could repeat without end)."""
-    return json.dumps({**schema, "x-guidance": JSON_OPTIONS})
+    return json.dumps({**(schema if isinstance(schema, dict) else {}), "x-guidance": JSON_OPTIONS})
+
+
+def _definitions(schema: dict) -> dict:
+    """A schema's $defs / definitions, for a schema that embeds it (its #/$defs/... references resolve at the
+    root)."""
+    return {key: schema[key] for key in ("$defs", "definitions") if isinstance(schema.get(key), dict)}
 
 
 def _lark_string(text: str) -> str:
@@ -114,11 +126,18 @@ class HermesFormat:
         if not isinstance(call, dict) or not isinstance(call.get("name"), str):
             return None
         arguments = call.get("arguments", call.get("parameters", {}))
-        return call["name"], arguments if isinstance(arguments, str) else json.dumps(arguments, ensure_ascii=False)
+        if isinstance(arguments, str):  # arguments sent as JSON text: an object too, or this is no call
+            try:
+                arguments = json.loads(arguments)
+            except json.JSONDecodeError:
+                return None
+        if not isinstance(arguments, dict):
+            return None
+        return call["name"], json.dumps(arguments, ensure_ascii=False)
 
     def call_rule(self, tool: ToolSpec, tags: frozenset[str] = frozenset()) -> str:
         schema = {"type": "object", "properties": {"name": {"const": tool.name}, "arguments": tool.parameters},
-                  "required": ["name", "arguments"], "additionalProperties": False}
+                  "required": ["name", "arguments"], "additionalProperties": False, **_definitions(tool.parameters)}
         newline = _lark_string("\n")
         return (f"{lark_tag(self.start, tags)} {newline} %json {_compact(schema)} {newline} "
                 f"{lark_tag(self.end, tags)}")
@@ -165,7 +184,7 @@ class GlmFormat:
         required = set(tool.parameters.get("required") or [])
         for key, schema in properties.items():
             value = ('/[^<]*/' if "string" in _schema_types(schema) or not isinstance(schema, dict)
-                     else f"%json {_compact(schema)}")
+                     else f"%json {_compact({**schema, **_definitions(tool.parameters)})}")
             pair = f"{key_open} {_lark_string(key)} {key_close} {gap} {value_open} {value} {value_close} {gap}"
             pairs.append(pair if key in required else f"({pair})?")
         return (f"{lark_tag(self.start, tags)} {_lark_string(tool.name)} {gap} {' '.join(pairs)} "

@@ -108,3 +108,15 @@ def test_errors_come_in_anthropic_shape(server, client):
                           headers={"authorization": f"Bearer {KEY}"}, timeout=30)
     assert response.status_code == 400 and response.json()["error"]["type"] == "invalid_request_error"
     assert json.loads(response.text)["type"] == "error"
+
+
+def test_a_stop_sequence_is_named(client):
+    ask = dict(model="dflash-demo", max_tokens=40, extra_body={"temperature": 0},
+               messages=[{"role": "user", "content": "Write a Python function."}])
+    text = "".join(b.text for b in client.messages.create(**ask).content if b.type == "text")
+    stop = text[len(text) // 2: len(text) // 2 + 2]
+    message = client.messages.create(stop_sequences=[stop], **ask)
+    assert (message.stop_reason, message.stop_sequence) == ("stop_sequence", stop), message
+    with client.messages.stream(stop_sequences=[stop], **ask) as stream:
+        final = stream.get_final_message()
+    assert (final.stop_reason, final.stop_sequence) == ("stop_sequence", stop)

@@ -265,3 +265,25 @@ def test_tool_fields_that_are_wrong_get_a_400(server):
     body = {**body, "tool_choice": "required", "response_format": {"type": "json_object"}}
     response = httpx.post(f"{server}/v1/chat/completions", json=body, timeout=30)
     assert response.status_code == 400 and "both constrain" in response.json()["error"]["message"]
+
+
+def test_two_streamed_choices_each_end_once_with_their_call(server):
+    """n 2, streamed, a forced call: each choice sends its call whole and one finish chunk, "tool_calls" (the
+    first choice may end while the second has not yet started: its replayed events end it once)."""
+    body = {"model": "dflash-demo", "messages": MESSAGES, "tools": [WEATHER, CLOCK], "tool_choice": "required",
+            "parallel_tool_calls": False, "max_tokens": 80, "temperature": 1.0, "seed": 3, "n": 2, "stream": True}
+    finishes, calls = {0: [], 1: []}, {0: [], 1: []}
+    with httpx.stream("POST", f"{server}/v1/chat/completions", json=body, timeout=60) as response:
+        for line in response.iter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            for choice in json.loads(line[6:])["choices"]:
+                if choice["finish_reason"]:
+                    finishes[choice["index"]].append(choice["finish_reason"])
+                calls[choice["index"]] += choice["delta"].get("tool_calls") or []
+                assert not choice["delta"].get("content"), choice
+    assert finishes == {0: ["tool_calls"], 1: ["tool_calls"]}, finishes
+    for index in (0, 1):
+        (call,) = calls[index]
+        schema = {"get_weather": WEATHER, "get_time": CLOCK}[call["function"]["name"]]["function"]["parameters"]
+        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)

@@ -126,3 +126,40 @@ def test_a_forced_call_grammar_takes_calls_and_nothing_else(fmt, text):
         ids = TOKENIZER.encode(bad).ids
         assert new_matcher(vocabulary, grammar).validate_tokens(ids) < len(ids)
     assert forced_call_grammar(fmt, tool_request({"tools": TOOLS})) is None  # "auto" forces nothing
+
+
+@pytest.mark.parametrize("choice", [{"type": "function", "function": "get_time"}, {"type": "function", "function": None},
+                                    {"type": "function"}])
+def test_a_malformed_named_choice_is_a_400(choice):
+    with pytest.raises(ApiError) as caught:
+        tool_request({"tools": TOOLS, "tool_choice": choice})
+    assert caught.value.status == 400 and caught.value.param == "tool_choice"
+
+
+def test_arguments_that_are_no_object_are_no_call():
+    tools = tool_request({"tools": TOOLS})
+    for body in ('{"name": "get_time", "arguments": "oops"}', '{"name": "get_time", "arguments": [1]}',
+                 '{"name": "get_time", "arguments": null}'):
+        content, calls = parse_whole(HermesFormat(), tools, f"<tool_call>{body}</tool_call>")
+        assert calls == [] and body in content
+    content, calls = parse_whole(HermesFormat(), tools, '<tool_call>{"name": "get_time", "arguments": "{}"}</tool_call>')
+    assert content == "" and calls[0][1:] == ("get_time", "{}")
+
+
+def test_schemas_with_definitions_and_boolean_properties_force_calls():
+    vocabulary = folder_vocabulary(DEMO_DIR / "target", 4096, (0,))
+    parameters = {"type": "object", "$defs": {"Unit": {"enum": ["c", "f"]}},
+                  "properties": {"unit": {"$ref": "#/$defs/Unit"}, "note": True}, "required": ["unit"],
+                  "additionalProperties": False}
+    tools = tool_request({"tools": [{"type": "function", "function": {"name": "f", "parameters": parameters}}],
+                          "tool_choice": "required", "parallel_tool_calls": False})
+    for fmt, text in ((HermesFormat(), '<tool_call>\n{"name":"f","arguments":{"unit":"c"}}\n</tool_call>'),
+                      (GlmFormat(spaced=False), '<tool_call>f<arg_key>unit</arg_key><arg_value>"c"</arg_value>'
+                                                 '</tool_call>')):
+        grammar = llguidance.LLMatcher.grammar_from_lark(forced_call_grammar(fmt, tools))
+        ids = TOKENIZER.encode(text).ids
+        assert new_matcher(vocabulary, grammar).validate_tokens(ids) == len(ids), fmt.name
+    with pytest.raises(ApiError) as caught:
+        tool_request({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
+            "type": "object", "properties": ["x"]}}}]})
+    assert caught.value.param == "tools"
