@@ -15,17 +15,19 @@ from gateway.tool_calls import tool_request
 def add_token_routes(app: FastAPI, codec: TextCodec, bounds: RequestBounds, model_name: str, max_model_len: int,
                      vocab_size: int, authorize: Callable[[Request], None]) -> None:
 
-    def needs_tokenizer() -> None:
-        if not codec.has_tokenizer:
-            raise ApiError(400, "this server has no tokenizer (the target folder has no tokenizer.json)",
-                           param="prompt")
-
-    @app.post("/tokenize")
-    async def tokenize(request: Request):
+    async def read(request: Request) -> dict:
+        """The body of an authorized request for the served model, on a server with a tokenizer."""
         authorize(request)
         body = parse_json(await bounds.read_body(request))
         served_model_of(body, model_name)
-        needs_tokenizer()
+        if not codec.has_tokenizer:
+            raise ApiError(400, "this server has no tokenizer (the target folder has no tokenizer.json)",
+                           param="prompt")
+        return body
+
+    @app.post("/tokenize")
+    async def tokenize(request: Request):
+        body = await read(request)
         strings = body.get("return_token_strs", False)
         if not isinstance(strings, bool):
             raise ApiError(400, "'return_token_strs' must be a boolean", param="return_token_strs")
@@ -54,10 +56,7 @@ def add_token_routes(app: FastAPI, codec: TextCodec, bounds: RequestBounds, mode
 
     @app.post("/detokenize")
     async def detokenize(request: Request):
-        authorize(request)
-        body = parse_json(await bounds.read_body(request))
-        served_model_of(body, model_name)
-        needs_tokenizer()
+        body = await read(request)
         ids = body.get("tokens")
         if not isinstance(ids, list) or not all(isinstance(i, int) and not isinstance(i, bool) and 0 <= i < vocab_size
                                                 for i in ids):

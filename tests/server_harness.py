@@ -1,5 +1,6 @@
 """Starts a real dflash-serve (three processes) on loopback with tiny random checkpoints, for end-to-end tests."""
 
+import contextlib
 import json
 import random
 import socket
@@ -135,3 +136,21 @@ def metric_value(text: str, name: str, labels: dict | None = None) -> float:
             if sample.name == name and all(sample.labels.get(k) == v for k, v in (labels or {}).items()):
                 total += sample.value
     return total
+
+
+@contextlib.contextmanager
+def demo_server(log: Path, *flags: str):
+    """dflash-serve on the embedded demo pair with its default flags (only its ports set, and `flags`), its
+    stderr in `log`: yields its URL once it says it is ready."""
+    base = free_port_block(8)
+    command = [sys.executable, "-m", "gateway.launcher", "--port", str(base), "--zmq-base-port", str(base + 1),
+               "--metrics-base-port", str(base + 4), "--tp-master-port", str(base + 6), "--feature-pair-port",
+               str(base + 7), *flags]
+    with open(log, "w") as stderr:
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
+        try:
+            if not process.stdout.readline().startswith("dflash-serve ready"):
+                raise RuntimeError(f"dflash-serve did not start: {log.read_text()[-3000:]}")
+            yield f"http://127.0.0.1:{base}"
+        finally:
+            stop_process(process, 30)

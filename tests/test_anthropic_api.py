@@ -5,15 +5,12 @@ cache_control, thinking blocks with signatures, metadata) answered; an image ref
 Anthropic's error shape."""
 
 import json
-import sys
 
 import anthropic
 import httpx
 import jsonschema
 import pytest
-from server_harness import free_port_block
-
-from processes import stop_process
+from server_harness import demo_server
 
 KEY = "sk-test-key"
 WEATHER = {"name": "get_weather", "description": "The weather in a city.", "input_schema": {
@@ -23,20 +20,8 @@ WEATHER = {"name": "get_weather", "description": "The weather in a city.", "inpu
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory):
-    import subprocess
-
-    base = free_port_block(8)
-    command = [sys.executable, "-m", "gateway.launcher", "--port", str(base), "--zmq-base-port", str(base + 1),
-               "--metrics-base-port", str(base + 4), "--tp-master-port", str(base + 6), "--feature-pair-port",
-               str(base + 7), "--api-key", KEY]
-    log = tmp_path_factory.mktemp("anthropic") / "serve.log"
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        if not process.stdout.readline().startswith("dflash-serve ready"):
-            stop_process(process, 30)
-            raise RuntimeError(f"dflash-serve did not start: {log.read_text()[-3000:]}")
-        yield f"http://127.0.0.1:{base}"
-        stop_process(process, 30)
+    with demo_server(tmp_path_factory.mktemp("anthropic") / "serve.log", "--api-key", KEY) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")

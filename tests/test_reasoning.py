@@ -7,25 +7,13 @@ ever reaches either field."""
 import json
 
 import pytest
-from tokenizers import Tokenizer
+from test_tool_calls import pieces
 
 from gateway.reasoning import ReasoningSplit, opens_thinking, reasoning_parser_on, split_whole
 from gateway.responses import ChatReader
 from gateway.schemas import GenerationParams
 from gateway.tool_calls import GlmFormat, tool_request
-from shared.demo_models import DEMO_DIR
 
-TOKENIZER = Tokenizer.from_file(str(DEMO_DIR / "target" / "tokenizer.json"))
-
-
-def pieces(text: str, tokens_a_step: int) -> list[str]:
-    ids = TOKENIZER.encode(text).ids
-    out, sent = [], ""
-    for end in range(tokens_a_step, len(ids) + tokens_a_step, tokens_a_step):
-        whole = TOKENIZER.decode(ids[:end])
-        out.append(whole[len(sent):])
-        sent = whole
-    return out
 
 
 CASES = [  # (the prompt left <think> open, the answer, reasoning, content)

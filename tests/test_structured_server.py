@@ -4,8 +4,6 @@ other constraint forms; bad constraints and a schema bomb get a 400 in bounded t
 is identical to its solo run; a tool-call loop whose calls tool_choice forces with a grammar."""
 
 import json
-import subprocess
-import sys
 import threading
 import time
 
@@ -13,10 +11,8 @@ import httpx
 import jsonschema
 import openai
 import pytest
-from server_harness import free_port_block
+from server_harness import demo_server
 from structured_schemas import SCHEMAS
-
-from processes import stop_process
 
 MESSAGES = [{"role": "user", "content": "Answer in JSON."}]
 
@@ -28,19 +24,8 @@ def server_log(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def server(server_log):
-    base = free_port_block(8)
-    command = [sys.executable, "-m", "gateway.launcher", "--port", str(base), "--zmq-base-port", str(base + 1),
-               "--metrics-base-port", str(base + 4), "--tp-master-port", str(base + 6), "--feature-pair-port",
-               str(base + 7)]
-    log = server_log
-    with open(log, "w") as stderr:
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr, text=True)
-        line = process.stdout.readline()
-        if not line.startswith("dflash-serve ready"):
-            stop_process(process, 30)
-            raise RuntimeError(f"dflash-serve did not start: {log.read_text()[-3000:]}")
-        yield f"http://127.0.0.1:{base}"
-        stop_process(process, 30)
+    with demo_server(server_log) as url:
+        yield url
 
 
 @pytest.fixture(scope="module")
