@@ -36,6 +36,7 @@ from replay_proposer import ReplayProposer  # noqa: E402
 from draft_worker.draft_checkpoint import random_drafter  # noqa: E402
 from draft_worker.local_proposer import LocalProposer  # noqa: E402
 from shared.draft_config import DFlash2Settings, DraftConfig  # noqa: E402
+from shared.generation_request import GenerationRequest  # noqa: E402
 from verify_worker.cuda_graph_step import CudaGraphStep, StepShape  # noqa: E402
 from verify_worker.engine import SpeculativeEngine  # noqa: E402
 from verify_worker.families.common.kernel_set import TorchKernels, TritonKernels, use_kernels  # noqa: E402
@@ -43,7 +44,6 @@ from verify_worker.families.common.moe import RoutedExperts  # noqa: E402
 from verify_worker.families.registry import family_for  # noqa: E402
 from verify_worker.parallel.group import TensorParallel  # noqa: E402
 from verify_worker.families.interface import StepBatch  # noqa: E402
-from verify_worker.request import GenerationRequest  # noqa: E402
 
 GLM5 = {  # GLM-5.3-Flash's text config (../shared/docs/glm-targets.md section 0), the layer count set per run
     "vocab_size": 154880, "hidden_size": 4096, "num_attention_heads": 64, "num_key_value_heads": 64,

@@ -27,18 +27,18 @@ sys.path.insert(0, str(ROOT / "tests"))
 
 from structured_schemas import SCHEMAS  # noqa: E402
 
-from draft_worker.draft_checkpoint import load_drafter  # noqa: E402
 from draft_worker import local_proposer  # noqa: E402
+from draft_worker.draft_checkpoint import load_drafter  # noqa: E402
 from draft_worker.local_proposer import LocalProposer  # noqa: E402
 from gateway.schemas import ApiError  # noqa: E402
 from gateway.structured_outputs import Constraint, GrammarCompiler, grammar_text  # noqa: E402
 from shared.config_json import read_config  # noqa: E402
 from shared.demo_models import DEMO_DIR  # noqa: E402
+from shared.generation_request import GenerationRequest  # noqa: E402
 from shared.grammar import folder_vocabulary  # noqa: E402
 from shared.target_facts import TargetFacts  # noqa: E402
 from verify_worker.engine import SpeculativeEngine  # noqa: E402
 from verify_worker.engine import core, output, verify_inputs  # noqa: E402
-from verify_worker.request import GenerationRequest  # noqa: E402
 from verify_worker.spec_policy import AdaptiveSpeculation  # noqa: E402
 from verify_worker.target_loader import load_target  # noqa: E402
 

@@ -169,7 +169,7 @@ def event(name: str, data: dict) -> str:
 
 
 class MessageEvents:
-    """A chat choice's deltas (responses.ChatReader's: reasoning_content, content, whole tool calls) as Anthropic's
+    """A chat choice's deltas (responses.ChatReader's: reasoning_content, content, tool calls in pieces) as Anthropic's
     event sequence: message_start, then per content block its start, deltas and stop, then message_delta and
     message_stop."""
 
@@ -211,12 +211,13 @@ class MessageEvents:
                 out += self._block("text", {"type": "text", "text": ""})
             out.append(event("content_block_delta", {"index": self.index, "delta": {
                 "type": "text_delta", "text": parts["content"]}}))
-        for call in parts.get("tool_calls") or []:
-            out += self._block("tool_use", {"type": "tool_use", "id": call["id"], "name": call["function"]["name"],
-                                            "input": {}})
-            out.append(event("content_block_delta", {"index": self.index, "delta": {
-                "type": "input_json_delta", "partial_json": call["function"]["arguments"]}}))
-            out += self._close()
+        for call in parts.get("tool_calls") or []:  # a call's start (its id), then its arguments in pieces
+            if "id" in call:
+                out += self._block("tool_use", {"type": "tool_use", "id": call["id"],
+                                                "name": call["function"]["name"], "input": {}})
+            if call["function"].get("arguments"):
+                out.append(event("content_block_delta", {"index": self.index, "delta": {
+                    "type": "input_json_delta", "partial_json": call["function"]["arguments"]}}))
         return out
 
     def stop(self, finish_reason: str | None, output_tokens: int, stop_sequence: str | None = None) -> list[str]:

@@ -17,7 +17,7 @@ def chat_grammar(params: GenerationParams, constraint: Constraint | None, call_f
     - A forced call (tool_choice "required" or named) in the model's format; with a response format: a 400.
     - Where the prompt left a thinking section open (params.thinking), a forced call or a JSON answer comes after
       the section is closed: at once, or, with params.thinking_budget, after free thinking (the verify worker
-      forces </think> at the budget: SubmitRequest.thinking_end). A regex, choice or grammar constraint applies
+      forces </think> at the budget: GenerationRequest.thinking_end). A regex, choice or grammar constraint applies
       from the first token instead, and the answer is not split (with a budget: a 400).
     """
     calls = forced_calls(call_format, params.tools, tags) if params.tools is not None else None

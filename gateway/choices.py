@@ -3,7 +3,9 @@ submitting them, taking their events in arrival order, and letting them go (abor
 listening, count the request once)."""
 
 import asyncio
+import logging
 import time
+from collections.abc import AsyncIterator, Callable
 
 from fastapi import Request
 
@@ -12,9 +14,10 @@ from gateway.schemas import ApiError, GenerationParams
 from gateway.tokenization import StopMatcher, TextCodec
 from gateway.turn import Turn
 from gateway.verify_client import UnencodableRequest, VerifyClient
-from shared.channel_gateway import RequestFailed, SubmitRequest
+from shared.channel_gateway import RequestFailed
+from shared.generation_request import GenerationRequest
 
-# SubmitRequest fields named differently in the request (None: set by the server, not by the client)
+# GenerationRequest fields named differently in the request (None: set by the server, not by the client)
 SUBMIT_FIELD_PARAMS = {"prompt_ids": "prompt", "prompt_logprobs": "echo", "request_id": None}
 
 
@@ -54,7 +57,7 @@ class ChoiceSet:
     def ordered(self) -> list[Turn]:
         return sorted(self.turns.values(), key=lambda t: t.index)
 
-    async def submit(self, messages: list[SubmitRequest], codec: TextCodec) -> None:
+    async def submit(self, messages: list[GenerationRequest], codec: TextCodec) -> None:
         """Send every choice; if one cannot be sent, those already sent are released and the request fails with
         the HTTP error that says why (503: the worker is gone; 400: a value the wire cannot carry)."""
         params = self.params
@@ -143,3 +146,35 @@ class ChoiceSet:
             self.metrics.generation_tokens.inc(len(turn.token_ids))
         self.metrics.requests.labels(outcome).inc()
         self.metrics.e2e.observe(time.monotonic() - min(turn.started for turn in self.turns.values()))
+
+    async def guarded(self, lines: AsyncIterator[str], error_lines: Callable[[int, str, str], list[str]],
+                      log: logging.Logger, name: str) -> AsyncIterator[str]:
+        """A response stream's lines, its choices finished after the last; a failed choice ends it with
+        error_lines(status, message, code) (503), a bug with a 500's, never a reset connection; a client that
+        went away releases the choices."""
+        finished = False
+        try:
+            async for line in lines:
+                yield line
+            finished = True
+            self.finish("success")
+        except Failed as failed:
+            finished = True
+            await self.abort_unfinished()
+            self.finish("error")
+            for line in error_lines(503, failed.event.message, failed.event.code):
+                yield line
+        except Disconnected:
+            finished = True
+            await self.release()
+        except Exception:  # a bug here must end this stream with an error event, not a reset connection
+            finished = True
+            log.exception("stream %s failed", name)
+            await self.release()
+            self.finish("error")
+            for line in error_lines(500, "internal server error", "internal"):
+                yield line
+        finally:
+            if not finished:  # the client went away while we were sending
+                await self.release()
+                self.metrics.requests.labels("aborted").inc()

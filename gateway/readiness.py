@@ -7,7 +7,8 @@ import uuid
 from dataclasses import dataclass
 
 from gateway.verify_client import VerifyClient
-from shared.channel_gateway import RequestFailed, SubmitRequest
+from shared.channel_gateway import RequestFailed
+from shared.generation_request import GenerationRequest
 from shared.sampling_params import SamplingParams
 
 
@@ -34,8 +35,8 @@ class ReadinessProbe:
                 probe.detail = "the verify worker is not responding"
                 continue
             request_id = f"probe-{uuid.uuid4().hex}"
-            message = SubmitRequest(request_id=request_id, prompt_ids=[0], max_tokens=3,
-                                    sampling=SamplingParams(seed=0), stop_token_ids=[], num_speculative_tokens=1)
+            message = GenerationRequest((0,), 3, SamplingParams(seed=0), num_speculative_tokens=1,
+                                        request_id=request_id)
             try:
                 queue = await client.submit(message)
                 while True:

@@ -7,7 +7,7 @@ import copy
 from dataclasses import dataclass
 from typing import Any
 
-from shared.channel_gateway import MAX_TOP_LOGPROBS
+from shared.generation_request import MAX_TOP_LOGPROBS
 from shared.request_limits import INT64_MAX, INT64_MIN, MIN_TEMPERATURE
 
 MAX_STOP_STRINGS = 4
@@ -146,6 +146,9 @@ FIELDS = (
     integer("num_speculative_tokens", "Draft tokens per verify step at most (default and cap: the drafter's block "
             "size - 1); 0 is plain decoding (extension).", minimum=0),
     boolean("return_token_ids", "Include the generated token ids in each choice or chunk (extension)."),
+    boolean("return_meta_info", "Include each choice's speculation counts in SGLang's meta_info form "
+            "(spec_verify_ct, spec_draft_token_num, spec_accept_token_num, spec_accept_rate, spec_accept_length, "
+            "completion_tokens): in the choice, or streamed in the choice's last chunk (extension, as SGLang)."),
     integer("logprobs", "Each token's log-probability and those of its k most likely alternatives.",
             minimum=0, maximum=MAX_TOP_LOGPROBS, endpoints=(COMPLETIONS,)),
     boolean("echo", "Put the prompt before the completion, in the text and in the log-probabilities.",

@@ -12,8 +12,8 @@ from gateway.logprobs import TextOffsets, chat_logprobs, completion_logprobs, jo
 from gateway.schemas import ApiError, Prompt
 from gateway.tokenization import TextCodec
 from gateway.reasoning import ReasoningSplit
-from gateway.tool_calls import ToolCallStream
-from gateway.turn import Turn, event_logprobs, usage
+from gateway.tool_call_stream import ToolCallStream
+from gateway.turn import Turn, event_logprobs, meta_info, usage
 
 
 class Responses:
@@ -32,12 +32,13 @@ class Responses:
         deltas = reader.feed(turn.text, final=True)
         reasoning = "".join(d.get("reasoning_content", "") for d in deltas)
         content = "".join(d.get("content", "") for d in deltas)
-        calls = [call for d in deltas for call in d.get("tool_calls", [])]
+        calls = [{"id": call_id, "type": "function", "function": {"name": name, "arguments": arguments}}
+                 for call_id, name, arguments in (reader.calls.call_list if reader.calls else [])]
         message = {"role": "assistant", "content": content or (None if calls else "")}
         if reader.split is not None:
             message["reasoning_content"] = reasoning or None
         if calls:
-            message["tool_calls"] = [{key: call[key] for key in ("id", "type", "function")} for call in calls]
+            message["tool_calls"] = calls
         return message, reader.finish_reason(turn.finish_reason)
 
     def echoed_prompt(self, prompt: Prompt) -> str:
@@ -59,6 +60,8 @@ class Responses:
             choice["logprobs"] = joined(*parts) if parts else None
         if turn.params.return_token_ids or not self.codec.has_tokenizer:  # without a tokenizer, ids are the output
             choice["token_ids"] = turn.token_ids
+        if turn.params.return_meta_info:
+            choice["meta_info"] = meta_info(turn)
         if chat:
             choice["message"], choice["finish_reason"] = self.message_of(turn)
         else:
@@ -112,14 +115,15 @@ class Responses:
                 choice = {"index": turn.index, "text": delta or "", "finish_reason": finish, "logprobs": logprobs}
             if params.return_token_ids or not codec.has_tokenizer:
                 choice["token_ids"] = token_ids or []
+            if params.return_meta_info and finish is not None:
+                choice["meta_info"] = meta_info(turn)
             payload = {"id": response_id, "object": kind, "created": created, "model": self.model_name,
                        "choices": [choice]}
             if params.include_usage:
                 payload["usage"] = None
             return f"data: {json.dumps(payload)}\n\n"
 
-        finished = False
-        try:
+        async def lines():
             wants_logprobs = params.logprobs is not None
             for turn in ordered:  # every choice was heard from: its prompt's log-probabilities are in
                 if chat:
@@ -130,7 +134,7 @@ class Responses:
                         turn.prompt.text is not None) if wants_logprobs else None)
             async for turn, delta, event, ended in choices.events(early):
                 reader = readers.get(turn.request_id)
-                if reader is not None:  # reasoning, content and whole calls; never a part of a tag in either
+                if reader is not None:  # reasoning, content and calls; never a part of a tag in either
                     for parts in reader.feed(delta, final=ended):
                         yield chunk(turn, None, None, parts=parts)
                     if event.token_ids and (params.return_token_ids or wants_logprobs):
@@ -151,36 +155,20 @@ class Responses:
                         "choices": [], "usage": usage(ordered)}
                 yield f"data: {json.dumps(body)}\n\n"
             yield "data: [DONE]\n\n"
-            finished = True
-            choices.finish("success")
-        except Failed as failed:
-            finished = True
-            await choices.abort_unfinished()
-            choices.finish("error")
-            error = ApiError(503, failed.event.message, kind="server_error", code=failed.event.code).body()
-            yield f"data: {json.dumps(error)}\n\n"
-            yield "data: [DONE]\n\n"
-        except Disconnected:
-            finished = True
-            await choices.release()
-        except Exception:  # a bug here must end this stream with an error event, not a reset connection
-            finished = True
-            self.log.exception("stream %s failed", response_id)
-            await choices.release()
-            choices.finish("error")
-            error = ApiError(500, "internal server error", kind="server_error", code="internal").body()
-            yield f"data: {json.dumps(error)}\n\n"
-            yield "data: [DONE]\n\n"
-        finally:
-            if not finished:  # the client went away while we were sending
-                await choices.release()
-                choices.metrics.requests.labels("aborted").inc()
+
+        def error_lines(status: int, message: str, code: str) -> list[str]:
+            error = ApiError(status, message, kind="server_error", code=code).body()
+            return [f"data: {json.dumps(error)}\n\n", "data: [DONE]\n\n"]
+
+        async for line in choices.guarded(lines(), error_lines, self.log, response_id):
+            yield line
 
 
 class ChatReader:
     """A chat choice's text, piece by piece, as the deltas of its message: reasoning_content (where answers are
-    split: reasoning.py), content, and whole tool calls read from the content (where the request's tools are read:
-    tool_calls.py); a <tool_call> inside the reasoning stays reasoning."""
+    split: reasoning.py), content, and tool calls read from the content (where the request's tools are read:
+    tool_call_stream.py; a call's start, then its arguments in pieces); a <tool_call> inside the reasoning stays
+    reasoning."""
 
     def __init__(self, turn: Turn, call_format):
         params = turn.params

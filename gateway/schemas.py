@@ -54,6 +54,7 @@ class GenerationParams:
     stop: list[str]
     num_speculative_tokens: int | None
     return_token_ids: bool = False  # extension: include the generated token ids in the response
+    return_meta_info: bool = False  # extension (SGLang's): each choice's speculation counts (turn.meta_info)
     logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
     echo: bool = False  # completions: the prompt leads the text (and the logprobs, when asked for)
     n: int = 1
@@ -265,6 +266,7 @@ def parse_common(body: dict, served_model: str, vocab_size: int, endpoint: str) 
         stop=stop,
         num_speculative_tokens=field_value(body, fields["num_speculative_tokens"]),
         return_token_ids=field_value(body, fields["return_token_ids"]),
+        return_meta_info=field_value(body, fields["return_meta_info"]),
         n=n,
         ignore_eos=field_value(body, fields["ignore_eos"]),
         min_tokens=field_value(body, fields["min_tokens"]),

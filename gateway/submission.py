@@ -1,11 +1,12 @@
-"""From a parsed request to the verify worker's messages: each prompt checked against the vocabulary and the
-context (its max_tokens decided), then one SubmitRequest per choice. Pure functions."""
+"""From a parsed request to the verify worker's requests: one GenerationRequest per choice, its max_tokens decided
+where the client left it out, checked against the model (shared/generation_request.check_request, the check the
+engine runs too). Pure functions."""
 
 from dataclasses import dataclass
 
 from gateway.schemas import ApiError, GenerationParams, Prompt, choice_seed
-from shared.channel_gateway import SubmitRequest
 from shared.errors import RequestError
+from shared.generation_request import GenerationRequest, ModelBounds, check_request
 from shared.sampling_params import SamplingParams
 
 
@@ -15,49 +16,41 @@ class ModelLimits:
     max_model_len: int
     default_max_tokens: int
 
+    @property
+    def bounds(self) -> ModelBounds:
+        return ModelBounds(self.vocab_size, self.max_model_len)
+
 
 def max_tokens_for(params: GenerationParams, prompt: Prompt, limits: ModelLimits) -> int:
-    """The prompt's checks against the vocabulary and the context; returns its max_tokens."""
-    prompt_len = len(prompt.ids)
-    if prompt_len == 0:
-        raise ApiError(400, "the prompt is empty", param="prompt")
-    bad = next((t for t in prompt.ids if not 0 <= t < limits.vocab_size), None)
-    if bad is not None:
-        raise ApiError(400, f"prompt token id {bad} is outside the vocabulary (size {limits.vocab_size})",
-                       param="prompt")
-    room = limits.max_model_len - prompt_len
-    if room < (0 if params.max_tokens == 0 else 1):  # scoring a prompt (echo, max_tokens 0) needs no room
-        raise ApiError(400, f"the prompt has {prompt_len} tokens; this model's context is "
-                       f"{limits.max_model_len} tokens", param="prompt", code="context_length_exceeded")
-    if params.max_tokens is not None and params.max_tokens > room:
-        raise ApiError(400, f"max_tokens ({params.max_tokens}) plus the prompt ({prompt_len} tokens) exceeds "
-                       f"this model's context of {limits.max_model_len} tokens", param="max_tokens",
-                       code="context_length_exceeded")
-    limit = min(limits.default_max_tokens, room) if params.max_tokens is None else params.max_tokens
-    if params.min_tokens > limit:
-        raise ApiError(400, f"min_tokens ({params.min_tokens}) exceeds max_tokens ({limit}"
-                       f"{', the default within the context' if params.max_tokens is None else ''})",
-                       param="min_tokens")
-    return limit
+    """The client's max_tokens, else the server's default within the room the prompt leaves (at least 1: a
+    prompt that fills the context is then refused by the check, naming the prompt)."""
+    if params.max_tokens is not None:
+        return params.max_tokens
+    return min(limits.default_max_tokens, max(limits.max_model_len - len(prompt.ids), 1))
 
 
-def submit_messages(params: GenerationParams, limits: list[int], base: str, count: int,
-                    eos_token_ids: tuple[int, ...]) -> list[SubmitRequest]:
-    """One verify-worker request per choice, in choice order (index = prompt index * n + j)."""
-    stop_ids = list(dict.fromkeys(([] if params.ignore_eos else list(eos_token_ids)) + params.stop_token_ids))
-    messages = []
-    for prompt_index, (prompt, limit) in enumerate(zip(params.prompts, limits)):
-        for j in range(params.n):
-            index = prompt_index * params.n + j
-            try:
+def generation_requests(params: GenerationParams, limits: ModelLimits, base: str,
+                        eos_token_ids: tuple[int, ...]) -> list[GenerationRequest]:
+    """One checked verify-worker request per choice, in choice order (index = prompt index * n + j); an ApiError
+    (400, naming the field) for the first value the model cannot serve."""
+    count = len(params.prompts) * params.n
+    stop_ids = tuple(dict.fromkeys(([] if params.ignore_eos else list(eos_token_ids)) + params.stop_token_ids))
+    requests = []
+    try:
+        for prompt_index, prompt in enumerate(params.prompts):
+            limit = max_tokens_for(params, prompt, limits)
+            for j in range(params.n):
+                index = prompt_index * params.n + j
                 sampling = SamplingParams(params.temperature, params.top_p, params.top_k,
                                           choice_seed(params.seed, index, count))
-            except RequestError as exc:
-                raise ApiError(400, str(exc)) from None
-            messages.append(SubmitRequest(
-                request_id=base if count == 1 else f"{base}-{index}", prompt_ids=prompt.ids, max_tokens=limit,
-                sampling=sampling, stop_token_ids=stop_ids, min_tokens=params.min_tokens,
-                num_speculative_tokens=params.num_speculative_tokens, logprobs=params.logprobs,
-                prompt_logprobs=params.echo and params.logprobs is not None, grammar=params.grammar,
-                thinking_end=params.thinking_end))
-    return messages
+                request = GenerationRequest(
+                    tuple(prompt.ids), limit, sampling, stop_ids, params.num_speculative_tokens,
+                    request_id=base if count == 1 else f"{base}-{index}", logprobs=params.logprobs,
+                    prompt_logprobs=params.echo and params.logprobs is not None, min_tokens=params.min_tokens,
+                    grammar=params.grammar, thinking_end=tuple(params.thinking_end) if params.thinking_end else None)
+                if j == 0:  # the choices of one prompt differ only in their seeds, checked as they are built
+                    check_request(request, limits.bounds)
+                requests.append(request)
+    except RequestError as exc:
+        raise ApiError(400, str(exc), param=exc.param, code=exc.code) from None
+    return requests

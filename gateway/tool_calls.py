@@ -1,16 +1,14 @@
 """Tool calls in a chat completion: the request's tools and tool_choice, the model's call formats (hermes/Qwen3
-JSON and GLM's <arg_key>/<arg_value> form), a stream parser that turns generated text into content and calls
-whatever number of characters each step delivers, and the grammar that forces a call where tool_choice asks for
-one. Pure text: no torch, no tokens."""
+JSON and GLM's <arg_key>/<arg_value> form: a whole call's parse, and the grammar that forces a call where
+tool_choice asks for one). The stream reader is tool_call_stream.py. Pure text: no torch, no tokens."""
 
 import json
 import re
-import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 from gateway.schemas import ApiError
 from gateway.structured_outputs import JSON_OPTIONS
-from gateway.text_tags import partial_tag_suffix
+
 
 @dataclass(frozen=True)
 class ToolSpec:
@@ -84,11 +82,10 @@ def tool_request(body: dict) -> ToolRequest | None:
     return ToolRequest(tuple(specs), tools, "function", named, parallel)
 
 
-def _schema_types(schema) -> set:
-    if not isinstance(schema, dict):  # a boolean schema (true: anything)
-        return set()
-    kinds = schema.get("type")
-    return set(kinds) if isinstance(kinds, list) else {kinds} if isinstance(kinds, str) else set()
+def schema_says_string(schema) -> bool:
+    """Whether a property's schema allows a string (its value is then written raw in GLM's format)."""
+    kinds = schema.get("type") if isinstance(schema, dict) else None  # a boolean schema (true: anything)
+    return "string" in (kinds if isinstance(kinds, list) else [kinds])
 
 
 def _compact(schema) -> str:
@@ -165,8 +162,7 @@ class GlmFormat:
         arguments = {}
         for key, raw in self.PAIR.findall(body):
             key = key.strip()
-            schema = properties.get(key, {}) if isinstance(properties.get(key), dict) else {}
-            if "string" in _schema_types(schema):
+            if schema_says_string(properties.get(key)):
                 arguments[key] = raw
                 continue
             try:
@@ -183,12 +179,26 @@ class GlmFormat:
         properties = tool.parameters.get("properties") or {}
         required = set(tool.parameters.get("required") or [])
         for key, schema in properties.items():
-            value = ('/[^<]*/' if "string" in _schema_types(schema) or not isinstance(schema, dict)
+            value = (_raw_string(schema) if schema_says_string(schema) or not isinstance(schema, dict)
                      else f"%json {_compact({**schema, **_definitions(tool.parameters)})}")
             pair = f"{key_open} {_lark_string(key)} {key_close} {gap} {value_open} {value} {value_close} {gap}"
             pairs.append(pair if key in required else f"({pair})?")
         return (f"{lark_tag(self.start, tags)} {_lark_string(tool.name)} {gap} {' '.join(pairs)} "
                 f"{lark_tag(self.end, tags)}")
+
+
+def _raw_string(schema) -> str:
+    """A string value written raw (GLM's format) as a Lark expression: one of its enum's strings, else text
+    without a tag within its minLength and maxLength."""
+    schema = schema if isinstance(schema, dict) else {}
+    choices = schema.get("enum")
+    if isinstance(choices, list) and choices and all(isinstance(c, str) and "<" not in c for c in choices):
+        return "(" + " | ".join(_lark_string(c) for c in choices) + ")"
+    least, most = schema.get("minLength", 0), schema.get("maxLength")
+    least = least if isinstance(least, int) and not isinstance(least, bool) and least >= 0 else 0
+    if isinstance(most, int) and not isinstance(most, bool) and most >= least:
+        return f"/[^<]{{{least},{most}}}/"
+    return f"/[^<]{{{least},}}/" if least else "/[^<]*/"
 
 
 def call_format(parser: str, chat_template: str):
@@ -222,82 +232,3 @@ def forced_call_grammar(fmt, tools: ToolRequest, tags: frozenset[str] = frozense
     """forced_calls as a whole Lark grammar."""
     calls = forced_calls(fmt, tools, tags)
     return None if calls is None else f"start: {calls[0]}\n{calls[1]}"
-
-
-@dataclass
-class CallDelta:
-    """One piece of a stream: content text, or a whole call (its id, name and arguments)."""
-
-    index: int | None = None  # the call's index among this choice's calls (None: content)
-    content: str = ""
-    id: str | None = None
-    name: str | None = None
-    arguments: str | None = None
-
-    def as_openai(self) -> dict:
-        call: dict = {"index": self.index}
-        if self.id is not None:
-            call.update(id=self.id, type="function")
-        function = {}
-        if self.name is not None:
-            function["name"] = self.name
-        if self.arguments is not None:
-            function["arguments"] = self.arguments
-        call["function"] = function
-        return call
-
-
-@dataclass
-class ToolCallStream:
-    """Generated text -> content and calls, fed in pieces of any size: text before a call's start tag is content
-    (a piece that may begin the tag is held back, so content never carries part of a tag); a call goes out whole
-    (id, name and arguments in one delta) when it closes, so no name is ever cut short. A call still open at the
-    end, or one that does not parse, is given back as content."""
-
-    fmt: object
-    tools: ToolRequest
-    buffer: str = ""
-    in_call: bool = False
-    calls: list = field(default_factory=list)  # (id, name, arguments) of the calls closed so far
-
-    def feed(self, text: str) -> list[CallDelta]:
-        self.buffer += text
-        out: list[CallDelta] = []
-        while True:
-            if not self.in_call:
-                at = self.buffer.find(self.fmt.start)
-                if at < 0:
-                    keep = partial_tag_suffix(self.buffer, self.fmt.start)
-                    if len(self.buffer) > keep:
-                        out.append(CallDelta(content=self.buffer[:len(self.buffer) - keep]))
-                        self.buffer = self.buffer[len(self.buffer) - keep:]
-                    return out
-                if at:
-                    out.append(CallDelta(content=self.buffer[:at]))
-                self.buffer, self.in_call = self.buffer[at + len(self.fmt.start):], True
-            end = self.buffer.find(self.fmt.end)
-            if end < 0:
-                return out
-            body, self.buffer = self.buffer[:end], self.buffer[end + len(self.fmt.end):]
-            self.in_call = False
-            parsed = self.fmt.parse(body.strip(), self.tools)
-            if parsed is None:  # not a call after all: its text is content
-                out.append(CallDelta(content=self.fmt.start + body + self.fmt.end))
-                continue
-            name, arguments = parsed
-            index, call_id = len(self.calls), "call_" + uuid.uuid4().hex[:24]
-            self.calls.append((call_id, name, arguments))
-            out.append(CallDelta(index=index, id=call_id, name=name, arguments=arguments))
-
-    def finish(self) -> list[CallDelta]:
-        """What is left at the end: an open call's text and a held-back piece, as content."""
-        text = (self.fmt.start if self.in_call else "") + self.buffer
-        self.buffer, self.in_call = "", False
-        return [CallDelta(content=text)] if text else []
-
-
-def parse_whole(fmt, tools: ToolRequest, text: str) -> tuple[str, list[tuple[str, str, str]]]:
-    """A whole output: (its content, its calls as (id, name, arguments))."""
-    stream = ToolCallStream(fmt, tools)
-    deltas = stream.feed(text) + stream.finish()
-    return "".join(d.content for d in deltas if d.index is None), stream.calls

@@ -96,6 +96,16 @@ def usage(turns: list[Turn]) -> dict:
     }
 
 
+def meta_info(turn: Turn) -> dict:
+    """A choice's speculation counts in SGLang's meta_info form: verify steps, drafted and accepted tokens, their
+    ratio, and the accept length as SGLang computes it (completion tokens per verify step, the prefill's first
+    token included)."""
+    steps, drafted, accepted = turn.verify_steps, turn.draft_tokens, turn.accepted_tokens
+    return {"completion_tokens": len(turn.token_ids), "spec_verify_ct": steps, "spec_draft_token_num": drafted,
+            "spec_accept_token_num": accepted, "spec_accept_rate": round(accepted / drafted, 4) if drafted else 0.0,
+            "spec_accept_length": round(len(turn.token_ids) / steps, 4) if steps else 0.0}
+
+
 def event_logprobs(event: TokenEvent) -> TokenLogprobs | None:
     if event.logprobs is None:
         return None

@@ -25,17 +25,17 @@ from shared.channel_gateway import (
     AbortRequest,
     Heartbeat,
     RequestFailed,
-    SubmitRequest,
     TokenBatch,
     TokenEvent,
     WorkerStopping,
 )
+from shared.generation_request import GenerationRequest
 from shared.wire import WireError, decode, encode
 
 
 class UnencodableRequest(ValueError):
     """A request msgpack cannot encode (an integer beyond 64 bits, a value of no wire type); field names the
-    first SubmitRequest field at fault, or is None."""
+    first GenerationRequest field at fault, or is None."""
 
     def __init__(self, message: str, field: str | None):
         super().__init__(message)
@@ -59,7 +59,7 @@ def _fields(record) -> list[tuple[str, object]]:
     return out
 
 
-def encode_submit(message: SubmitRequest) -> list:
+def encode_submit(message: GenerationRequest) -> list:
     """The frames of a submit request; raises UnencodableRequest naming the field msgpack refuses."""
     try:
         return encode(message)
@@ -117,7 +117,7 @@ class VerifyClient:
         self.receiver.close(0)
         self.context.term()
 
-    async def submit(self, message: SubmitRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
+    async def submit(self, message: GenerationRequest, queue: asyncio.Queue | None = None) -> asyncio.Queue:
         """Send a request; its events arrive on the returned queue (several requests may share one)."""
         queue = queue if queue is not None else asyncio.Queue()
         frames = encode_submit(message)  # before the queue is registered: an unencodable request leaves nothing

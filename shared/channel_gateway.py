@@ -1,37 +1,10 @@
-"""Channel gateway <-> verify worker: requests and aborts one way; token events, rejections and heartbeats
-the other. No tensors travel here (the gateway does not import torch)."""
+"""Channel gateway <-> verify worker: requests (shared/generation_request.py) and aborts one way; token events,
+rejections and heartbeats the other. No tensors travel here (the gateway does not import torch)."""
 
 from dataclasses import dataclass
 
-from shared.sampling_params import SamplingParams
+from shared.generation_request import GenerationRequest
 from shared.wire import Message, WireError, channel
-
-MAX_TOP_LOGPROBS = 20  # alternatives per token a request may ask for (the gateway checks, the engine enforces)
-
-
-@dataclass(kw_only=True)
-class SubmitRequest(Message):
-    """One choice to generate. stop_token_ids end it (the end-of-text ids unless the client asked ignore_eos, and
-    the client's own); none of them is sampled before min_tokens tokens."""
-
-    TYPE = "submit"
-    request_id: str
-    prompt_ids: list[int]
-    max_tokens: int
-    sampling: SamplingParams
-    stop_token_ids: list[int]
-    min_tokens: int = 0
-    num_speculative_tokens: int | None = None
-    logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
-    prompt_logprobs: bool = False  # also for the prompt's tokens after the first
-    grammar: str | None = None  # an llguidance grammar the output obeys (compiled once by the gateway)
-    thinking_end: list[int] | None = None  # [budget, token]: that token at output index budget unless it came before
-
-    def validate(self):
-        if not self.request_id:
-            raise WireError("submit: empty request_id")
-        if self.thinking_end is not None and (len(self.thinking_end) != 2 or min(self.thinking_end) < 0):
-            raise WireError("submit: thinking_end must be [budget >= 0, token id]")
 
 
 @dataclass(kw_only=True)
@@ -53,6 +26,7 @@ class TokenEvent(Message):
     verify_steps: int
     draft_tokens: int
     accepted_tokens: int
+    cached_tokens: int = 0  # prompt tokens a cached prefix gave the request (not prefilled)
     logprobs: list[float] | None = None
     top_ids: list[list[int]] | None = None
     top_logprobs: list[list[float]] | None = None
@@ -92,10 +66,12 @@ class TokenBatch(Message):
     verify_steps: list[int]
     draft_tokens: list[int]
     accepted_tokens: list[int]
+    cached_tokens: list[int]
 
     def validate(self):
         n = len(self.request_ids)
-        lists = (self.token_ids, self.finish_reasons, self.verify_steps, self.draft_tokens, self.accepted_tokens)
+        lists = (self.token_ids, self.finish_reasons, self.verify_steps, self.draft_tokens, self.accepted_tokens,
+                 self.cached_tokens)
         if any(len(values) != n for values in lists):
             raise WireError("token_batch: per-request lists differ in length")
 
@@ -104,13 +80,14 @@ class TokenBatch(Message):
         """Events without log-probabilities, in one message."""
         return cls(request_ids=[e.request_id for e in events], token_ids=[e.token_ids for e in events],
                    finish_reasons=[e.finish_reason for e in events], verify_steps=[e.verify_steps for e in events],
-                   draft_tokens=[e.draft_tokens for e in events], accepted_tokens=[e.accepted_tokens for e in events])
+                   draft_tokens=[e.draft_tokens for e in events], accepted_tokens=[e.accepted_tokens for e in events],
+                   cached_tokens=[e.cached_tokens for e in events])
 
     def events(self) -> list[TokenEvent]:
         columns = zip(self.request_ids, self.token_ids, self.finish_reasons, self.verify_steps, self.draft_tokens,
-                      self.accepted_tokens)
+                      self.accepted_tokens, self.cached_tokens)
         return [TokenEvent(request_id=r, token_ids=t, finish_reason=f, verify_steps=v, draft_tokens=d,
-                           accepted_tokens=a) for r, t, f, v, d, a in columns]
+                           accepted_tokens=a, cached_tokens=c) for r, t, f, v, d, a, c in columns]
 
 
 @dataclass(kw_only=True)
@@ -140,5 +117,5 @@ class WorkerStopping(Message):
     reason: str
 
 
-TO_VERIFY = channel(SubmitRequest, AbortRequest)
+TO_VERIFY = channel(GenerationRequest, AbortRequest)
 TO_GATEWAY = channel(TokenEvent, TokenBatch, RequestFailed, Heartbeat, WorkerStopping)

@@ -14,7 +14,12 @@ class CheckpointError(DFlashError):
 
 
 class RequestError(DFlashError, ValueError):
-    """A generation request is invalid (empty prompt, too long, bad sampling parameters)."""
+    """A generation request is invalid (empty prompt, too long, bad sampling parameters). param: the API field
+    at fault, where one is; code: a machine-readable kind (e.g. context_length_exceeded), where one applies."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
 
 
 class WorkerFault(DFlashError):

@@ -21,13 +21,14 @@ class SamplingParams:
 
     def __post_init__(self):
         if not _finite(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}")
+            raise RequestError(f"temperature must be a finite number >= 0, got {self.temperature!r}",
+                               param="temperature")
         if not _finite(self.top_p) or not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}")
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p!r}", param="top_p")
         if not is_int64(self.top_k) or self.top_k < 0:
-            raise RequestError(f"top_k must be an integer from 0 to 2**63 - 1, got {self.top_k!r}")
+            raise RequestError(f"top_k must be an integer from 0 to 2**63 - 1, got {self.top_k!r}", param="top_k")
         if self.seed is not None and not is_int64(self.seed):
-            raise RequestError(f"seed must be an integer from -2**63 to 2**63 - 1, got {self.seed!r}")
+            raise RequestError(f"seed must be an integer from -2**63 to 2**63 - 1, got {self.seed!r}", param="seed")
 
     @property
     def greedy(self) -> bool:

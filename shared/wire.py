@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import msgpack
 
-SCHEMA_VERSION = 5  # 2: log-probabilities in submit and tokens; 3: token_batch; 4: sampling nested in submit;
-# 5: grammars in draft calls
+SCHEMA_VERSION = 6  # 2: log-probabilities in submit and tokens; 3: token_batch; 4: sampling nested in submit;
+# 5: grammars in draft calls; 6: submit is the engine's GenerationRequest (positional fields, thinking_end)
 DTYPE_SIZES = {"float32": 4, "float16": 2, "bfloat16": 2, "int64": 8, "int32": 4, "bool": 1}
 
 
@@ -151,6 +151,14 @@ def _check(hint) -> typing.Callable[[object], bool]:
     if origin is list:
         item_check = _check(*typing.get_args(hint))
         return lambda value: isinstance(value, list) and all(item_check(v) for v in value)
+    if origin is tuple:  # msgpack sends a tuple as a list: either is taken (the record keeps tuples)
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            item_check = _check(args[0])
+            return lambda value: isinstance(value, (list, tuple)) and all(item_check(v) for v in value)
+        checks = tuple(_check(arg) for arg in args)
+        return lambda value: (isinstance(value, (list, tuple)) and len(value) == len(checks)
+                              and all(check(v) for check, v in zip(checks, value)))
     if origin is dict:
         key, item = (_check(arg) for arg in typing.get_args(hint))
         return lambda value: isinstance(value, dict) and all(key(k) and item(v) for k, v in value.items())

@@ -5,8 +5,8 @@ kernel scripts (kda_fla_interpreted.py, glm_kernels_interpreted.py), which print
 from greedy_check import assert_same_or_near_tie
 from scripted_proposer import ScriptedProposer
 
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 
 PROMPTS = ([5, 17, 3, 99, 42, 8, 61], [77, 12])
 

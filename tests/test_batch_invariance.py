@@ -24,8 +24,8 @@ from shared.attention import batch_invariant_attention, visibility_mask
 from shared.cpu_kernels.library import cpu_kernels
 from shared.demo_models import DEMO_DIR
 from shared.dtype_choice import kv_cache_dtype, native_cpu_bfloat16, resolve_dtype
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 PROMPTS = DEMO_DIR.parent.parent / "benchmarks" / "prompts_heldout.json"

@@ -11,8 +11,8 @@ from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import LocalProposer
 from gateway import launcher
 from shared.demo_models import DEMO_DIR, default_pair
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 PROMPTS = Path(__file__).resolve().parents[1] / "benchmarks" / "prompts_heldout.json"

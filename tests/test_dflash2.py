@@ -18,12 +18,12 @@ from draft_worker.local_proposer import LocalProposer
 from shared.cpu_kernels.library import cpu_kernels
 from shared.draft_config import DFlash2Settings, DraftConfig
 from shared.errors import ConfigError
+from shared.generation_request import GenerationRequest
 from shared.proposals import DraftItem
 from shared.sampling_params import SamplingParams
 from training.masks import block_visibility
 from training.trainer import DrafterTrainer, Example, TrainSettings
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 
 SMALL = DFlash2Settings(conv_kernel_size=2, conv_group_size=16, selector_rank=8, selector_top_k=4)
 PROMPTS = [[3, 17, 22, 9, 41, 7, 99], [5], [60, 61, 62, 63, 64, 65, 66], [100, 2], [8, 8, 8, 8, 1]]

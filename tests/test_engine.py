@@ -6,10 +6,10 @@ from greedy_check import assert_same_or_near_tie
 
 from draft_worker.local_proposer import LocalProposer
 from shared.errors import RequestError
+from shared.generation_request import GenerationRequest
 from shared.sampling import batch_sampling_probs
 from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 
 
 def make_engine(pair, spec=True, max_requests=4, block_size=8):
@@ -79,7 +79,7 @@ def test_unseeded_requests_differ(qwen3_pair):
         (((), 5), "the prompt is empty"),
         (((1, 500), 5), "prompt token id 500 is outside the vocabulary"),
         (((1,), -1), "max_tokens must be an integer >= 0"),
-        (((1,) * 250, 10), "exceeds the maximum model length 256"),
+        (((1,) * 250, 10), "exceeds this model.s context of 256 tokens"),
     ],
 )
 def test_invalid_requests_are_rejected(qwen3_pair, request_args, message):

@@ -12,9 +12,9 @@ from draft_worker.dflash2_model import upgrade_to_dflash2
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import LocalProposer
 from shared.draft_config import DFlash2Settings
+from shared.generation_request import GenerationRequest
 from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(),

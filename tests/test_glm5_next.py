@@ -20,10 +20,10 @@ from scripted_proposer import ScriptedProposer
 from test_glm_moe_dsa import stable_topk
 
 from shared.errors import ConfigError
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.families.glm5_next.config import Glm5NextConfig
 from verify_worker.families.interface import StepBatch
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 TEXT = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

@@ -1,15 +1,16 @@
-"""The agents' API on a tiny GLM-5.x checkpoint in GLM's chat format (tests/glm_chat.py), served by dflash-serve
-with its default flags (the GLM call parser and the thinking split chosen from the template) and read with the
-official openai client: a forced tool loop (required, then a named function, then the tool results and an answer),
-streamed and not, speculative output equal to plain at every turn; reasoning_content and content split where the
-template opens <think> whatever enable_thinking says."""
+"""The agents' API on tiny GLM-5.3 (DFlash 2 drafter) and GLM-5.2 (DFlash drafter) checkpoints in GLM's chat
+format (tests/glm_chat.py), served by dflash-serve with its default flags (the GLM call parser and the thinking
+split chosen from the template) and read with the official openai client: a forced tool loop (required, then a
+named function, then the tool results and an answer), streamed and not, speculative output equal to plain at every
+turn; reasoning_content and content split where GLM-5.3's template opens <think> whatever enable_thinking says, and
+content alone where GLM-5.2's closes the section for enable_thinking false."""
 
 import json
 
 import jsonschema
 import openai
 import pytest
-from glm_chat import write_glm5_chat_pair
+from glm_chat import write_glm5_chat_pair, write_glm52_chat_pair
 from server_harness import Server
 
 WEATHER = {"type": "function", "function": {"name": "get_weather", "parameters": {
@@ -20,16 +21,25 @@ CLOCK = {"type": "function", "function": {"name": "get_time", "parameters": {"ty
                                                                               "additionalProperties": False}}}
 
 
-@pytest.fixture(scope="module")
-def client(tmp_path_factory):
-    root = tmp_path_factory.mktemp("glm_chat")
-    target, draft = write_glm5_chat_pair(root)
+def serve(root, write_pair):
+    target, draft = write_pair(root)
     server = Server(target, draft, log_dir=root)
     try:
         server.wait_ready()
         yield openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused", max_retries=0)
     finally:
         assert server.stop() == 0
+
+
+@pytest.fixture(scope="module")
+def client(tmp_path_factory):
+    """GLM-5.3's."""
+    yield from serve(tmp_path_factory.mktemp("glm_chat"), write_glm5_chat_pair)
+
+
+@pytest.fixture(scope="module")
+def glm52_client(tmp_path_factory):
+    yield from serve(tmp_path_factory.mktemp("glm52_chat"), write_glm52_chat_pair)
 
 
 def turn(client, messages, tool_choice, stream: bool, plain: bool, **extra):
@@ -57,8 +67,10 @@ def turn(client, messages, tool_choice, stream: bool, plain: bool, **extra):
     return reasoning or None, content or None, [tuple(calls[i]) for i in sorted(calls)], reason
 
 
-def test_a_forced_tool_loop_in_glm_format_speculative_equals_plain(client):
+@pytest.mark.parametrize("served", ["client", "glm52_client"], ids=["glm5.3", "glm5.2"])
+def test_a_forced_tool_loop_in_glm_format_speculative_equals_plain(served, request):
     """Whole answers for the required call, streamed ones for the named call and the last turn."""
+    client = request.getfixturevalue(served)
     messages = [{"role": "user", "content": "Weather in Oslo for 2 days?"}]
     for choice, stream in (("required", False), ({"type": "function", "function": {"name": "get_time"}}, True)):
         got = turn(client, messages, choice, stream, plain=False)
@@ -77,8 +89,11 @@ def test_a_forced_tool_loop_in_glm_format_speculative_equals_plain(client):
             {"role": "tool", "tool_call_id": f"call_{len(messages)}", "content": '{"ok": true}'}]
     answer = turn(client, messages, "auto", stream, plain=False, chat_template_kwargs={"enable_thinking": False})
     assert answer == turn(client, messages, "auto", stream, plain=True, chat_template_kwargs={"enable_thinking": False})
-    reasoning, content, calls, reason = answer  # enable_thinking false, yet the template opened <think>:
-    assert reasoning and "</think>" not in reasoning, answer  # the answer is reasoning up to its </think>
+    reasoning, content, calls, reason = answer
+    if served == "client":  # enable_thinking false, yet GLM-5.3's template opened <think>:
+        assert reasoning and "</think>" not in reasoning, answer  # the answer is reasoning up to its </think>
+    else:  # GLM-5.2's template closed the section: the answer is content (the tiny model writes no <think>)
+        assert reasoning is None and content and "<think>" not in content, answer
 
 
 def test_a_thinking_budget_closes_the_section_at_its_position(client):

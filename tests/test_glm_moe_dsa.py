@@ -23,11 +23,11 @@ from safetensors.torch import load_file, save_file
 from scripted_proposer import ScriptedProposer
 
 from shared.errors import CheckpointError, ConfigError
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.families.common.fp8_blocks import dequantize
 from verify_worker.families.glm_moe_dsa.config import GlmMoeDsaConfig
 from verify_worker.families.interface import StepBatch
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 TINY = dict(vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,

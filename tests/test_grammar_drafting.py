@@ -157,7 +157,7 @@ def test_a_draft_worker_drafts_under_the_grammar_over_its_socket(vocabulary, tok
     from structured_schemas import SCHEMAS
     from verify_worker.engine import SpeculativeEngine
     from verify_worker.remote_proposer import RemoteProposer
-    from verify_worker.request import GenerationRequest
+    from shared.generation_request import GenerationRequest
     from verify_worker.target_loader import load_target
 
     target = load_target(TARGET)

@@ -6,8 +6,8 @@ from greedy_check import assert_same_or_near_tie
 from scripted_proposer import ScriptedProposer
 
 from draft_worker.local_proposer import LocalProposer
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 
 NEW_TOKENS = 64
 PROMPTS = [[3, 17, 22, 9, 41, 7, 99], [5], [60, 61, 62, 63, 64, 65, 66, 67, 68, 69, 70, 71, 72, 73, 74, 75, 76, 77],

@@ -7,12 +7,11 @@ from greedy_check import assert_same_or_near_tie
 from test_greedy_identity import ScriptedProposer
 
 from draft_worker.local_proposer import LocalProposer
-from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import RequestError
+from shared.generation_request import MAX_TOP_LOGPROBS, GenerationRequest
 from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.logprobs import token_logprobs
-from verify_worker.request import GenerationRequest
 
 PROMPTS = [(3, 17, 22, 9), (5,), (60, 61, 62, 63, 64)]
 TOP = 3

@@ -8,8 +8,8 @@ from greedy_check import assert_same_or_near_tie
 
 from draft_worker.local_proposer import LocalProposer
 from shared.errors import RequestError
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 
 PROMPTS = [(3, 17, 22, 9, 41, 7, 99), (5,), (100, 2)]
 NEW_TOKENS, LEAST = 40, 24

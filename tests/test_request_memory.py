@@ -2,8 +2,8 @@
 target's KV cache and the feature rows the engine keeps for the drafter."""
 
 from draft_worker.local_proposer import LocalProposer
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.server import request_bytes
 
 

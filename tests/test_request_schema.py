@@ -16,8 +16,8 @@ from gateway.schemas import ApiError, parse_chat, parse_completion, parse_json
 from gateway.tokenization import TextCodec
 from gateway.verify_client import UnencodableRequest, VerifyClient, encode_submit
 from shared.byte_tokenizer import write_byte_tokenizer
-from shared.channel_gateway import SubmitRequest
 from shared.errors import RequestError
+from shared.generation_request import GenerationRequest
 from shared.sampling_params import SamplingParams
 
 MODEL = "tiny"
@@ -305,9 +305,9 @@ def test_an_unknown_model_with_a_lone_surrogate_or_a_long_name_is_a_404(app):
     assert error.message == "bad \\ud800 text"
 
 
-def submit(token: int) -> SubmitRequest:
-    return SubmitRequest(request_id="r1", prompt_ids=[1, token], max_tokens=4, sampling=SamplingParams(seed=7),
-                         stop_token_ids=[256])
+def submit(token: int) -> GenerationRequest:
+    return GenerationRequest(request_id="r1", prompt_ids=[1, token], max_tokens=4, sampling=SamplingParams(seed=7),
+                             stop_token_ids=[256])
 
 
 def test_an_unencodable_request_names_its_field_and_registers_no_queue():

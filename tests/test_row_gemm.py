@@ -16,10 +16,10 @@ from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import LocalProposer
 from shared.dtype_choice import native_cpu_bfloat16
 from shared.errors import ConfigError
+from shared.generation_request import GenerationRequest
 from shared.packed_linear import PackedLinear
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.parallel.group import TensorParallel
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 needs_gpu = pytest.mark.skipif(not torch.cuda.is_available() or build.cuda_library() is None,

@@ -22,11 +22,11 @@ from cuda_ext.verify import reference as verify_reference
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared.cpu_kernels.library import cpu_kernels
+from shared.generation_request import GenerationRequest
 from shared.packed_linear import kernel_layout
 from shared.sampling import sample_from, sampling_probs
 from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.target_loader import load_target
 

@@ -149,8 +149,23 @@ def test_sixteen_concurrent_streams_equal_requests_served_alone(server):
 
 def test_metrics_parse_and_speculative_counters_move(server):
     before = server.metrics("verify")
-    usage = completion(server, max_tokens=20, num_speculative_tokens=3)["usage"]["speculative"]  # verified drafts
+    answer = completion(server, max_tokens=20, num_speculative_tokens=3, return_meta_info=True)
+    usage = answer["usage"]["speculative"]  # verified drafts
     after = server.metrics("verify")
+    meta = answer["choices"][0]["meta_info"]  # the same counts in SGLang's per-choice form, asked for
+    tokens = len(answer["choices"][0]["token_ids"])
+    assert meta == {"completion_tokens": tokens, "spec_verify_ct": usage["verify_steps"],
+                    "spec_draft_token_num": usage["draft_tokens"], "spec_accept_token_num": usage["accepted_tokens"],
+                    "spec_accept_rate": round(usage["accepted_tokens"] / usage["draft_tokens"], 4),
+                    "spec_accept_length": round(tokens / usage["verify_steps"], 4)}
+    assert "meta_info" not in completion(server, max_tokens=2)["choices"][0]  # only when asked
+    chunks, _ = sse_events(server, "/v1/chat/completions", {
+        "model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 8, "stream": True,
+        "ignore_eos": True, "return_meta_info": True})
+    assert [("meta_info" in c["choices"][0]) for c in chunks] == [False] * (len(chunks) - 1) + [True]
+    last = chunks[-1]["choices"][0]
+    assert last["finish_reason"] == "length" and last["meta_info"]["completion_tokens"] == 8
+    assert last["meta_info"]["spec_verify_ct"] > 0
     drafted = metric_value(after, "dflash_spec_draft_tokens_total") - metric_value(before, "dflash_spec_draft_tokens_total")
     accepted = metric_value(after, "dflash_spec_accepted_tokens_total") - metric_value(before, "dflash_spec_accepted_tokens_total")
     assert drafted >= usage["draft_tokens"] > 0 and accepted >= usage["accepted_tokens"]

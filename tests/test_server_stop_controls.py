@@ -10,8 +10,8 @@ import pytest
 from server_harness import CHAT_TEMPLATE, Server, write_server_models
 
 from gateway.tokenization import TextCodec
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 PROMPT = "def add(a, b):"

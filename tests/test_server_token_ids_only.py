@@ -10,8 +10,8 @@ import pytest
 from greedy_check import assert_same_or_near_tie
 from server_harness import Server, write_server_models
 
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 PROMPT = [72, 101, 108, 108, 111, 44, 32]

@@ -20,9 +20,9 @@ from tokenizers import Tokenizer
 from llguidance import LLMatcher
 
 from shared.byte_tokenizer import END_OF_TEXT
+from shared.generation_request import GenerationRequest
 from shared.grammar import folder_vocabulary
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 PROMPTS = ["def add(a, b):", "while True:", "x = [i for i in", "import os\n"]

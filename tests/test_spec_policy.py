@@ -10,8 +10,8 @@ from scripted_proposer import ScriptedProposer
 from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import LocalProposer
 from gateway import launcher
+from shared.generation_request import GenerationRequest
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.spec_policy import AdaptiveSpeculation, batch_bucket
 from verify_worker.target_loader import load_target
 

@@ -10,10 +10,10 @@ from draft_worker.draft_checkpoint import random_drafter
 from draft_worker.local_proposer import LocalProposer
 from shared.demo_models import default_pair
 from shared.errors import ConfigError
+from shared.generation_request import GenerationRequest
 from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.families.interface import StepBatch
-from verify_worker.request import GenerationRequest
 from verify_worker.step_buckets import StepBuckets, key_bucket, row_bucket
 from verify_worker.target_loader import load_target
 

@@ -10,9 +10,9 @@ from greedy_check import assert_same_or_near_tie
 
 from draft_worker.local_proposer import LocalProposer
 from shared.errors import WorkerFault
+from shared.generation_request import GenerationRequest
 from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.request_snapshot import RequestSnapshot
 from verify_worker.scheduler import padding_groups
 

@@ -15,14 +15,14 @@ from tokenizers import Tokenizer
 from draft_worker.draft_checkpoint import load_drafter
 from draft_worker.local_proposer import LocalProposer
 from gateway.structured_outputs import Constraint, grammar_text
+from shared.config_json import read_config
 from shared.demo_models import DEMO_DIR
+from shared.generation_request import GenerationRequest
 from shared.grammar import folder_vocabulary
 from shared.grammar_matcher import GrammarMatcher, allowed_tokens
-from shared.config_json import read_config
 from shared.sampling_params import SamplingParams
 from shared.target_facts import TargetFacts
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import load_target
 
 TARGET = DEMO_DIR / "target"

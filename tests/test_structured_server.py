@@ -253,8 +253,9 @@ def test_tool_fields_that_are_wrong_get_a_400(server):
 
 
 def test_two_streamed_choices_each_end_once_with_their_call(server):
-    """n 2, streamed, a forced call: each choice sends its call whole and one finish chunk, "tool_calls" (the
-    first choice may end while the second has not yet started: its replayed events end it once)."""
+    """n 2, streamed, a forced call: each choice sends its call (its id and name once, then its arguments in pieces)
+    and one finish chunk, "tool_calls" (the first choice may end while the second has not yet started: its replayed
+    events end it once)."""
     body = {"model": "dflash-demo", "messages": MESSAGES, "tools": [WEATHER, CLOCK], "tool_choice": "required",
             "parallel_tool_calls": False, "max_tokens": 80, "temperature": 1.0, "seed": 3, "n": 2, "stream": True}
     finishes, calls = {0: [], 1: []}, {0: [], 1: []}
@@ -269,6 +270,9 @@ def test_two_streamed_choices_each_end_once_with_their_call(server):
                 assert not choice["delta"].get("content"), choice
     assert finishes == {0: ["tool_calls"], 1: ["tool_calls"]}, finishes
     for index in (0, 1):
-        (call,) = calls[index]
-        schema = {"get_weather": WEATHER, "get_time": CLOCK}[call["function"]["name"]]["function"]["parameters"]
-        jsonschema.validate(json.loads(call["function"]["arguments"]), schema)
+        start, *pieces = calls[index]
+        assert start["id"].startswith("call_") and start["function"]["arguments"] == ""
+        assert all("id" not in p and "name" not in p["function"] and p["index"] == start["index"] for p in pieces)
+        arguments = "".join(p["function"]["arguments"] for p in pieces)
+        schema = {"get_weather": WEATHER, "get_time": CLOCK}[start["function"]["name"]]["function"]["parameters"]
+        jsonschema.validate(json.loads(arguments), schema)

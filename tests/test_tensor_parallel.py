@@ -79,7 +79,7 @@ def test_tp2_engine_greedy_equals_tp1(tmp_path):
     whole = load_target(tmp_path / "target", dtype="float32")
     from shared.sampling_params import SamplingParams
     from verify_worker.engine import SpeculativeEngine
-    from verify_worker.request import GenerationRequest
+    from shared.generation_request import GenerationRequest
 
     want = [r.token_ids for r in SpeculativeEngine(whole, None, max_requests=3).generate(
         [GenerationRequest(tuple(p), 24, SamplingParams()) for p in prompts])]

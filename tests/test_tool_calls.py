@@ -1,4 +1,4 @@
-"""Tool-call parsing (gateway/tool_calls.py) on the failures users report of other servers: zero-argument calls,
+"""Tool-call parsing (gateway/tool_calls.py, tool_call_stream.py) on the failures users report of other servers: zero-argument calls,
 names cut short and arguments lost when a step delivers several tokens at once, a partial tag leaking into content,
 several calls in one answer, GLM's typed values read by the tool's schema; each streamed in pieces of 1, 3 and 8
 tokens of the demo tokenizer and whole. The grammars that force a call accept the calls and nothing else."""
@@ -10,8 +10,8 @@ import pytest
 from tokenizers import Tokenizer
 
 from gateway.schemas import ApiError
-from gateway.tool_calls import (GlmFormat, HermesFormat, ToolCallStream, call_format, forced_call_grammar, parse_whole,
-                                tool_request)
+from gateway.tool_call_stream import ToolCallStream, parse_whole
+from gateway.tool_calls import GlmFormat, HermesFormat, call_format, forced_call_grammar, tool_request
 from shared.demo_models import DEMO_DIR
 from shared.grammar import folder_vocabulary, new_matcher
 
@@ -48,7 +48,7 @@ def pieces(text: str, tokens_a_step: int) -> list[str]:
 @pytest.mark.parametrize("fmt,text", [(HermesFormat(), HERMES), (GlmFormat(spaced=False), GLM47),
                                       (GlmFormat(spaced=True), GLM45)], ids=["hermes", "glm47", "glm45"])
 @pytest.mark.parametrize("tokens_a_step", [1, 3, 8, 10_000])
-def test_calls_come_out_whole_whatever_a_step_delivers(fmt, text, tokens_a_step):
+def test_a_call_starts_whole_and_its_arguments_stream_whatever_a_step_delivers(fmt, text, tokens_a_step):
     tools = tool_request({"tools": TOOLS})
     stream = ToolCallStream(fmt, tools)
     deltas = []
@@ -58,10 +58,40 @@ def test_calls_come_out_whole_whatever_a_step_delivers(fmt, text, tokens_a_step)
             assert "<" not in delta.content, delta  # no part of a tag ever reaches content
     deltas += stream.finish()
     assert "".join(d.content for d in deltas if d.index is None) == "Let me check."
+    starts = [d for d in deltas if d.id is not None]  # a call's id and name once, whole, before its arguments
+    assert [(c.index, c.name, c.arguments) for c in starts] == [(0, "get_weather", ""), (1, "get_time", "")]
+    assert all(c.id.startswith("call_") for c in starts) and len({c.id for c in starts}) == 2
     calls = [d for d in deltas if d.index is not None]
-    assert [(c.index, c.name, json.loads(c.arguments)) for c in calls] == [(i, n, a) for i, (n, a) in enumerate(WANT)]
-    assert all(c.id.startswith("call_") for c in calls) and len({c.id for c in calls}) == 2
-    assert [c.as_openai()["function"]["name"] for c in calls] == ["get_weather", "get_time"]
+    assert all(d.name is None and d.id is None and d.arguments for d in calls if d not in starts)
+    joined = ["".join(d.arguments for d in calls if d.index == i) for i in (0, 1)]
+    assert [(c.name, json.loads(a)) for c, a in zip(starts, joined)] == WANT  # the zero-argument call too: "{}"
+    assert stream.call_list == [(c.id, c.name, a) for c, a in zip(starts, joined)]
+    pieces_of_first = [d for d in calls if d.index == 0 and d.id is None]
+    if tokens_a_step == 1:  # the arguments came as they were generated, not at the call's end
+        assert len(pieces_of_first) >= 3
+    assert [c.as_openai() for c in starts][0] == {"index": 0, "id": starts[0].id, "type": "function",
+                                                  "function": {"name": "get_weather", "arguments": ""}}
+
+
+def test_a_long_string_argument_streams_escaped_as_it_is_generated():
+    """A coding agent's file content: a GLM string value goes out piece by piece, JSON-escaped, before its end."""
+    tools = tool_request({"tools": TOOLS})
+    stream = ToolCallStream(GlmFormat(spaced=False), tools)
+    value = 'line "one"\n\tline two </arg\u00e9'
+    head = "<tool_call>get_weather<arg_key>city</arg_key><arg_value>"
+    got = stream.feed(head) + stream.feed(value[:10]) + stream.feed(value[10:])
+    assert "".join(d.arguments or "" for d in got).startswith('{"city": "line ')  # before </arg_value> came
+    got += stream.feed("</arg_value></tool_call>") + stream.finish()
+    assert json.loads("".join(d.arguments or "" for d in got)) == {"city": value}
+
+
+def test_a_call_cut_by_max_tokens_keeps_what_came():
+    tools = tool_request({"tools": TOOLS})
+    content, calls = parse_whole(GlmFormat(spaced=False), tools,
+                                 "<tool_call>get_weather<arg_key>city</arg_key><arg_value>Par")
+    assert content == "" and calls[0][1] == "get_weather" and json.loads(calls[0][2]) == {"city": "Par"}
+    content, calls = parse_whole(HermesFormat(), tools, '<tool_call>{"name": "get_time", "arguments": {"a": ')
+    assert content == "" and calls[0][1:] == ("get_time", '{"a": ')  # as generated: finish_reason says "length"
 
 
 def test_glm_values_are_read_by_the_tool_schema():
@@ -163,3 +193,24 @@ def test_schemas_with_definitions_and_boolean_properties_force_calls():
         tool_request({"tools": [{"type": "function", "function": {"name": "f", "parameters": {
             "type": "object", "properties": ["x"]}}}]})
     assert caught.value.param == "tools"
+
+
+def test_glm_string_values_keep_their_length_bounds_and_enums():
+    """A raw string value is bounded by its schema's maxLength (a random model would otherwise write until
+    max_tokens) and chosen among its enum."""
+    vocabulary = folder_vocabulary(DEMO_DIR / "target", 4096, (0,))
+    parameters = {"type": "object", "properties": {"city": {"type": "string", "minLength": 1, "maxLength": 3},
+                                                   "unit": {"type": "string", "enum": ["c", "f"]}},
+                  "required": ["city", "unit"]}
+    tools = tool_request({"tools": [{"type": "function", "function": {"name": "w", "parameters": parameters}}],
+                          "tool_choice": "required", "parallel_tool_calls": False})
+    grammar = llguidance.LLMatcher.grammar_from_lark(forced_call_grammar(GlmFormat(spaced=False), tools))
+
+    def takes(city: str, unit: str) -> bool:
+        text = (f"<tool_call>w<arg_key>city</arg_key><arg_value>{city}</arg_value><arg_key>unit</arg_key>"
+                f"<arg_value>{unit}</arg_value></tool_call>")
+        ids = TOKENIZER.encode(text).ids
+        return new_matcher(vocabulary, grammar).validate_tokens(ids) == len(ids)
+
+    assert takes("Oslo"[:3], "c") and takes("x", "f")
+    assert not takes("Oslo", "c") and not takes("", "c") and not takes("Osl", "k")

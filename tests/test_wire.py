@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from shared.channel_draft import TO_DRAFTER, TO_VERIFIER, DraftReply, DraftRequest
-from shared.channel_gateway import TO_GATEWAY, TO_VERIFY, SubmitRequest, TokenBatch, TokenEvent
+from shared.channel_gateway import TO_GATEWAY, TO_VERIFY, TokenBatch, TokenEvent
 from shared.draft_codec import (
     items_from_message,
     reply_message,
@@ -14,6 +14,7 @@ from shared.draft_codec import (
     stacked_features,
 )
 from shared.feature_transport import FrameTransport
+from shared.generation_request import GenerationRequest
 from shared.proposals import DraftItem, DraftResult
 from shared.sampling_params import SamplingParams
 from shared.tensor_frames import from_raw, to_raw
@@ -21,8 +22,9 @@ from shared.wire import WireError, decode, encode
 
 
 def submit():
-    return SubmitRequest(request_id="r1", prompt_ids=[1, 2, 3], max_tokens=10, sampling=SamplingParams(0.7, 0.9, 0, 42),
-                         stop_token_ids=[256], min_tokens=2)
+    return GenerationRequest(request_id="r1", prompt_ids=[1, 2, 3], max_tokens=10,
+                             sampling=SamplingParams(0.7, 0.9, 0, 42),
+                             stop_token_ids=[256], min_tokens=2)
 
 
 def tokens(request_id, token_ids, finish_reason, verify_steps, draft_tokens, accepted_tokens, **rest) -> TokenEvent:
@@ -80,6 +82,20 @@ def test_wrong_version_type_and_channel_are_rejected():
         decode(frames, TO_GATEWAY)
     with pytest.raises(WireError, match="undecodable"):
         decode([b"\xc1garbage"], TO_VERIFY)
+
+
+def test_a_submit_is_the_engines_request_and_keeps_its_tuples():
+    request = GenerationRequest((1, 2), 5, stop_token_ids=[9], thinking_end=(3, 7), request_id="r")
+    frames = encode(request)
+    back = decode(frames, TO_VERIFY)
+    assert back == request and back.prompt_ids == (1, 2) and back.stop_token_ids == (9,)
+    assert back.thinking_end == (3, 7)
+    body = msgpack.unpackb(bytes(frames[0]))["body"]
+    for misshapen in ([3], [3, 7, 1], [3, "x"]):  # a fixed-length tuple is checked by length and item types
+        with pytest.raises(WireError, match="submit.thinking_end"):
+            decode(tamper(frames, body={**body, "thinking_end": misshapen}), TO_VERIFY)
+    with pytest.raises(WireError, match="empty request_id"):
+        decode(tamper(frames, body={**body, "request_id": ""}), TO_VERIFY)
 
 
 def test_wrong_fields_and_types_are_rejected():
@@ -144,15 +160,15 @@ def test_token_logprobs_travel_and_must_line_up_with_the_tokens():
 
 
 def test_a_token_batch_carries_a_steps_events_and_refuses_ragged_lists():
-    events = [tokens("a", [1, 2, 3], None, 4, 14, 9), tokens("b", [7], "stop", 12, 0, 0),
+    events = [tokens("a", [1, 2, 3], None, 4, 14, 9, cached_tokens=32), tokens("b", [7], "stop", 12, 0, 0),
               tokens("c", [], "length", 1, 7, 0)]
     batch = decode(encode(TokenBatch.of(events)), TO_GATEWAY)
     assert isinstance(batch, TokenBatch) and batch.events() == events
     frames = encode(TokenBatch(request_ids=["a", "b"], token_ids=[[1], [2]], finish_reasons=[None], verify_steps=[1, 1],
-                               draft_tokens=[0, 0], accepted_tokens=[0, 0]))
+                               draft_tokens=[0, 0], accepted_tokens=[0, 0], cached_tokens=[0, 0]))
     with pytest.raises(WireError, match="token_batch: per-request lists differ in length"):
         decode(frames, TO_GATEWAY)
     frames = encode(TokenBatch(request_ids=["a"], token_ids=[["x"]], finish_reasons=[None], verify_steps=[1],
-                               draft_tokens=[0], accepted_tokens=[0]))
+                               draft_tokens=[0], accepted_tokens=[0], cached_tokens=[0]))
     with pytest.raises(WireError, match="token_batch.token_ids"):
         decode(frames, TO_GATEWAY)

@@ -71,7 +71,7 @@ def engine_generate(rank, world_size, port, folder, draft_folder, prompts, out_p
     from draft_worker.local_proposer import LocalProposer
     from shared.sampling_params import SamplingParams
     from verify_worker.engine import SpeculativeEngine
-    from verify_worker.request import GenerationRequest
+    from shared.generation_request import GenerationRequest
 
     target = _joined_target(rank, world_size, port, folder)
     if rank > 0:

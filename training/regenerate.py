@@ -7,10 +7,10 @@ from pathlib import Path
 
 import torch
 
+from shared.generation_request import GenerationRequest
 from shared.sampling_params import SamplingParams
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.families.llama.model import TargetModel
-from verify_worker.request import GenerationRequest
 
 
 def read_corpus(path: str | Path) -> list[str]:

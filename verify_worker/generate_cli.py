@@ -13,6 +13,7 @@ from draft_worker.local_proposer import DraftSampling, LocalProposer
 from shared.config_json import read_config
 from shared.demo_models import default_pair
 from shared.errors import ConfigError, DFlashError, RequestError
+from shared.generation_request import GenerationRequest
 from shared.packed_linear import kernel_layout
 from shared.role import usable_cores
 from shared.sampling_params import SamplingParams
@@ -20,7 +21,6 @@ from shared.settings.commands import GenerateCommand
 from shared.settings.options import build_parser, parse_command
 from shared.target_facts import TargetFacts
 from verify_worker.engine import SpeculativeEngine
-from verify_worker.request import GenerationRequest
 from verify_worker.target_loader import batch_invariant_refusal, load_target
 
 DEMO_PROMPT = "def fibonacci(n):\n"

@@ -1,34 +1,18 @@
-"""Requests, their per-request state in the engine, and their results."""
+"""Requests' per-request state in the engine (the request itself: shared/generation_request.py), and their
+results."""
 
 import secrets
-import uuid
 from dataclasses import dataclass, field
 from enum import Enum
 
 import torch
 
+from shared.generation_request import GenerationRequest
 from shared.grammar_matcher import GrammarMatcher
 from shared.sampling import request_generator
-from shared.sampling_params import SamplingParams
 from verify_worker.logprobs import TokenLogprob
 
 VERIFY_STREAM = 0  # random stream id of the verifier's draws
-
-
-@dataclass(frozen=True)
-class GenerationRequest:
-    prompt_ids: tuple[int, ...]
-    max_tokens: int
-    sampling: SamplingParams = SamplingParams()
-    stop_token_ids: tuple[int, ...] = ()
-    num_speculative_tokens: int | None = None  # None = block size - 1; 0 = plain decoding
-    request_id: str = field(default_factory=lambda: uuid.uuid4().hex)
-    logprobs: int | None = None  # None: none; k: each token's log-probability and its top k alternatives
-    prompt_logprobs: bool = False  # also for the prompt's tokens after the first
-    min_tokens: int = 0  # no stop token is chosen before this many output tokens (their logits are masked)
-    grammar: str | None = None  # an llguidance grammar the output obeys (shared/grammar.py), or None
-    thinking_end: tuple[int, int] | None = None  # (budget, token): that token at output index budget, unless
-    # it came before (a thinking section's end at its budget)
 
 
 class Status(Enum):
@@ -46,6 +30,7 @@ class RequestStats:
     committed_tokens: int = 0  # tokens committed by decode steps, bonus tokens included
     drafted_at: list[int] = field(default_factory=list)  # per block position: drafts made
     accepted_at: list[int] = field(default_factory=list)  # per block position: drafts accepted
+    cached_tokens: int = 0  # prompt tokens a cached prefix gave it (engine/prefix_cache.py), not prefilled
 
     @property
     def acceptance_length(self) -> float:
@@ -56,12 +41,12 @@ class RequestStats:
         """The counts as an immutable tuple, taken for every running request every step (a tuple costs a fraction
         of a new RequestStats); restored() makes an independent RequestStats of it."""
         return (self.verify_steps, self.draft_tokens, self.accepted_tokens, self.committed_tokens,
-                tuple(self.drafted_at), tuple(self.accepted_at))
+                tuple(self.drafted_at), tuple(self.accepted_at), self.cached_tokens)
 
     @classmethod
     def restored(cls, saved: tuple) -> "RequestStats":
-        steps, drafts, accepted, committed, drafted_at, accepted_at = saved
-        return cls(steps, drafts, accepted, committed, list(drafted_at), list(accepted_at))
+        steps, drafts, accepted, committed, drafted_at, accepted_at, cached = saved
+        return cls(steps, drafts, accepted, committed, list(drafted_at), list(accepted_at), cached)
 
     def record(self, num_drafts: int, accepted: int, committed: int) -> None:
         self.verify_steps += 1

@@ -20,18 +20,18 @@ from shared.channel_gateway import (
     AbortRequest,
     Heartbeat,
     RequestFailed,
-    SubmitRequest,
     TokenBatch,
     WorkerStopping,
 )
 from shared.errors import RequestError
+from shared.generation_request import GenerationRequest
 from shared.wire import WireError, decode, encode
 from verify_worker.engine import SpeculativeEngine
 from verify_worker.event_codec import event_totals, token_event
 from verify_worker.liveness import HeartbeatThread
 from verify_worker.parallel.driver import ParallelFailure, follow
 from verify_worker.parallel.group import leave_group
-from verify_worker.request import GenerationRequest, StepEvent
+from verify_worker.request import StepEvent
 from verify_worker.worker_metrics import VerifyMetrics
 
 
@@ -110,19 +110,13 @@ class VerifyServer:
             if isinstance(message, AbortRequest):
                 if self.engine.abort(message.request_id) or self.building.pop(message.request_id, None):
                     self.log.info("aborted %s", message.request_id)
-            elif isinstance(message, SubmitRequest):
+            elif isinstance(message, GenerationRequest):
                 self._submit(message)
 
-    def _submit(self, message: SubmitRequest) -> None:
+    def _submit(self, request: GenerationRequest) -> None:
         try:
             if len(self.engine.waiting) + len(self.building) >= self.max_waiting:
                 raise _Rejected("queue_full", f"the queue is full ({self.max_waiting} requests waiting)")
-            request = GenerationRequest(
-                tuple(message.prompt_ids), message.max_tokens, message.sampling, tuple(message.stop_token_ids),
-                message.num_speculative_tokens, request_id=message.request_id, logprobs=message.logprobs,
-                prompt_logprobs=message.prompt_logprobs, min_tokens=message.min_tokens, grammar=message.grammar,
-                thinking_end=tuple(message.thinking_end) if message.thinking_end else None,
-            )
             if request.grammar is None:
                 self.engine.add(request)
             else:  # checked now; its matcher built off the step, in the pool
@@ -130,12 +124,12 @@ class VerifyServer:
                 future = self.grammar_pool.submit(self.engine.build_grammar, request.grammar)
                 self.building[request.request_id] = (request, future)
         except RequestError as exc:
-            self._send(RequestFailed(request_id=message.request_id, code="invalid_request", message=str(exc)))
+            self._send(RequestFailed(request_id=request.request_id, code="invalid_request", message=str(exc)))
         except _Rejected as exc:
-            self._send(RequestFailed(request_id=message.request_id, code=exc.code, message=exc.message))
+            self._send(RequestFailed(request_id=request.request_id, code=exc.code, message=exc.message))
         except Exception as exc:  # noqa: BLE001 - a bad request must not stop the loop that serves the others
-            self.log.error("cannot admit %s:\n%s", message.request_id, traceback.format_exc())
-            self._send(RequestFailed(request_id=message.request_id, code="invalid_request",
+            self.log.error("cannot admit %s:\n%s", request.request_id, traceback.format_exc())
+            self._send(RequestFailed(request_id=request.request_id, code="invalid_request",
                                      message=f"the request cannot be served: {exc}"))
 
     def _admit_built(self) -> None:
@@ -170,10 +164,11 @@ class VerifyServer:
                 self._send(token_event(event))
         if plain:  # straight into the batch's lists (64 events: 23 us, 65 us through a TokenEvent each)
             totals = [event_totals(event.stats) for event in plain]
-            verify_steps, draft_tokens, accepted_tokens = (list(column) for column in zip(*totals))
+            verify_steps, draft_tokens, accepted_tokens, cached_tokens = (list(column) for column in zip(*totals))
             self._send(TokenBatch(request_ids=[e.request_id for e in plain], token_ids=[e.new_token_ids for e in plain],
                                   finish_reasons=[e.finish_reason for e in plain], verify_steps=verify_steps,
-                                  draft_tokens=draft_tokens, accepted_tokens=accepted_tokens))
+                                  draft_tokens=draft_tokens, accepted_tokens=accepted_tokens,
+                                  cached_tokens=cached_tokens))
         for report in self.engine.last_reports:
             self.metrics.record(report)
 

@@ -1,13 +1,12 @@
-"""Admission: a request validated again (after the gateway), queued, aborted; the lowest free cache slot."""
+"""Admission: a request checked (shared/generation_request.check_request, as the gateway did), queued,
+aborted; the lowest free cache slot."""
 
 import heapq
 
-from shared.channel_gateway import MAX_TOP_LOGPROBS
 from shared.errors import RequestError
+from shared.generation_request import GenerationRequest, ModelBounds, check_request
 from shared.grammar_matcher import GrammarMatcher
-from shared.request_limits import is_int64
-from shared.sampling_params import SamplingParams
-from verify_worker.request import GenerationRequest, RequestState
+from verify_worker.request import RequestState
 
 
 class Admission:
@@ -33,41 +32,8 @@ class Admission:
             raise RequestError(f"the grammar does not compile: {exc}") from None
 
     def validate(self, request: GenerationRequest) -> None:
-        vocab = self.target.config.vocab_size
-        if not request.prompt_ids:
-            raise RequestError("the prompt is empty")
-        bad = [t for t in request.prompt_ids if not isinstance(t, int) or not 0 <= t < vocab]
-        if bad:
-            raise RequestError(f"prompt token id {bad[0]!r} is outside the vocabulary (size {vocab})")
-        if not isinstance(request.max_tokens, int) or isinstance(request.max_tokens, bool) or request.max_tokens < 0:
-            raise RequestError(f"max_tokens must be an integer >= 0 (0: prefill only, e.g. to score the prompt), "
-                               f"got {request.max_tokens!r}")
-        total = len(request.prompt_ids) + request.max_tokens
-        if total > self.max_model_len:
-            raise RequestError(
-                f"prompt ({len(request.prompt_ids)} tokens) plus max_tokens ({request.max_tokens}) exceeds the "
-                f"maximum model length {self.max_model_len}"
-            )
-        spec = request.num_speculative_tokens
-        if spec is not None and (not is_int64(spec) or spec < 0):
-            raise RequestError(f"num_speculative_tokens must be an integer from 0 to 2**63 - 1, got {spec!r}")
-        if not all(is_int64(t) for t in request.stop_token_ids):
-            raise RequestError("stop token ids must be 64-bit integers")
-        least = request.min_tokens
-        if not is_int64(least) or not 0 <= least <= request.max_tokens:
-            raise RequestError(f"min_tokens must be an integer from 0 to max_tokens ({request.max_tokens}), "
-                               f"got {least!r}")
-        end = request.thinking_end
-        if end is not None and not (len(end) == 2 and all(is_int64(v) for v in end) and end[0] >= 0
-                                    and 0 <= end[1] < vocab):
-            raise RequestError(f"thinking_end must be (a budget >= 0, a token id below {vocab}), got {end!r}")
-        if not isinstance(request.sampling, SamplingParams):
-            raise RequestError("sampling must be SamplingParams")
-        top = request.logprobs
-        if top is not None and (not isinstance(top, int) or isinstance(top, bool) or not 0 <= top <= MAX_TOP_LOGPROBS):
-            raise RequestError(f"logprobs must be an integer from 0 to {MAX_TOP_LOGPROBS}, got {top!r}")
-        if request.prompt_logprobs and top is None:
-            raise RequestError("prompt log-probabilities need logprobs (a count of alternatives, 0-20)")
+        """The request's values against this target (RequestError naming the first this model cannot serve)."""
+        check_request(request, ModelBounds(self.target.config.vocab_size, self.max_model_len))
 
     def abort(self, request_id: str) -> bool:
         """Drop a request wherever it is; its cache slot and drafter context are freed at once."""

@@ -20,6 +20,7 @@ import torch
 
 from shared.cpu_kernels.library import WorkerPool, pool_awake
 from shared.errors import ConfigError
+from shared.generation_request import GenerationRequest
 from shared.grammar_matcher import CompiledGrammars
 from shared.kv_cache import consecutive_range
 from shared.proposals import Proposer
@@ -30,7 +31,7 @@ from verify_worker.engine.output import Output
 from verify_worker.engine.speculation import Speculation
 from verify_worker.engine.verify_inputs import verify_block_rows
 from verify_worker.families.interface import StepBatch, TargetFamily
-from verify_worker.request import GenerationRequest, GenerationResult, RequestState, Status, StepEvent, StepReport
+from verify_worker.request import GenerationResult, RequestState, Status, StepEvent, StepReport
 from verify_worker.scheduler import padding_groups, plan_prefill
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.step_buckets import StepBuckets
