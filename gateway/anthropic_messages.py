@@ -161,7 +161,14 @@ def message_of(message_id: str, model: str, answer: dict, stop_sequence: str | N
     return {"id": message_id, "type": "message", "role": "assistant", "model": model, "content": content,
             "stop_reason": "stop_sequence" if stop_sequence else STOP_REASONS.get(choice["finish_reason"], "end_turn"),
             "stop_sequence": stop_sequence,
-            "usage": {"input_tokens": usage["prompt_tokens"], "output_tokens": usage["completion_tokens"]}}
+            "usage": anthropic_usage(usage["prompt_tokens"], usage["prompt_tokens_details"]["cached_tokens"],
+                                     usage["completion_tokens"])}
+
+
+def anthropic_usage(prompt_tokens: int, cached_tokens: int, output_tokens: int) -> dict:
+    """Anthropic's usage: input_tokens counts the prompt tokens not read from the cache."""
+    return {"input_tokens": prompt_tokens - cached_tokens, "cache_read_input_tokens": cached_tokens,
+            "cache_creation_input_tokens": 0, "output_tokens": output_tokens}
 
 
 def event(name: str, data: dict) -> str:
@@ -173,16 +180,16 @@ class MessageEvents:
     event sequence: message_start, then per content block its start, deltas and stop, then message_delta and
     message_stop."""
 
-    def __init__(self, model: str, input_tokens: int):
+    def __init__(self, model: str, input_tokens: int, cached_tokens: int = 0):
         self.id = "msg_" + uuid.uuid4().hex
-        self.model, self.input_tokens = model, input_tokens
+        self.model, self.input_tokens, self.cached_tokens = model, input_tokens, cached_tokens
         self.index, self.open = -1, None  # the current block's index and kind
 
     def start(self) -> str:
         return event("message_start", {"message": {
             "id": self.id, "type": "message", "role": "assistant", "model": self.model, "content": [],
             "stop_reason": None, "stop_sequence": None,
-            "usage": {"input_tokens": self.input_tokens, "output_tokens": 0}}})
+            "usage": anthropic_usage(self.input_tokens, self.cached_tokens, 0)}})
 
     def _block(self, kind: str, block: dict) -> list[str]:
         out = self._close()

@@ -67,9 +67,9 @@ def add_anthropic_routes(app: FastAPI, routes: AnthropicRoutes) -> None:
         return message_of(message_id, params.model, answer, choices.ordered[0].stops.matched)
 
     async def stream(choices, early, message_id: str, params):
-        events = MessageEvents(params.model, len(params.prompts[0].ids))
+        turn = choices.ordered[0]  # heard from already: its cached prompt tokens are known
+        events = MessageEvents(params.model, len(params.prompts[0].ids), turn.cached_tokens)
         events.id = message_id
-        turn = choices.ordered[0]
         reader = routes.path.responses.reader(turn)
 
         async def lines():

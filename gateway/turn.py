@@ -28,6 +28,7 @@ class Turn:
     verify_steps: int = 0
     draft_tokens: int = 0
     accepted_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens a cached prefix gave it (the verify worker's prefix cache)
     first_token_at: float | None = None
     last_token_at: float | None = None
     logprobs: TokenLogprobs | None = None  # every token's, when the request asked for them
@@ -53,7 +54,7 @@ class Turn:
             self.logprobs = self.logprobs or TokenLogprobs()
             self.logprobs.extend(run)
         self.verify_steps, self.draft_tokens = event.verify_steps, event.draft_tokens
-        self.accepted_tokens = event.accepted_tokens
+        self.accepted_tokens, self.cached_tokens = event.accepted_tokens, event.cached_tokens
         delta = self.detokenizer.add(event.token_ids)
         if event.finish_reason is not None:
             delta += self.detokenizer.flush()
@@ -71,10 +72,13 @@ class Turn:
 
 
 def usage(turns: list[Turn]) -> dict:
-    """The usage object of a request's choices: each prompt counted once, the completions and the speculative
-    counts summed (acceptance length: tokens committed per verify step; a choice's first token comes from its
-    prefill)."""
+    """The usage object of a request's choices: each prompt counted once (its cached tokens: the most any of its
+    choices reused), the completions and the speculative counts summed (acceptance length: tokens committed per
+    verify step; a choice's first token comes from its prefill)."""
     prompt = sum(len(p.ids) for p in {id(t.prompt): t.prompt for t in turns}.values())
+    cached: dict[int, int] = {}  # per prompt, the most any of its choices found cached
+    for turn in turns:
+        cached[id(turn.prompt)] = max(cached.get(id(turn.prompt), 0), turn.cached_tokens)
     completion = sum(len(t.token_ids) for t in turns)
     steps = sum(t.verify_steps for t in turns)
     drafted, accepted = sum(t.draft_tokens for t in turns), sum(t.accepted_tokens for t in turns)
@@ -83,6 +87,7 @@ def usage(turns: list[Turn]) -> dict:
         "prompt_tokens": prompt,
         "completion_tokens": completion,
         "total_tokens": prompt + completion,
+        "prompt_tokens_details": {"cached_tokens": sum(cached.values())},
         "completion_tokens_details": {
             "accepted_prediction_tokens": accepted,
             "rejected_prediction_tokens": drafted - accepted,

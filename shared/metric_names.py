@@ -23,6 +23,9 @@ WAITING = PREFIX + "waiting_requests"  # gauge
 DRAFTER_AVAILABLE = PREFIX + "drafter_available"  # gauge, label kind
 FALLBACK_STEPS = PREFIX + "spec_fallback_steps"  # counter: steps decoded without drafts for want of a drafter
 POLICY_PLAIN_STEPS = PREFIX + "spec_policy_plain_steps"  # counter: steps --spec-policy adaptive decoded plainly
+PREFIX_QUERY_TOKENS = PREFIX + "prefix_cache_query_tokens"  # counter: prompt tokens looked up in the prefix cache
+PREFIX_HIT_TOKENS = PREFIX + "prefix_cache_hit_tokens"  # counter: prompt tokens found there (not prefilled)
+PREFIX_CACHED_TOKENS = PREFIX + "prefix_cache_tokens"  # gauge: tokens the free slots hold for reuse
 
 # draft worker
 DRAFT_CALLS = PREFIX + "draft_calls"  # counter

@@ -281,8 +281,8 @@ def test_tensor_parallel_ranks_agree(monkeypatch):
 
 
 def test_healthchecks_and_scrape_targets_use_the_real_ports(monkeypatch):
-    app = (ROOT / "gateway" / "app.py").read_text()
-    assert '@app.get("/health")' in app
+    routes = (ROOT / "gateway" / "service_routes.py").read_text()
+    assert '@app.get("/health")' in routes
     targets = {}
     for job in load_yaml(DOCKER / "prometheus-two-hosts.yml")["scrape_configs"]:
         for group in job["static_configs"]:

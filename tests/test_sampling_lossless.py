@@ -30,7 +30,7 @@ from verify_worker.engine import SpeculativeEngine
 from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.target_loader import load_target
 
-VOCAB, TOKENS, N, ALPHA = 5, 4, 4000, 1e-3
+VOCAB, TOKENS, N, ALPHA = 5, 4, 3000, 1e-3  # the wrong-residual check rejects at p ~ 1e-43 with 3000
 PROMPT = (1, 2, 3)
 
 

@@ -177,6 +177,30 @@ def test_metrics_parse_and_speculative_counters_move(server):
     assert metric_value(server.metrics("draft"), "dflash_draft_calls_total") >= 1
 
 
+def test_an_agents_resent_history_is_served_from_the_prefix_cache(server, client):
+    """Turn 2 resends turn 1's messages, its answer and a new message: the prompt tokens turn 1 computed are
+    reused (usage.prompt_tokens_details.cached_tokens, the verify worker's counters), and the answer to a resent
+    prompt is the answer it had (greedy)."""
+    before = server.metrics("verify")
+    messages = [{"role": "user", "content": "def fib(n):"}]
+    first = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    messages += [{"role": "assistant", "content": first.choices[0].message.content},
+                 {"role": "user", "content": "and now in one line"}]
+    second = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    again = client.chat.completions.create(model="tiny", messages=messages, max_tokens=16, temperature=0)
+    cached = second.usage.prompt_tokens_details.cached_tokens
+    assert first.usage.prompt_tokens <= cached < second.usage.prompt_tokens, (first.usage, second.usage)
+    assert again.usage.prompt_tokens_details.cached_tokens == second.usage.prompt_tokens - 1  # all but the last
+    assert again.choices[0].message.content == second.choices[0].message.content
+    after = server.metrics("verify")
+    hits = metric_value(after, "dflash_prefix_cache_hit_tokens_total") - \
+        metric_value(before, "dflash_prefix_cache_hit_tokens_total")
+    queries = metric_value(after, "dflash_prefix_cache_query_tokens_total") - \
+        metric_value(before, "dflash_prefix_cache_query_tokens_total")
+    assert hits >= cached + second.usage.prompt_tokens - 1 and queries >= first.usage.prompt_tokens + 2 * \
+        second.usage.prompt_tokens
+
+
 def test_logprobs_are_the_targets_and_stream_like_the_whole(server, client):
     body = {"max_tokens": 16, "logprobs": 2}
     whole = completion(server, **body)

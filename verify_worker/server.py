@@ -132,7 +132,8 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=model.max_model_len,
                                max_prefill_tokens=engine_settings.max_prefill_tokens, policy=policy,
                                step_buckets="cuda-graphs" if engine_settings.cuda_graphs else None,
-                               grammar_vocabulary=vocabulary, grammar_drafts=speculation.grammar_drafts)
+                               grammar_vocabulary=vocabulary, grammar_drafts=speculation.grammar_drafts,
+                               prefix_caching=not engine_settings.no_prefix_caching)
     capacity = engine.state.capacity
     block = max(engine.block_size, 1)
     per_request = target.state_bytes_per_slot(capacity, block)
@@ -141,6 +142,9 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
              "token); drafter feature rows up to %.1f MiB per request", model.target, target.config.num_layers,
              max_running, capacity, engine.state.nbytes() / 2**20, per_request / 2**20, per_request / capacity / 2**10,
              features / 2**20)
+    log.info("prefix caching: %s", "on (finished requests' slots keep their prefixes for later prompts)"
+             if engine.prefix_cache is not None else "off (--no-prefix-caching)" if engine_settings.no_prefix_caching
+             else f"off ({type(target).__name__} keeps a recurrent state, not a positional cache)")
     if engine_settings.cuda_graphs:  # every decode step shape captured now, so that no request waits for a capture
         engine.warm_up(progress=log.info)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")

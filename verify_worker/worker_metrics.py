@@ -1,5 +1,5 @@
 """The verify worker's Prometheus metrics: speculation counts by block position, step phases, queue gauges, the
-drafter's availability, rejected messages."""
+drafter's availability, the prefix cache's queries, hits and holdings, rejected messages."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -28,6 +28,12 @@ class VerifyMetrics:
                                 registry=r)
         self.policy_plain = Counter(names.POLICY_PLAIN_STEPS, "Steps the speculation policy decoded plainly",
                                     registry=r)
+        self.prefix_queries = Counter(names.PREFIX_QUERY_TOKENS, "Prompt tokens looked up in the prefix cache",
+                                      registry=r)
+        self.prefix_hits = Counter(names.PREFIX_HIT_TOKENS, "Prompt tokens found in the prefix cache (not prefilled)",
+                                   registry=r)
+        self.prefix_cached = Gauge(names.PREFIX_CACHED_TOKENS, "Tokens the free cache slots hold for reuse", registry=r)
+        self.prefix_seen = (0, 0)  # the engine's totals last counted
         self.bad = Counter(names.BAD_MESSAGES, "Rejected wire messages", ["role"], registry=r)
         self.bad.labels("verify")  # exported at 0 from the start: a dashboard shows 0, not "no data"
         self.kind = drafter_kind
@@ -38,6 +44,14 @@ class VerifyMetrics:
         if child is None:
             child = self.children[(metric, label)] = metric.labels(label)
         return child
+
+    def record_prefixes(self, queried: int, hit: int, cached: int) -> None:
+        """The engine's prefix-cache totals since start (counted by their growth) and what it holds now."""
+        seen_queried, seen_hit = self.prefix_seen
+        self.prefix_queries.inc(queried - seen_queried)
+        self.prefix_hits.inc(hit - seen_hit)
+        self.prefix_seen = (queried, hit)
+        self.prefix_cached.set(cached)
 
     def record(self, report: StepReport) -> None:
         """One step's figures (once a step: the labelled children are kept, not looked up again each time)."""

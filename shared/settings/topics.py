@@ -50,6 +50,11 @@ class EngineSettings:
                                                "the memory plan (default: what the host has available, or its "
                                                "cgroup's limit where lower, read as the server starts)", above=0,
                                          env="DFLASH_CPU_MEMORY_GB")
+    no_prefix_caching: bool = option(False, "turn automatic prefix caching off: by default a finished request's "
+                                            "cache slot keeps its prompt and output, and a later prompt that begins "
+                                            "with them (an agent resending its history) takes that slot and "
+                                            "prefills only the rest (families with a positional cache: Qwen3, Llama, "
+                                            "GLM-5.2; not GLM-5.3's recurrent state)")
     stall_timeout: float = option(300.0, "a verify loop that makes no progress for this long is hung: the worker "
                                          "tells the gateway and exits (0 = never); heartbeats flow meanwhile, whatever "
                                          "a step takes", minimum=0, env="DFLASH_STALL_TIMEOUT")

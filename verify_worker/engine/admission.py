@@ -6,7 +6,7 @@ import heapq
 from shared.errors import RequestError
 from shared.generation_request import GenerationRequest, ModelBounds, check_request
 from shared.grammar_matcher import GrammarMatcher
-from verify_worker.request import RequestState
+from verify_worker.request import RequestState, Status
 
 
 class Admission:
@@ -54,6 +54,36 @@ class Admission:
     @property
     def num_running(self) -> int:
         return len(self.running) + len(self.prefilling)
+
+    def _admit(self, state: RequestState) -> None:
+        """state takes a free slot and starts prefilling: the slot whose cached prefix its prompt shares longest
+        (its prefill starts past that prefix, the drafter's rows of it kept), else a slot holding no prefix, else
+        the least recently used one's."""
+        cache, hit = self.prefix_cache, None
+        if cache is not None and not state.request.prompt_logprobs:  # a scored prompt needs its every row
+            self.prefix_query_tokens += len(state.request.prompt_ids)
+            hit = cache.lookup(state.request.prompt_ids)
+        if hit is not None and (hit.features is None) != (self.proposer is None):
+            hit = None  # no drafter rows for a drafter (cannot happen: a proposer is fixed for the engine's life)
+        if hit is None:
+            slot = self._take_slot() if cache is None else self._take_free(cache.evictable(self.free_slots))
+            self.target.reset(self.state, slot)
+        else:
+            slot = self._take_free(hit.slot)
+            state.cache_len = state.stats.cached_tokens = hit.tokens
+            if hit.features is not None:
+                state.feature_chunks = [hit.features]
+            self.prefix_hit_tokens += hit.tokens
+        state.slot, state.status = slot, Status.PREFILLING
+        self.prefilling.append(state)
+
+    def _take_free(self, slot: int) -> int:
+        """A given free slot, out of the heap (its cached prefix, if any, forgotten)."""
+        self.free_slots.remove(slot)
+        heapq.heapify(self.free_slots)
+        if self.prefix_cache is not None:
+            self.prefix_cache.forget(slot)
+        return slot
 
     def _take_slot(self) -> int:
         """The lowest free cache slot: running requests then hold few, low slots, so that a batch sorted by slot

@@ -28,6 +28,7 @@ from verify_worker.engine.admission import Admission
 from verify_worker.engine.grammar_masks import GRAMMAR_DRAFTS, forced_drafts, grammar_drafts
 from verify_worker.engine.isolation import Isolation
 from verify_worker.engine.output import Output
+from verify_worker.engine.prefix_cache import PrefixCache
 from verify_worker.engine.speculation import Speculation
 from verify_worker.engine.verify_inputs import verify_block_rows
 from verify_worker.families.interface import StepBatch, TargetFamily
@@ -52,13 +53,15 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         step_buckets: str | None = None,
         grammar_vocabulary=None,
         grammar_drafts: str = "forced",
+        prefix_caching: bool = True,
     ):
         """step_buckets: None runs each decode step at its own shape; "eager" pads it to a bucket
         (verify_worker/step_buckets.py), "cuda-graphs" too and replays one CUDA graph per bucket (a CUDA target
         whose family takes padded steps). grammar_vocabulary: the target's tokenizer as grammars see it
         (shared.grammar.grammar_vocabulary; None: requests with a grammar are refused); grammar_drafts: how a
         constrained request's drafts obey its grammar (engine/grammar_masks.py: "target", "cut", "forced",
-        "masked", "drafted")."""
+        "masked", "drafted"). prefix_caching: a finished request's slot keeps its prefix for a later prompt that
+        begins with it (engine/prefix_cache.py; families whose cache is positional)."""
         cfg = target.config
         self.target = target
         self.proposer = proposer
@@ -94,6 +97,8 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         self.state = target.new_state(max_requests + (step_buckets is not None),
                                       self.max_model_len + max(self.block_size, 1), max(self.block_size, 1))
         self.free_slots = list(range(max_requests))  # a heap (see _take_slot)
+        self.prefix_cache = PrefixCache(self.prefill_align) if prefix_caching and not target.commits_state else None
+        self.prefix_query_tokens = self.prefix_hit_tokens = 0  # prompt tokens looked up, and found, since start
         self.buckets = None if step_buckets is None else StepBuckets(
             target, self.state, max_requests, max(self.block_size, 1), self.tap_layers,
             graphs=step_buckets == "cuda-graphs")
@@ -123,10 +128,7 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         halves of its batch; a request that fails on its own ends with finish reason "error" (its event carries
         the error), and the others advance as if nothing had happened."""
         while self.waiting and self.free_slots:
-            state = self.waiting.pop(0)
-            state.slot, state.status = self._take_slot(), Status.PREFILLING
-            self.target.reset(self.state, state.slot)
-            self.prefilling.append(state)
+            self._admit(self.waiting.pop(0))
         groups = [[s.request_id for s in self.prefilling] + list(self.running)]
         events, self.last_reports = [], []
         # its helpers spin between the step's calls (a gap of over 2 ms without one, as the bookkeeping of a large

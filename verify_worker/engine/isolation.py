@@ -50,6 +50,8 @@ class Isolation:
             if state.slot < 0 <= snapshot.slot:  # it finished in the failed step: take its slot back
                 self.free_slots.remove(snapshot.slot)
                 heapq.heapify(self.free_slots)
+                if self.prefix_cache is not None:
+                    self.prefix_cache.forget(snapshot.slot)
             snapshot.restore()
             if state.status == Status.RUNNING:
                 self.running[state.request_id] = state

@@ -87,9 +87,26 @@ class Output:
             self._free(state, state.finish_reason)
         return len(kept)
 
+    def _keep_prefix(self, state: RequestState, reason: str) -> None:
+        """A freed slot keeps the tokens its positions 0..cache_len-1 hold (the prompt and the output but its last
+        token, whose KV no step wrote), with the drafter's rows of them; a failed request's slot keeps nothing."""
+        if reason == "error" or state.cache_len == 0:
+            self.prefix_cache.forget(state.slot)
+            return
+        tokens = (state.request.prompt_ids + tuple(state.output_ids))[:state.cache_len]
+        features = None
+        if self.proposer is not None:
+            features = torch.cat(state.feature_chunks)[:len(tokens)] if state.feature_chunks else None
+            if features is None or len(features) < len(tokens):
+                self.prefix_cache.forget(state.slot)
+                return
+        self.prefix_cache.store(state.slot, tokens, features)
+
     def _free(self, state: RequestState, reason: str) -> None:
         state.status = Status.FINISHED
         state.finish_reason = state.finish_reason or reason
+        if self.prefix_cache is not None and state.slot >= 0:
+            self._keep_prefix(state, reason)
         state.feature_chunks = []
         if state.slot >= 0:
             heapq.heappush(self.free_slots, state.slot)

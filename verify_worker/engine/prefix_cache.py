@@ -1,0 +1,94 @@
+"""Prefixes computed once: a finished request's cache slot keeps its KV (and the drafter's feature rows of the same
+positions), indexed by the tokens it holds, until the slot is needed; a new request whose prompt begins with some
+of those tokens takes that slot and prefills only the rest. Pure bookkeeping: no tensors are read or written here.
+
+Only families whose cache is written by absolute position serve hits (a recurrent state holds its last position
+alone). A slot moves to the request that hits it, so no cached position is ever shared or written by two requests;
+positions past the hit are written again by its own prefill.
+"""
+
+from dataclasses import dataclass
+
+import torch
+
+COMPARE_CHUNK = 256  # tokens compared at once while measuring a common prefix
+KEEP_AT_LEAST = 16  # a shorter prefix is not kept: it is recomputed in no time, and holding it would let every
+# short request (the readiness probe's, every 2 s) push a long prefix out of the cache
+
+
+def common_prefix(a: tuple[int, ...], b: tuple[int, ...]) -> int:
+    """The length of the longest common prefix of two token tuples (slices compared in C, chunk by chunk)."""
+    n, at = min(len(a), len(b)), 0
+    while at < n:
+        step = min(COMPARE_CHUNK, n - at)
+        if a[at:at + step] == b[at:at + step]:
+            at += step
+            continue
+        while a[at] == b[at]:
+            at += 1
+        return at
+    return n
+
+
+@dataclass
+class CachedPrefix:
+    tokens: tuple[int, ...]  # the tokens whose KV positions 0..len-1 of the slot hold
+    features: torch.Tensor | None  # [len, taps * hidden] the drafter's rows of those positions (None: no drafter)
+    last_used: int  # the cache's clock when it was stored or hit
+
+
+@dataclass(frozen=True)
+class PrefixHit:
+    slot: int
+    tokens: int  # positions of the slot the request reuses
+    features: torch.Tensor | None  # their feature rows [tokens, width] (None: no drafter)
+
+
+class PrefixCache:
+    """The free slots that hold a finished request's prefix, by slot."""
+
+    def __init__(self, align: int = 1, minimum: int = 1, keep_at_least: int = KEEP_AT_LEAST):
+        """align: a hit is a multiple of it (a family whose prompt chunks start at its multiples); minimum: the
+        shortest hit worth taking a cached slot for; keep_at_least: the shortest prefix kept."""
+        self.align, self.minimum, self.keep_at_least = max(1, align), max(1, minimum), keep_at_least
+        self.entries: dict[int, CachedPrefix] = {}
+        self.clock = 0
+
+    def store(self, slot: int, tokens: tuple[int, ...], features: torch.Tensor | None) -> None:
+        """The slot's positions 0..len(tokens)-1 hold these tokens' values (kept from keep_at_least tokens on)."""
+        self.clock += 1
+        if len(tokens) >= self.keep_at_least:
+            self.entries[slot] = CachedPrefix(tokens, features, self.clock)
+        else:
+            self.entries.pop(slot, None)
+
+    def forget(self, slot: int) -> None:
+        """The slot is taken, or its positions are no longer what its entry says."""
+        self.entries.pop(slot, None)
+
+    def lookup(self, prompt: tuple[int, ...]) -> PrefixHit | None:
+        """The slot (every entry's is free) whose cached tokens share the longest prefix with prompt, up to its
+        last token (whose logits the request needs from its own prefill), aligned down; None below the minimum.
+        A hit's entry is gone: the slot is the request's."""
+        best, best_len = None, 0
+        for slot, entry in self.entries.items():
+            length = common_prefix(entry.tokens, prompt[:-1]) // self.align * self.align
+            if length > best_len:
+                best, best_len = slot, length
+        if best is None or best_len < self.minimum:
+            return None
+        entry = self.entries.pop(best)
+        features = None if entry.features is None else entry.features[:best_len]
+        return PrefixHit(best, best_len, features)
+
+    def evictable(self, free: list[int]) -> int:
+        """The free slot to give a request that hit nothing: one holding no prefix (the lowest), else the least
+        recently used prefix's."""
+        empty = [slot for slot in free if slot not in self.entries]
+        if empty:
+            return min(empty)
+        return min(free, key=lambda slot: self.entries[slot].last_used)
+
+    @property
+    def cached_tokens(self) -> int:
+        return sum(len(entry.tokens) for entry in self.entries.values())
