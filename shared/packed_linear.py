@@ -27,6 +27,7 @@ from torch.nn import functional as F
 
 from shared.cpu_kernels.arguments import TILE, bf16_exact
 from shared.cpu_kernels.library import cpu_kernels
+from shared.dtype_choice import as_served
 
 KERNEL_LAYOUTS = ("bf16", "amx")  # the layouts the C++ kernels multiply (bfloat16 weight tiles)
 ROWS_LAYOUT = "rows"  # multiplied by the owner's row-invariant function (--batch-invariant)
@@ -68,7 +69,9 @@ def kernel_layout(dtype: str, checkpoint_dtype: str, device) -> str:
     """The layout a loader packs a model in: "amx" (bfloat16 products) for --dtype auto and a bfloat16 checkpoint
     where the C++ kernels run on a CPU with AMX, else "auto" (packing_layout's choice: float32 products where
     the kernels run). A bfloat16 checkpoint asks for bfloat16 maths; the float32 kernels compute more precisely
-    than it asks, AMX as it asks and faster. --dtype float32 keeps float32 products."""
+    than it asks, AMX as it asks and faster. --dtype float32 keeps float32 products; --dtype bfloat16 is auto here
+    (shared.dtype_choice.as_served)."""
+    dtype = as_served(dtype, checkpoint_dtype, float32_kernels_run(device))
     if dtype != "auto" or checkpoint_dtype != "bfloat16" or not float32_kernels_run(device):
         return "auto"
     return "amx" if cpu_kernels().amx else "auto"

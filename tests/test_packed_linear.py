@@ -131,6 +131,28 @@ def test_packed_target_bf16_layout_equals_transposed(tmp_path, family, dtype):
 
 
 @needs_kernels
+def test_dtype_bfloat16_on_a_bfloat16_checkpoint_runs_the_kernels_as_auto(tmp_path):
+    """The flag vLLM users pass by habit: on a CPU where the C++ kernels run, a bfloat16 checkpoint's --dtype
+    bfloat16 loads as --dtype auto (the kernels over the bfloat16 weights, a bfloat16 KV cache), the same function
+    bit for bit, not PyTorch's bfloat16 ops; a float32 checkpoint's --dtype bfloat16 is taken as given."""
+    from shared.dtype_choice import as_served
+
+    assert as_served("bfloat16", "bfloat16", True) == "auto"
+    assert as_served("bfloat16", "float32", True) == as_served("bfloat16", "bfloat16", False) == "bfloat16"
+    assert as_served("float32", "bfloat16", True) == "float32"
+    write_hf_checkpoint(tmp_path, "qwen3", seed=4, dtype=torch.bfloat16)
+    asked, auto = load_target(tmp_path, dtype="bfloat16"), load_target(tmp_path, dtype="auto")
+    assert asked.kernels is not None and asked.embed_weight.dtype == auto.embed_weight.dtype == torch.float32
+    assert asked.kv_dtype == auto.kv_dtype == torch.bfloat16
+    assert asked.model.layers[0].self_attn.qkv_proj.layout == auto.model.layers[0].self_attn.qkv_proj.layout
+    ids = torch.randint(0, 128, (1, 7), generator=torch.Generator().manual_seed(1))
+    positions = torch.arange(7)[None]
+    with torch.inference_mode():
+        got, want = (t.logits(t(ids, positions, t.new_cache(1, 16), torch.arange(1), ()).hidden) for t in (asked, auto))
+    assert torch.equal(got, want)
+
+
+@needs_kernels
 def test_a_cache_write_outside_the_cache_is_refused(tmp_path):
     write_hf_checkpoint(tmp_path, "qwen3", seed=4, dtype=torch.bfloat16)
     target = load_target(tmp_path, dtype="float32", pack=False).pack("bf16")

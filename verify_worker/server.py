@@ -3,6 +3,7 @@ metrics, the loop of serve_loop.py), rank 0 or a tensor-parallel follower."""
 
 import sys
 
+import torch
 from prometheus_client import start_http_server
 
 from draft_worker.draft_checkpoint import load_drafter
@@ -108,6 +109,10 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
     target = load_target(model.target, device=device, dtype=model.dtype, tp=tp,
                          kernel_threads=settings.threads.kernel_threads or usable_cores(),
                          batch_invariant=engine_settings.batch_invariant)
+    if model.dtype == "bfloat16" and target.embed_weight.dtype != torch.bfloat16:  # shared.dtype_choice.as_served
+        log.info("--dtype bfloat16 runs as --dtype auto on this CPU: the C++ kernels over the checkpoint's bfloat16 "
+                 "weights (float32 sums; bfloat16 products on AMX) with a bfloat16 KV cache, where PyTorch's own "
+                 "bfloat16 ops run several times slower")
     if tp.rank > 0:
         log.info("tensor-parallel rank %d of %d: following rank 0", tp.rank, tp.world_size)
         return FollowerServer(target, log)
