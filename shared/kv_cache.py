@@ -36,6 +36,13 @@ class PositionalKVCache:
         self.keys[layer][index] = k.to(self.keys[layer].dtype)
         self.values[layer][index] = v.to(self.values[layer].dtype)
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Positions 0..length-1 of slot source into slot target, every layer (a kept prefix given to a request
+        that starts in another slot)."""
+        for keys, values in zip(self.keys, self.values):
+            keys[target, :, :length] = keys[source, :, :length]
+            values[target, :, :length] = values[source, :, :length]
+
     def read(self, layer: int, slots: torch.Tensor | slice, length: int):
         """Keys and values [batch, kv_heads, length, head_dim] of the given slots, positions 0..length-1."""
         return self.keys[layer][slots, :, :length], self.values[layer][slots, :, :length]

@@ -48,7 +48,8 @@ def test_the_longest_prefix_wins_the_last_token_is_never_reused_and_hits_align()
     plain.store(1, (1, 2, 3, 4, 5, 6), torch.arange(6.0)[:, None])
     hit = plain.lookup((1, 2, 3, 9))
     assert (hit.slot, hit.tokens, hit.features.flatten().tolist()) == (1, 3, [0.0, 1.0, 2.0])
-    assert plain.lookup((1, 2, 3, 9)) is None  # a hit takes the slot: its entry is gone
+    plain.forget(1)  # the request took the slot itself
+    assert plain.lookup((1, 2, 3, 9)) is None
 
 
 def test_a_request_that_hits_nothing_takes_an_empty_slot_then_the_least_recently_used():
@@ -57,8 +58,10 @@ def test_a_request_that_hits_nothing_takes_an_empty_slot_then_the_least_recently
     cache.store(1, (2,), None)
     assert cache.evictable([1, 3, 5]) == 5
     assert cache.evictable([1, 3]) == 3  # stored first: used least recently
+    cache.touch(3)  # copied from just now: the most recently used
+    assert cache.evictable([1, 3]) == 1 and cache.empty_slot([1, 3]) is None
     cache.forget(3)
-    assert cache.evictable([1, 3]) == 3
+    assert cache.evictable([1, 3]) == 3 == cache.empty_slot([1, 3])
 
 
 def test_short_prefixes_are_not_kept_so_short_requests_cycle_one_slot():
@@ -115,8 +118,10 @@ def test_the_demo_pair_answers_the_same_with_caching_on_and_off(drafter_name):
     assert cached > len(first)  # later turns reused what earlier ones computed
 
 
-def test_a_random_drafter_on_qwen3_and_a_glm52_target_answer_the_same_with_caching_on_and_off(qwen3_pair,
-                                                                                            tmp_path):
+@pytest.mark.parametrize("slots", [1, 2], ids=["moved", "copied"])
+def test_a_random_drafter_on_qwen3_and_a_glm52_target_answer_the_same_with_caching_on_and_off(qwen3_pair, tmp_path,
+                                                                                            slots):
+    """One slot: a hit takes the kept slot itself; two: the prefix is copied into the empty one."""
     from test_glm_moe_dsa import random_glm
 
     _, qwen3, drafter, _ = qwen3_pair
@@ -125,15 +130,15 @@ def test_a_random_drafter_on_qwen3_and_a_glm52_target_answer_the_same_with_cachi
     tails = [[rng.randrange(120) for _ in range(n)] for n in (3, 9, 1)]
 
     def proposer():
-        return LocalProposer(drafter, qwen3.embed_weight, qwen3.lm_head_weight, block_size=8, max_requests=2,
+        return LocalProposer(drafter, qwen3.embed_weight, qwen3.lm_head_weight, block_size=8, max_requests=slots,
                              max_model_len=256)
 
-    on, off, cached = served_twice(qwen3, proposer, [(first, tails)], 12, max_requests=2, max_model_len=256,
+    on, off, cached = served_twice(qwen3, proposer, [(first, tails)], 12, max_requests=slots, max_model_len=256,
                                    max_prefill_tokens=16)
     assert on == off and cached > 0
     random_glm(seed=2, max_position_embeddings=256).save_pretrained(tmp_path / "glm")
     glm = load_target(tmp_path / "glm")
-    on, off, cached = served_twice(glm, lambda: None, [(first, tails)], 8, max_requests=2, max_model_len=256)
+    on, off, cached = served_twice(glm, lambda: None, [(first, tails)], 8, max_requests=slots, max_model_len=256)
     assert on == off and cached > 0
 
 
@@ -149,3 +154,25 @@ def test_sampled_requests_draw_the_same_tokens_with_caching_on_and_off(qwen3_pai
                 for i in range(4)]
         outs.append(runs)
     assert outs[0] == outs[1]
+
+
+def test_concurrent_prompts_share_one_kept_prefix_by_copies(qwen3_pair):
+    """Two requests admitted together after a third left its prefix: each prefills only past it, in a slot of its
+    own the prefix is copied into, and the prefix stays kept; their output is the uncached engine's."""
+    _, target, drafter, _ = qwen3_pair
+    rng = random.Random(9)
+    shared = tuple(rng.randrange(120) for _ in range(40))
+    later = [GenerationRequest(shared + tuple(rng.randrange(120) for _ in range(n)), 10, request_id=f"r{n}")
+             for n in (3, 5)]
+    outputs = []
+    for caching in (True, False):
+        engine = SpeculativeEngine(target, LocalProposer(drafter, target.embed_weight, target.lm_head_weight,
+                                                         block_size=8, max_requests=3, max_model_len=256),
+                                   max_requests=3, max_model_len=256, prefix_caching=caching)
+        engine.generate([GenerationRequest(shared + (7,), 6, request_id="first")])
+        results = engine.generate(later)
+        outputs.append([(r.token_ids, r.stats.verify_steps) for r in results])
+        if caching:
+            assert [r.stats.cached_tokens for r in results] == [40, 40]
+            assert len(engine.prefix_cache.entries) == 3  # the first's prefix kept, beside the two new ones
+    assert outputs[0] == outputs[1]

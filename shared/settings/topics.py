@@ -52,9 +52,10 @@ class EngineSettings:
                                          env="DFLASH_CPU_MEMORY_GB")
     no_prefix_caching: bool = option(False, "turn automatic prefix caching off: by default a finished request's "
                                             "cache slot keeps its prompt and output, and a later prompt that begins "
-                                            "with them (an agent resending its history) takes that slot and "
-                                            "prefills only the rest (families with a positional cache: Qwen3, Llama, "
-                                            "GLM-5.2; not GLM-5.3's recurrent state)")
+                                            "with them (an agent resending its history) prefills only the rest, the "
+                                            "prefix copied into its slot or the kept slot taken (families with a "
+                                            "positional cache: Qwen3, Llama, GLM-5.2; not GLM-5.3's recurrent "
+                                            "state)")
     stall_timeout: float = option(300.0, "a verify loop that makes no progress for this long is hung: the worker "
                                          "tells the gateway and exits (0 = never); heartbeats flow meanwhile, whatever "
                                          "a step takes", minimum=0, env="DFLASH_STALL_TIMEOUT")

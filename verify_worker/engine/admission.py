@@ -56,9 +56,10 @@ class Admission:
         return len(self.running) + len(self.prefilling)
 
     def _admit(self, state: RequestState) -> None:
-        """state takes a free slot and starts prefilling: the slot whose cached prefix its prompt shares longest
-        (its prefill starts past that prefix, the drafter's rows of it kept), else a slot holding no prefix, else
-        the least recently used one's."""
+        """state takes a free slot and starts prefilling. Where a kept prefix begins its prompt (the longest), its
+        prefill starts past it, the drafter's rows of it kept: in a slot holding nothing that the prefix is copied
+        into (the family copies, one is free: the prefix stays kept), else in the kept slot itself. Otherwise it
+        takes a slot holding no prefix, else the least recently used one's."""
         cache, hit = self.prefix_cache, None
         if cache is not None and not state.request.prompt_logprobs:  # a scored prompt needs its every row
             self.prefix_query_tokens += len(state.request.prompt_ids)
@@ -69,7 +70,15 @@ class Admission:
             slot = self._take_slot() if cache is None else self._take_free(cache.evictable(self.free_slots))
             self.target.reset(self.state, slot)
         else:
-            slot = self._take_free(hit.slot)
+            copy = getattr(self.target, "copy_prefix", None)  # a tensor-parallel leader has none: the slot moves
+            empty = None if copy is None else cache.empty_slot(self.free_slots)
+            if empty is None:
+                slot = self._take_free(hit.slot)
+            else:
+                slot = self._take_free(empty)
+                self.target.reset(self.state, slot)
+                copy(self.state, hit.slot, slot, hit.tokens)
+                cache.touch(hit.slot)
             state.cache_len = state.stats.cached_tokens = hit.tokens
             if hit.features is not None:
                 state.feature_chunks = [hit.features]

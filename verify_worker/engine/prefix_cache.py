@@ -1,10 +1,11 @@
 """Prefixes computed once: a finished request's cache slot keeps its KV (and the drafter's feature rows of the same
 positions), indexed by the tokens it holds, until the slot is needed; a new request whose prompt begins with some
-of those tokens takes that slot and prefills only the rest. Pure bookkeeping: no tensors are read or written here.
+of those tokens prefills only the rest: in a slot of its own that the prefix is copied into, where the family copies
+and a slot holding nothing is free (the prefix stays kept for other requests), else in the kept slot itself (the
+slot moves to it). Pure bookkeeping: no tensors are read or written here.
 
 Only families whose cache is written by absolute position serve hits (a recurrent state holds its last position
-alone). A slot moves to the request that hits it, so no cached position is ever shared or written by two requests;
-positions past the hit are written again by its own prefill.
+alone). A kept slot is free: no request writes it, and a request writes only its own slot, past its hit.
 """
 
 from dataclasses import dataclass
@@ -69,7 +70,7 @@ class PrefixCache:
     def lookup(self, prompt: tuple[int, ...]) -> PrefixHit | None:
         """The slot (every entry's is free) whose cached tokens share the longest prefix with prompt, up to its
         last token (whose logits the request needs from its own prefill), aligned down; None below the minimum.
-        A hit's entry is gone: the slot is the request's."""
+        The caller takes the slot (forget) or copies its prefix elsewhere (touch)."""
         best, best_len = None, 0
         for slot, entry in self.entries.items():
             length = common_prefix(entry.tokens, prompt[:-1]) // self.align * self.align
@@ -77,16 +78,25 @@ class PrefixCache:
                 best, best_len = slot, length
         if best is None or best_len < self.minimum:
             return None
-        entry = self.entries.pop(best)
+        entry = self.entries[best]
         features = None if entry.features is None else entry.features[:best_len]
         return PrefixHit(best, best_len, features)
+
+    def touch(self, slot: int) -> None:
+        """The slot's prefix was just reused (copied): it is the most recently used."""
+        self.clock += 1
+        self.entries[slot].last_used = self.clock
+
+    def empty_slot(self, free: list[int]) -> int | None:
+        """The lowest free slot holding no prefix, or None."""
+        return min((slot for slot in free if slot not in self.entries), default=None)
 
     def evictable(self, free: list[int]) -> int:
         """The free slot to give a request that hit nothing: one holding no prefix (the lowest), else the least
         recently used prefix's."""
-        empty = [slot for slot in free if slot not in self.entries]
-        if empty:
-            return min(empty)
+        empty = self.empty_slot(free)
+        if empty is not None:
+            return empty
         return min(free, key=lambda slot: self.entries[slot].last_used)
 
     @property

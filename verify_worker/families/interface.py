@@ -82,3 +82,6 @@ class TargetFamily(Protocol):
 
     def reset(self, state: TargetState, slot: int) -> None:
         """The slot is handed to a new request."""
+
+    # optional: copy_prefix(state, source, target, length): positions 0..length-1 of one slot into another (a
+    # positional cache; the prefix cache then keeps the source's prefix for other requests, else it moves the slot)

@@ -31,6 +31,12 @@ class LatentCache:
         if index_keys is not None:
             self.index_keys[layer][where] = index_keys
 
+    def copy_prefix(self, source: int, target: int, length: int) -> None:
+        """Positions 0..length-1 of slot source into slot target, every cache (a kept prefix given to a request
+        that starts in another slot)."""
+        for cache in (*self.latents.values(), *self.key_ropes.values(), *self.index_keys.values()):
+            cache[target, :length] = cache[source, :length]
+
     def read(self, layer: int, slots: torch.Tensor, length: int):
         """[b, length, dim] each, positions 0..length-1 (the index keys None on a shared layer)."""
         index = self.index_keys.get(layer)

@@ -163,6 +163,10 @@ class GlmMoeDsaModel(EmbeddingHead, nn.Module):
     def reset(self, state: LatentCache, slot: int) -> None:
         """Nothing to do: a new request's positions start at 0 and overwrite what the slot held."""
 
+    def copy_prefix(self, state: LatentCache, source: int, target: int, length: int) -> None:
+        """Optional (engine/prefix_cache.py): a kept prefix copied to a request in another slot."""
+        state.copy_prefix(source, target, length)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, cache: LatentCache, slots: torch.Tensor,
                 tap_layers: tuple[int, ...] = (), key_length: int | None = None) -> TargetOutput:
         """New tokens input_ids [b, s] at absolute positions [b, s] of cache rows slots [b] (rows may be

@@ -179,6 +179,10 @@ class TargetModel(EmbeddingHead, nn.Module):
     def reset(self, state: PositionalKVCache, slot: int) -> None:
         """Nothing to do: a new request's positions start at 0 and overwrite what the slot held."""
 
+    def copy_prefix(self, state: PositionalKVCache, source: int, target: int, length: int) -> None:
+        """Optional (engine/prefix_cache.py): a kept prefix copied to a request in another slot."""
+        state.copy_prefix(source, target, length)
+
     def forward(
         self,
         input_ids: torch.Tensor,
