@@ -149,7 +149,10 @@ def test_auto_dtype_is_float32_where_the_cpu_kernels_run():
     beat oneDNN's bfloat16 at serving batch sizes); on an accelerator the flag changes nothing."""
     assert resolve_dtype("auto", "bfloat16", "cpu", float32_kernels=True) == torch.float32
     assert resolve_dtype("auto", "bfloat16", "cuda:0", float32_kernels=True) == torch.bfloat16
-    assert resolve_dtype("bfloat16", "bfloat16", "cpu", float32_kernels=True) == torch.bfloat16  # asked for
+    # --dtype bfloat16 runs as auto where the kernels run (shared.dtype_choice.as_served), as asked elsewhere
+    assert resolve_dtype("bfloat16", "bfloat16", "cpu", float32_kernels=True) == torch.float32
+    assert resolve_dtype("bfloat16", "bfloat16", "cpu", float32_kernels=False) == torch.bfloat16
+    assert kv_cache_dtype("bfloat16", "bfloat16", torch.float32, float32_kernels=True) == torch.bfloat16
     # the cache: bfloat16 under float32 kernel maths for --dtype auto only, else the compute dtype
     assert kv_cache_dtype("auto", "bfloat16", torch.float32, float32_kernels=True) == torch.bfloat16
     assert kv_cache_dtype("float32", "bfloat16", torch.float32, float32_kernels=True) == torch.float32

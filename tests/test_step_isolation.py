@@ -30,6 +30,11 @@ class PoisonedTarget:
     def __getattr__(self, name):
         return getattr(self.target, name)
 
+    def reset(self, state, slot: int) -> None:
+        """The slot is handed to another request: the poison was the request's, not the slot's."""
+        self.poisoned_slots.discard(slot)
+        self.target.reset(state, slot)
+
     def step(self, batch, state, taps):
         self.calls += 1
         ids, positions, slots = batch.input_ids, batch.positions, batch.slots
