@@ -176,3 +176,27 @@ def test_concurrent_prompts_share_one_kept_prefix_by_copies(qwen3_pair):
             assert [r.stats.cached_tokens for r in results] == [40, 40]
             assert len(engine.prefix_cache.entries) == 3  # the first's prefix kept, beside the two new ones
     assert outputs[0] == outputs[1]
+
+
+def test_a_prompt_arriving_while_another_of_its_prefix_runs_copies_that_prefix(qwen3_pair):
+    """A second request of one system prompt, admitted while the first still decodes: the first's committed
+    prompt positions are copied into its slot (they are final), and its output is the uncached engine's."""
+    _, target, drafter, _ = qwen3_pair
+    rng = random.Random(12)
+    system = tuple(rng.randrange(120) for _ in range(48))
+    first = GenerationRequest(system + (5, 6), 30, request_id="first")
+    second = GenerationRequest(system + (9,), 12, request_id="second")
+    outputs = []
+    for caching in (True, False):
+        engine = SpeculativeEngine(target, LocalProposer(drafter, target.embed_weight, target.lm_head_weight,
+                                                         block_size=8, max_requests=2, max_model_len=256),
+                                   max_requests=2, max_model_len=256, prefix_caching=caching)
+        states = [engine.add(first)]
+        while not engine.running:  # the first's prompt is prefilled; it decodes
+            engine.step()
+        states.append(engine.add(second))
+        while engine.has_work():
+            engine.step()
+        outputs.append([(s.output_ids, s.stats.verify_steps) for s in states])
+        assert states[1].stats.cached_tokens == (48 if caching else 0)
+    assert outputs[0] == outputs[1]

@@ -3,9 +3,12 @@ aborted; the lowest free cache slot."""
 
 import heapq
 
+import torch
+
 from shared.errors import RequestError
 from shared.generation_request import GenerationRequest, ModelBounds, check_request
 from shared.grammar_matcher import GrammarMatcher
+from verify_worker.engine.prefix_cache import PrefixHit, common_prefix
 from verify_worker.request import RequestState, Status
 
 
@@ -56,35 +59,52 @@ class Admission:
         return len(self.running) + len(self.prefilling)
 
     def _admit(self, state: RequestState) -> None:
-        """state takes a free slot and starts prefilling. Where a kept prefix begins its prompt (the longest), its
-        prefill starts past it, the drafter's rows of it kept: in a slot holding nothing that the prefix is copied
-        into (the family copies, one is free: the prefix stays kept), else in the kept slot itself. Otherwise it
-        takes a slot holding no prefix, else the least recently used one's."""
+        """state takes a free slot and starts prefilling. Where a kept prefix, or a running request's committed
+        prompt, begins its prompt (the longest), its prefill starts past it, the drafter's rows of it kept: in a
+        slot holding nothing that the prefix is copied into (the family copies, one is free: a kept prefix stays
+        kept), else in the kept slot itself (a running request's prefix is only copied). Otherwise it takes a slot
+        holding no prefix, else the least recently used one's."""
         cache, hit = self.prefix_cache, None
+        copy = getattr(self.target, "copy_prefix", None)  # a tensor-parallel leader has none: the slot moves
+        empty = None if cache is None or copy is None else cache.empty_slot(self.free_slots)
         if cache is not None and not state.request.prompt_logprobs:  # a scored prompt needs its every row
             self.prefix_query_tokens += len(state.request.prompt_ids)
             hit = cache.lookup(state.request.prompt_ids)
+            if empty is not None:  # a running request's committed prompt may begin this one further
+                hit = self._live_prefix(state.request.prompt_ids, hit)
         if hit is not None and (hit.features is None) != (self.proposer is None):
             hit = None  # no drafter rows for a drafter (cannot happen: a proposer is fixed for the engine's life)
         if hit is None:
             slot = self._take_slot() if cache is None else self._take_free(cache.evictable(self.free_slots))
             self.target.reset(self.state, slot)
         else:
-            copy = getattr(self.target, "copy_prefix", None)  # a tensor-parallel leader has none: the slot moves
-            empty = None if copy is None else cache.empty_slot(self.free_slots)
             if empty is None:
                 slot = self._take_free(hit.slot)
             else:
                 slot = self._take_free(empty)
                 self.target.reset(self.state, slot)
                 copy(self.state, hit.slot, slot, hit.tokens)
-                cache.touch(hit.slot)
+                if hit.kept:
+                    cache.touch(hit.slot)
             state.cache_len = state.stats.cached_tokens = hit.tokens
             if hit.features is not None:
                 state.feature_chunks = [hit.features]
             self.prefix_hit_tokens += hit.tokens
         state.slot, state.status = slot, Status.PREFILLING
         self.prefilling.append(state)
+
+    def _live_prefix(self, prompt: tuple[int, ...], hit: PrefixHit | None) -> PrefixHit | None:
+        """hit, or a running (or prefilling) request's committed prompt positions where they begin prompt further:
+        they are final (later writes go past them), so they may be copied between steps (two requests of one
+        system prompt, the second arriving while the first runs)."""
+        cache, best = self.prefix_cache, hit
+        for other in [*self.running.values(), *self.prefilling]:
+            done = other.prefilled
+            length = common_prefix(other.request.prompt_ids[:done], prompt[:-1]) // cache.align * cache.align
+            if length >= cache.minimum and length > (best.tokens if best is not None else 0):
+                features = torch.cat(other.feature_chunks)[:length] if self.proposer is not None else None
+                best = PrefixHit(other.slot, length, features, kept=False)
+        return best
 
     def _take_free(self, slot: int) -> int:
         """A given free slot, out of the heap (its cached prefix, if any, forgotten)."""

@@ -43,6 +43,7 @@ class PrefixHit:
     slot: int
     tokens: int  # positions of the slot the request reuses
     features: torch.Tensor | None  # their feature rows [tokens, width] (None: no drafter)
+    kept: bool = True  # a free slot's kept prefix (else a running request's committed prompt: copied, never taken)
 
 
 class PrefixCache:
