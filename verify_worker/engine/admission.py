@@ -1,5 +1,6 @@
 """Admission: a request checked (shared/generation_request.check_request, as the gateway did), queued,
-aborted; the lowest free cache slot."""
+aborted; its cache slot (a kept or running prefix reused where one begins its prompt: prefix_cache.py, else the
+lowest free slot)."""
 
 import heapq
 
