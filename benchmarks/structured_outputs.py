@@ -38,7 +38,7 @@ from shared.generation_request import GenerationRequest  # noqa: E402
 from shared.grammar import folder_vocabulary  # noqa: E402
 from shared.target_facts import TargetFacts  # noqa: E402
 from verify_worker.engine import SpeculativeEngine  # noqa: E402
-from verify_worker.engine import core, output, verify_inputs  # noqa: E402
+from verify_worker.engine import core, verify_inputs  # noqa: E402
 from verify_worker.spec_policy import AdaptiveSpeculation  # noqa: E402
 from verify_worker.target_loader import load_target  # noqa: E402
 

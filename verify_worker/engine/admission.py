@@ -9,7 +9,7 @@ import torch
 from shared.errors import RequestError
 from shared.generation_request import GenerationRequest, ModelBounds, check_request
 from shared.grammar_matcher import GrammarMatcher
-from verify_worker.engine.prefix_cache import PrefixHit, common_prefix
+from verify_worker.engine.prefix_cache import PrefixHit
 from verify_worker.request import RequestState, Status
 
 
@@ -73,8 +73,6 @@ class Admission:
             hit = cache.lookup(state.request.prompt_ids)
             if empty is not None:  # a running request's committed prompt may begin this one further
                 hit = self._live_prefix(state.request.prompt_ids, hit)
-        if hit is not None and (hit.features is None) != (self.proposer is None):
-            hit = None  # no drafter rows for a drafter (cannot happen: a proposer is fixed for the engine's life)
         if hit is None:
             slot = self._take_slot() if cache is None else self._take_free(cache.evictable(self.free_slots))
             self.target.reset(self.state, slot)
@@ -98,14 +96,15 @@ class Admission:
         """hit, or a running (or prefilling) request's committed prompt positions where they begin prompt further:
         they are final (later writes go past them), so they may be copied between steps (two requests of one
         system prompt, the second arriving while the first runs)."""
-        cache, best = self.prefix_cache, hit
+        source, longest = None, hit.tokens if hit is not None else 0
         for other in [*self.running.values(), *self.prefilling]:
-            done = other.prefilled
-            length = common_prefix(other.request.prompt_ids[:done], prompt[:-1]) // cache.align * cache.align
-            if length >= cache.minimum and length > (best.tokens if best is not None else 0):
-                features = torch.cat(other.feature_chunks)[:length] if self.proposer is not None else None
-                best = PrefixHit(other.slot, length, features, kept=False)
-        return best
+            length = self.prefix_cache.reusable(other.request.prompt_ids[:other.prefilled], prompt)
+            if length > longest:
+                source, longest = other, length
+        if source is None:
+            return hit
+        features = torch.cat(source.feature_chunks)[:longest] if self.proposer is not None else None
+        return PrefixHit(source.slot, longest, features, kept=False)
 
     def _take_free(self, slot: int) -> int:
         """A given free slot, out of the heap (its cached prefix, if any, forgotten)."""

@@ -49,10 +49,10 @@ class PrefixHit:
 class PrefixCache:
     """The free slots that hold a finished request's prefix, by slot."""
 
-    def __init__(self, align: int = 1, minimum: int = 1, keep_at_least: int = KEEP_AT_LEAST):
-        """align: a hit is a multiple of it (a family whose prompt chunks start at its multiples); minimum: the
-        shortest hit worth taking a cached slot for; keep_at_least: the shortest prefix kept."""
-        self.align, self.minimum, self.keep_at_least = max(1, align), max(1, minimum), keep_at_least
+    def __init__(self, align: int = 1, keep_at_least: int = KEEP_AT_LEAST):
+        """align: a hit is a multiple of it (a family whose prompt chunks start at its multiples); keep_at_least:
+        the shortest prefix kept."""
+        self.align, self.keep_at_least = max(1, align), keep_at_least
         self.entries: dict[int, CachedPrefix] = {}
         self.clock = 0
 
@@ -68,16 +68,20 @@ class PrefixCache:
         """The slot is taken, or its positions are no longer what its entry says."""
         self.entries.pop(slot, None)
 
+    def reusable(self, tokens: tuple[int, ...], prompt: tuple[int, ...]) -> int:
+        """How many of tokens' positions a request of prompt may reuse: their common prefix, up to the prompt's
+        last token (whose logits the request needs from its own prefill), aligned down."""
+        return common_prefix(tokens, prompt[:-1]) // self.align * self.align
+
     def lookup(self, prompt: tuple[int, ...]) -> PrefixHit | None:
-        """The slot (every entry's is free) whose cached tokens share the longest prefix with prompt, up to its
-        last token (whose logits the request needs from its own prefill), aligned down; None below the minimum.
+        """The slot (every entry's is free) whose cached tokens the prompt may reuse most of (reusable), or None.
         The caller takes the slot (forget) or copies its prefix elsewhere (touch)."""
         best, best_len = None, 0
         for slot, entry in self.entries.items():
-            length = common_prefix(entry.tokens, prompt[:-1]) // self.align * self.align
+            length = self.reusable(entry.tokens, prompt)
             if length > best_len:
                 best, best_len = slot, length
-        if best is None or best_len < self.minimum:
+        if best is None:
             return None
         entry = self.entries[best]
         features = None if entry.features is None else entry.features[:best_len]
