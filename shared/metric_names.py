@@ -25,7 +25,10 @@ FALLBACK_STEPS = PREFIX + "spec_fallback_steps"  # counter: steps decoded withou
 POLICY_PLAIN_STEPS = PREFIX + "spec_policy_plain_steps"  # counter: steps --spec-policy adaptive decoded plainly
 PREFIX_QUERY_TOKENS = PREFIX + "prefix_cache_query_tokens"  # counter: prompt tokens looked up in the prefix cache
 PREFIX_HIT_TOKENS = PREFIX + "prefix_cache_hit_tokens"  # counter: prompt tokens found there (not prefilled)
-PREFIX_CACHED_TOKENS = PREFIX + "prefix_cache_tokens"  # gauge: tokens the free slots hold for reuse
+PREFIX_CACHED_TOKENS = PREFIX + "prefix_cache_tokens"  # gauge: tokens kept for reuse (free slots', indexed pages')
+KV_PAGES = PREFIX + "kv_cache_pages"  # gauge: a paged KV cache's pool
+KV_PAGES_USED = PREFIX + "kv_cache_pages_used"  # gauge: pages running requests hold
+PREEMPTIONS = PREFIX + "preemptions"  # counter: requests taken out of the batch for want of KV pages
 
 # draft worker
 DRAFT_CALLS = PREFIX + "draft_calls"  # counter

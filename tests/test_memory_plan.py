@@ -150,21 +150,25 @@ def cpu_plan(**changes) -> PlanRequest:
     return plan_for(published("qwen3-0.6b"), **{**settings, **changes})
 
 
-def test_on_a_cpu_the_host_is_the_device_and_max_running_comes_down_to_what_fits():
-    """The 0.6B shape at its 4096-token context: 64 requests do not fit 23 GiB; the worker starts with the requests
-    that fit, and --plan says so with the settings that would fit all 64."""
+def test_on_a_cpu_the_host_is_the_device_and_the_kv_pool_takes_what_is_left():
+    """The 0.6B shape at its 4096-token context on 23 GiB: its paged cache's pool takes the memory left after the
+    fixed part (fewer pages than 64 requests at the context would take), so all 64 slots start; a host that cannot
+    hold one request at the context lowers them to what fits, and one that cannot load the weights refuses."""
     plan = make_plan(cpu_plan())
     assert plan.others == GATEWAY_BYTES and plan.process > 0
     assert plan.usable == int((23 * 2**30 - GATEWAY_BYTES) * (1 - HEADROOM))
-    assert 0 < plan.fitting_requests < 64
-    decision = start_decision(plan)
-    assert decision.requests == plan.fitting_requests
-    assert f"--max-running {plan.fitting_requests}" in decision.why and "--tp" not in decision.why, decision.why
-    shorter = int(decision.why.split("--max-model-len ")[1].split()[0].rstrip(";"))
-    assert make_plan(cpu_plan(max_model_len=shorter)).fits
-    assert plan.asked(decision.requests) <= plan.usable < plan.asked(decision.requests + 1)
+    assert plan.paged and plan.page_bytes * plan.pages_per_request >= plan.kv_per_request
+    pages = plan.pool_pages(64)
+    assert pages == (plan.usable - plan.fixed) // plan.page_bytes < 64 * plan.pages_per_request
+    assert plan.fitting_requests == 64 and plan.fits and start_decision(plan).why is None
+    assert plan.asked(64) <= plan.usable < plan.asked(64) + plan.page_bytes
+    pool = next(line for line in plan_lines(plan) if line.startswith("  KV pool:"))
+    assert f"{pages} pages of 64 positions" in pool and f"{pages * 64} tokens at once" in pool, pool
     host_line = next(line for line in plan_lines(plan) if line.startswith("  host:"))
     assert "23.0 GiB (test)" in host_line and "for the gateway:" in host_line, host_line
+    tight = make_plan(cpu_plan(host_bytes=int((plan.fixed + plan.kv_per_request / 2) / (1 - HEADROOM))
+                               + GATEWAY_BYTES))
+    assert tight.fitting_requests == 0 and not tight.fits  # the pool would not hold one request at the context
 
 
 def test_on_a_cpu_a_draft_worker_and_tensor_parallel_ranks_share_the_host():
@@ -179,7 +183,8 @@ def test_on_a_cpu_a_draft_worker_and_tensor_parallel_ranks_share_the_host():
     local = make_plan(cpu_plan(draft_config=draft, local_drafter=True))
     assert worker.others == GATEWAY_BYTES + PROCESS_BYTES + worker.drafter_weights + 64 * worker.drafter_per_request
     assert local.others == GATEWAY_BYTES and local.fixed == alone.fixed + local.drafter_weights
-    assert worker.fitting_requests < alone.fitting_requests
+    assert worker.slot_bytes > alone.slot_bytes == 0  # the drafter's feature rows, kept per request
+    assert worker.pool_pages(64) < local.pool_pages(64) < alone.pool_pages(64)
     two = make_plan(cpu_plan(world_size=2))
     assert two.share == (23 * 2**30 - GATEWAY_BYTES) // 2
     assert "--tp" not in (refusal(two) or "")
@@ -208,8 +213,8 @@ def test_the_plan_reads_cpu_memory_gb_or_else_the_host(tmp_path):
 
 
 def test_dflash_serve_plan_on_a_cpu_gives_the_start_decision(tmp_path, capsys):
-    """--plan's entry point for the 0.6B shape with 8 GB: the same lowered --max-running a server would start
-    with."""
+    """--plan's entry point for the 0.6B shape with 8 GB: the pool it would start with, and a fit; at its whole
+    40960-token context the pool would not hold one request, and the plan says what would."""
     from verify_worker.memory_plan import main
     from verify_worker.server import parse_args
 
@@ -217,8 +222,11 @@ def test_dflash_serve_plan_on_a_cpu_gives_the_start_decision(tmp_path, capsys):
     folder.mkdir()
     shutil.copy(PUBLISHED / "qwen3-0.6b.json", folder / "config.json")
     settings = ["--target", str(folder), "--no-draft", "--max-model-len", "4096", "--cpu-memory-gb", "8"]
-    assert main(settings) == 1
+    assert main(settings) == 0
     out = capsys.readouterr().out
     plan = make_plan(request_from_settings(parse_args(settings), "cpu"))
-    assert f"starts with --max-running lowered to {plan.fitting_requests}" in out, out
+    assert f"KV pool: {plan.pool_pages(64)} pages of 64 positions" in out and "plan: fits" in out, out
     assert "host: 7.5 GiB (--cpu-memory-gb, as given" in out, out
+    assert main([*settings[:3], "--max-model-len", "40960", *settings[5:]]) == 1
+    out = capsys.readouterr().out
+    assert "refuses to start" in out and "would fit: --max-model-len" in out, out

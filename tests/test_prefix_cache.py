@@ -168,7 +168,7 @@ def test_concurrent_prompts_share_one_kept_prefix_by_copies(qwen3_pair):
     for caching in (True, False):
         engine = SpeculativeEngine(target, LocalProposer(drafter, target.embed_weight, target.lm_head_weight,
                                                          block_size=8, max_requests=3, max_model_len=256),
-                                   max_requests=3, max_model_len=256, prefix_caching=caching)
+                                   max_requests=3, max_model_len=256, prefix_caching=caching, page_size=None)
         engine.generate([GenerationRequest(shared + (7,), 6, request_id="first")])
         results = engine.generate(later)
         outputs.append([(r.token_ids, r.stats.verify_steps) for r in results])
@@ -190,7 +190,7 @@ def test_a_prompt_arriving_while_another_of_its_prefix_runs_copies_that_prefix(q
     for caching in (True, False):
         engine = SpeculativeEngine(target, LocalProposer(drafter, target.embed_weight, target.lm_head_weight,
                                                          block_size=8, max_requests=2, max_model_len=256),
-                                   max_requests=2, max_model_len=256, prefix_caching=caching)
+                                   max_requests=2, max_model_len=256, prefix_caching=caching, page_size=None)
         states = [engine.add(first)]
         while not engine.running:  # the first's prompt is prefilled; it decodes
             engine.step()

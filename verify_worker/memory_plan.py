@@ -21,6 +21,7 @@ from draft_worker.dflash2_model import DFlash2DraftModel
 from draft_worker.draft_model import DFlashDraftModel
 from shared.draft_config import DraftConfig
 from shared.host_memory import read_host_memory
+from verify_worker.engine.page_tables import PAGE_SIZE
 from verify_worker.families.registry import family_for
 from verify_worker.parallel.group import TensorParallel
 
@@ -75,6 +76,33 @@ class MemoryPlan:
     load_peak: int = 0  # the weights' most while loading (their loaded tensors beside packed copies)
     process: int = 0  # the worker process besides its tensors (counted on a CPU)
     others: int = 0  # on a CPU, what the other roles on the host take: the gateway, a draft worker
+    page_bytes: int = 0  # a paged KV cache's page (PAGE_SIZE positions, every layer); 0: a slot a request
+    kv_per_request: int = 0  # the KV cache part of per_request (a paged cache's pages, at the context)
+
+    @property
+    def paged(self) -> bool:
+        return self.page_bytes > 0
+
+    @property
+    def pages_per_request(self) -> int:
+        """Pages one request holds at the context (the pool's least)."""
+        return -(-self.kv_per_request // self.page_bytes) if self.paged else 0
+
+    @property
+    def slot_bytes(self) -> int:
+        """What a request holds whatever its length: all of request_total for a slot a request; beside a paged
+        cache's pool, its drafter feature rows and the drafter's cache at the context."""
+        return self.request_total - self.kv_per_request if self.paged else self.request_total
+
+    def pool_pages(self, requests: int) -> int:
+        """A paged cache's pages with `requests` slots: what the memory left holds, at most every slot at the
+        context (all of them where the memory is unknown)."""
+        if not self.paged:
+            return 0
+        most = requests * self.pages_per_request
+        if self.usable is None:
+            return most
+        return max(0, min(most, (self.usable - self.fixed - requests * self.slot_bytes) // self.page_bytes))
 
     @property
     def fixed(self) -> int:
@@ -100,7 +128,11 @@ class MemoryPlan:
         return None if self.share is None else int(self.share * (1 - HEADROOM))
 
     def asked(self, requests: int) -> int:
-        """The most this rank holds with `requests` running: loading, or serving them."""
+        """The most this rank holds with `requests` running: loading, or serving them (a paged cache: its slots'
+        own bytes and the pool)."""
+        if self.paged:
+            return max(self.loading, self.fixed + requests * self.slot_bytes + self.pool_pages(requests) *
+                       self.page_bytes)
         return max(self.loading, self.fixed + requests * self.request_total)
 
     @property
@@ -113,7 +145,12 @@ class MemoryPlan:
             return None
         if self.loading > self.usable:
             return 0
-        return max(0, (self.usable - self.fixed) // self.request_total)
+        if not self.paged:
+            return max(0, (self.usable - self.fixed) // self.request_total)
+        room = self.usable - self.fixed - self.pages_per_request * self.page_bytes  # the pool holds one at least
+        if room < self.slot_bytes:
+            return 0
+        return min(self.request.max_running, room // self.slot_bytes) if self.slot_bytes else self.request.max_running
 
     @property
     def fits(self) -> bool:
@@ -177,9 +214,13 @@ def make_plan(request: PlanRequest) -> MemoryPlan:
         worker = request.draft_config is not None and not request.local_drafter
         drafter = PROCESS_BYTES + drafter_weights + request.max_running * drafter_cache if worker else 0
         others = GATEWAY_BYTES + drafter
+    page_bytes = kv = 0
+    if request.on_cpu and hasattr(model, "new_paged_state"):  # the family reads a paged cache on a CPU
+        kv = model.state_bytes_per_slot(capacity, block)
+        page_bytes = model.state_bytes_per_slot(PAGE_SIZE, block)
     return MemoryPlan(request, family.name, context, block, rows, placement.weights, per_request, drafter_weights,
                       drafter_cache, activations, activations if request.cuda_graphs else 0, notes,
-                      placement.load_peak, PROCESS_BYTES if request.on_cpu else 0, others)
+                      placement.load_peak, PROCESS_BYTES if request.on_cpu else 0, others, page_bytes, kv)
 
 
 def plan_lines(plan: MemoryPlan) -> list[str]:
@@ -205,6 +246,8 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         lines.append(f"  this process: {plan.process / GIB:.2f} GiB besides its tensors; loading peaks at "
                      f"{plan.loading / GIB:.2f} GiB (loaded weights beside their packed copies)")
     if plan.usable is None:
+        if plan.paged:
+            lines.append(pool_line(plan, request.max_running))
         flag = "--cpu-memory-gb" if request.on_cpu else "--gpu-memory-gb"
         lines.append(f"  device memory unknown: {plan.fixed / GIB:.2f} GiB fixed + {plan.request_total / GIB:.3f} GiB "
                      f"a request (give {flag} to check the fit)")
@@ -219,9 +262,21 @@ def plan_lines(plan: MemoryPlan) -> list[str]:
         lines.append(f"  device: {request.device_bytes / GB:.0f} GB, {plan.usable / GIB:.1f} GiB usable "
                      f"({HEADROOM:.0%} kept)")
     running = min(plan.fitting_requests, request.max_running)
+    if plan.paged:
+        lines.append(pool_line(plan, running))
     lines.append(f"  fixed {plan.fixed / GIB:.2f} GiB; requests that fit: {plan.fitting_requests} "
                  f"(--max-running {request.max_running}); {running} running hold {plan.asked(running) / GIB:.2f} GiB")
     return lines
+
+
+def pool_line(plan: MemoryPlan, running: int) -> str:
+    """What a paged cache's pool holds: its pages, the tokens they take at once, and how they share out."""
+    pages = plan.pool_pages(running)
+    tokens = pages * PAGE_SIZE
+    return (f"  KV pool: {pages} pages of {PAGE_SIZE} positions ({plan.page_bytes / 2**20:.1f} MiB each, "
+            f"{pages * plan.page_bytes / GIB:.2f} GiB): {tokens} tokens at once, {running} requests of "
+            f"{tokens // max(1, running)} tokens each or {pages // plan.pages_per_request} at {plan.context} "
+            f"(memory taken as pages are first used)")
 
 
 def weights_fit(plan: MemoryPlan) -> bool:
@@ -335,15 +390,19 @@ class StartDecision:
 
 def start_decision(plan: MemoryPlan) -> StartDecision:
     """A refusal (0 requests) where what is counted exactly (the weights and their loading, the hosted drafter, one
-    request) exceeds the device; else --max-running lowered to the requests that fit with the activations' estimate
-    (at least 1: the estimate is not a reason to refuse)."""
+    request) exceeds the device, or a paged cache's pool would not hold one request at the context; else
+    --max-running lowered to the requests that fit with the activations' estimate (at least 1: the estimate is not
+    a reason to refuse a slot a request)."""
     why = refusal(plan)
     if why is None:
         return StartDecision(plan.request.max_running, None)
     counted = plan.fixed - plan.activations - plan.graphs + plan.request_total
     if counted > plan.usable or plan.loading > plan.usable:
         return StartDecision(0, why)
-    return StartDecision(max(1, plan.fitting_requests), why)
+    requests = max(1, plan.fitting_requests)
+    if plan.paged and plan.pool_pages(requests) < plan.pages_per_request:  # the pool takes the estimate's room too
+        return StartDecision(0, why)
+    return StartDecision(requests, why)
 
 
 def planned_requests(settings, device: str, log) -> int:
@@ -365,6 +424,13 @@ def planned_requests(settings, device: str, log) -> int:
         log.warning("the memory plan fits %d requests: max running lowered from %d (%s)", decision.requests,
                     settings.engine.max_running, decision.why)
     return decision.requests
+
+
+def planned_pool_pages(settings, device: str, requests: int) -> int | None:
+    """A paged KV cache's pages for `requests` slots as the plan shares the memory out (None: the family's cache is
+    not paged here, or the memory is unknown: the engine's default, every slot at the context)."""
+    plan = make_plan(request_from_settings(settings, device))
+    return plan.pool_pages(requests) if plan.paged and plan.usable is not None else None
 
 
 def main(argv=None) -> int:

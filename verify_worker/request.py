@@ -16,8 +16,8 @@ VERIFY_STREAM = 0  # random stream id of the verifier's draws
 
 
 class Status(Enum):
-    WAITING = "waiting"  # queued, no cache slot yet
-    PREFILLING = "prefilling"  # holds a slot; its prompt is being prefilled in chunks
+    WAITING = "waiting"  # queued, no cache slot yet (or preempted: engine/paging.py)
+    PREFILLING = "prefilling"  # holds a slot; its prompt (or a preempted request's tokens) prefilled in chunks
     RUNNING = "running"  # decoding
     FINISHED = "finished"
 
@@ -89,6 +89,9 @@ class RequestState:
     prompt_logprobs: list[TokenLogprob] = field(default_factory=list)  # prompt tokens 1.., when asked for
     error: str | None = None  # why it failed (finish reason "error"): a step raised with it alone
     grammar: GrammarMatcher | None = None  # the request's grammar state, advanced by its committed tokens
+    rebuild: tuple[int, ...] | None = None  # preempted while decoding: the committed tokens whose KV it prefills
+    #                                         again before it decodes on (engine/paging.py)
+    admitted: int = 0  # the engine's admission count when it last took a slot (the newest is preempted first)
 
     @classmethod
     def create(cls, request: GenerationRequest) -> "RequestState":
@@ -100,9 +103,14 @@ class RequestState:
         return self.request.request_id
 
     @property
+    def prefill_ids(self) -> tuple[int, ...]:
+        """The tokens it prefills: its prompt, or after a preemption the committed tokens it rebuilds."""
+        return self.request.prompt_ids if self.rebuild is None else self.rebuild
+
+    @property
     def prefilled(self) -> int:
-        """Prompt tokens already in the cache (while prefilling, cache_len counts only prompt tokens)."""
-        return min(self.cache_len, len(self.request.prompt_ids))
+        """Tokens of prefill_ids already in the cache (while prefilling, cache_len counts only those)."""
+        return min(self.cache_len, len(self.prefill_ids))
 
     def unsent_features(self) -> list[torch.Tensor]:
         return self.feature_chunks[self.sent_chunks:]

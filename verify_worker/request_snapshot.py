@@ -30,20 +30,23 @@ class RequestSnapshot:
     generator_state: torch.Tensor | None  # the verifier's random stream (sampled requests only): draws of an
     # undone step are drawn again, so plain decoding of a seeded request is the same whatever failed beside it
     grammar_tokens: int = 0  # tokens its grammar state had taken
+    pages: tuple | None = None  # a paged cache's (pages, chains) of its slot (engine/page_tables.py)
+    rebuild: tuple | None = None  # the tokens a preempted request was rebuilding
 
     @classmethod
-    def take(cls, state: RequestState) -> "RequestSnapshot":
+    def take(cls, state: RequestState, pages: tuple | None = None) -> "RequestSnapshot":
         stats = state.stats.saved()
         generator = None if state.request.sampling.greedy else state.generator.get_state()
         return cls(state, state.status, state.slot, state.cache_len, len(state.output_ids), state.finish_reason,
                    state.feature_chunks, len(state.feature_chunks), len(state.logprobs), len(state.prompt_logprobs),
-                   stats, generator, len(state.grammar.recorded) if state.grammar else 0)
+                   stats, generator, len(state.grammar.recorded) if state.grammar else 0, pages, state.rebuild)
 
     def restore(self) -> None:
         """Put the request's own fields back (the engine puts it back into its queues and its slot)."""
         state = self.state
         state.status, state.slot, state.cache_len, state.finish_reason = (self.status, self.slot, self.cache_len,
                                                                           self.finish_reason)
+        state.rebuild = self.rebuild
         del state.output_ids[self.outputs:]
         del self.chunks[self.num_chunks:]
         state.feature_chunks = self.chunks

@@ -13,7 +13,7 @@ def plan_prefill(prefilling: list[RequestState], budget: int, align: int = 1) ->
     for state in prefilling:
         if budget <= 0:
             break
-        remaining = len(state.request.prompt_ids) - state.prefilled
+        remaining = len(state.prefill_ids) - state.prefilled
         n = remaining if remaining <= budget else budget // align * align
         if n:
             plan.append((state, n))

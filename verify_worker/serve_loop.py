@@ -183,9 +183,10 @@ class VerifyServer:
         self.metrics.drafter.labels(kind).set(1 if available else 0)
         self.metrics.running.set(self.engine.num_running)
         engine = self.engine
-        cache = engine.prefix_cache
-        self.metrics.record_prefixes(engine.prefix_query_tokens, engine.prefix_hit_tokens,
-                                     cache.cached_tokens if cache is not None else 0)
+        self.metrics.record_prefixes(engine.prefix_query_tokens, engine.prefix_hit_tokens, engine.kept_prefix_tokens)
+        pages = engine.pages
+        self.metrics.record_pool(0 if pages is None else pages.cache.num_pages, 0 if pages is None else pages.used,
+                                 engine.preemptions)
         waiting = len(self.engine.waiting) + len(self.building)
         self.metrics.waiting.set(waiting)
         self.heartbeats.progress(Heartbeat(running=self.engine.num_running, waiting=waiting,

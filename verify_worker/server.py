@@ -21,8 +21,9 @@ from shared.settings.topics import ModelSettings
 from shared.target_facts import TargetFacts
 from verify_worker.draft_deadline import DraftDeadline
 from verify_worker.engine import SpeculativeEngine
+from verify_worker.engine.page_tables import PAGE_SIZE
 from verify_worker.families.interface import DEFAULT_BLOCK_TOKENS
-from verify_worker.memory_plan import planned_requests
+from verify_worker.memory_plan import planned_pool_pages, planned_requests
 from verify_worker.parallel.driver import TargetLeader
 from verify_worker.parallel.group import GroupSettings, join_group
 from verify_worker.remote_proposer import RemoteProposer
@@ -76,10 +77,26 @@ def local_proposer(settings: VerifyCommand, device: str, target, max_running: in
     return proposer
 
 
+def budget_pages(settings: VerifyCommand, target, planned: int | None, draft_cfg: DraftConfig | None) -> int | None:
+    """A paged cache's pool: the plan's pages, at most what --kv-cache-budget-mb holds (None: the engine's default,
+    every slot at the context)."""
+    budget = settings.engine.kv_cache_budget_mb
+    if budget is None:
+        return planned
+    block = (settings.model.block_size or draft_cfg.block_size) if draft_cfg else 1
+    pages = int(budget * 2**20 // target.state_bytes_per_slot(PAGE_SIZE, block))
+    max_len = served_max_len(settings.model, target.config)
+    if pages * PAGE_SIZE < max_len + block:
+        raise DFlashError(f"--kv-cache-budget-mb {budget} holds {pages} pages of {PAGE_SIZE} positions, less than one "
+                          f"request of {max_len} tokens: raise it or lower --max-model-len")
+    return pages if planned is None else min(pages, planned)
+
+
 def fitting_requests(settings: VerifyCommand, target, draft_cfg: DraftConfig | None, log) -> int:
-    """--max-running, lowered to the requests --kv-cache-budget-mb holds (KV cache and drafter feature rows)."""
+    """--max-running, lowered to the requests --kv-cache-budget-mb holds (KV cache and drafter feature rows) where
+    the cache is a slot a request (a paged cache's pool takes the budget instead: budget_pages)."""
     engine, max_running = settings.engine, settings.engine.max_running
-    if engine.kv_cache_budget_mb is None:
+    if engine.kv_cache_budget_mb is None or getattr(target, "takes_pages", False):
         return max_running
     max_len = served_max_len(settings.model, target.config)
     block = (settings.model.block_size or draft_cfg.block_size) if draft_cfg else 1
@@ -134,22 +151,14 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
         proposer = RemoteProposer(settings.channels.draft_addr, draft_cfg, model.block_size, log=log,
                                   transport=transport, deadline=deadline)
     policy = AdaptiveSpeculation() if speculation.spec_policy == "adaptive" else None
+    kv_pages = budget_pages(settings, target, planned_pool_pages(settings, device, max_running), draft_cfg) \
+        if getattr(target, "takes_pages", False) else None
     engine = SpeculativeEngine(target, proposer, max_requests=max_running, max_model_len=model.max_model_len,
                                max_prefill_tokens=engine_settings.max_prefill_tokens, policy=policy,
                                step_buckets="cuda-graphs" if engine_settings.cuda_graphs else None,
                                grammar_vocabulary=vocabulary, grammar_drafts=speculation.grammar_drafts,
-                               prefix_caching=not engine_settings.no_prefix_caching)
-    capacity = engine.state.capacity
-    block = max(engine.block_size, 1)
-    per_request = target.state_bytes_per_slot(capacity, block)
-    features = request_bytes(target, capacity, len(engine.tap_layers), block) - per_request
-    log.info("target %s: %d layers, cache %d slots x %d positions (%.1f MiB: %.1f MiB per request, %.1f KiB per "
-             "token); drafter feature rows up to %.1f MiB per request", model.target, target.config.num_layers,
-             max_running, capacity, engine.state.nbytes() / 2**20, per_request / 2**20, per_request / capacity / 2**10,
-             features / 2**20)
-    log.info("prefix caching: %s", "on (finished requests' slots keep their prefixes for later prompts)"
-             if engine.prefix_cache is not None else "off (--no-prefix-caching)" if engine_settings.no_prefix_caching
-             else f"off ({type(target).__name__} keeps a recurrent state, not a positional cache)")
+                               prefix_caching=not engine_settings.no_prefix_caching, kv_pages=kv_pages)
+    log_cache(log, model.target, target, engine, max_running, engine_settings.no_prefix_caching)
     if engine_settings.cuda_graphs:  # every decode step shape captured now, so that no request waits for a capture
         engine.warm_up(progress=log.info)
     metrics = VerifyMetrics(proposer.kind if proposer else "none")
@@ -159,6 +168,34 @@ def build_server(settings: VerifyCommand, log) -> VerifyServer:
     if settings.metrics.metrics_port:
         start_http_server(settings.metrics.metrics_port, addr=settings.metrics.metrics_host, registry=metrics.registry)
     return server
+
+
+def log_cache(log, path: str, target, engine: SpeculativeEngine, max_running: int, no_caching: bool) -> None:
+    """The start-up lines on the target's cache: its pool (paged) or slots, and prefix caching."""
+    capacity, block = engine.state.capacity, max(engine.block_size, 1)
+    per_request = target.state_bytes_per_slot(capacity, block)
+    features = request_bytes(target, capacity, len(engine.tap_layers), block) - per_request
+    state = engine.state
+    if engine.pages is not None:
+        log.info("target %s: %d layers, KV cache paged: %d pages of %d positions (%.1f MiB each, %.2f GiB, taken as "
+                 "first used: %d tokens at once) shared by up to %d requests of %d positions; drafter feature rows up "
+                 "to %.1f MiB per request", path, target.config.num_layers, state.num_pages, state.page_size,
+                 state.page_bytes() / 2**20, state.num_pages * state.page_bytes() / 2**30,
+                 state.num_pages * state.page_size, max_running, capacity, features / 2**20)
+    else:
+        log.info("target %s: %d layers, cache %d slots x %d positions (%.1f MiB: %.1f MiB per request, %.1f KiB per "
+                 "token); drafter feature rows up to %.1f MiB per request", path, target.config.num_layers,
+                 max_running, capacity, state.nbytes() / 2**20, per_request / 2**20, per_request / capacity / 2**10,
+                 features / 2**20)
+    if engine.pages is not None and engine.pages.caching:
+        caching = f"on (full pages of {state.page_size} committed tokens indexed for later prompts)"
+    elif engine.prefix_cache is not None:
+        caching = "on (finished requests' slots keep their prefixes for later prompts)"
+    elif no_caching:
+        caching = "off (--no-prefix-caching)"
+    else:
+        caching = f"off ({type(target).__name__} keeps a recurrent state, not a positional cache)"
+    log.info("prefix caching: %s", caching)
 
 
 def main(argv=None) -> int:

@@ -1,5 +1,6 @@
 """The verify worker's Prometheus metrics: speculation counts by block position, step phases, queue gauges, the
-drafter's availability, the prefix cache's queries, hits and holdings, rejected messages."""
+drafter's availability, the prefix cache's queries, hits and holdings, the KV pool's pages and preemptions, rejected
+messages."""
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
@@ -32,8 +33,14 @@ class VerifyMetrics:
                                       registry=r)
         self.prefix_hits = Counter(names.PREFIX_HIT_TOKENS, "Prompt tokens found in the prefix cache (not prefilled)",
                                    registry=r)
-        self.prefix_cached = Gauge(names.PREFIX_CACHED_TOKENS, "Tokens the free cache slots hold for reuse", registry=r)
+        self.prefix_cached = Gauge(names.PREFIX_CACHED_TOKENS, "Tokens kept for reuse (free slots', indexed pages')",
+                                   registry=r)
         self.prefix_seen = (0, 0)  # the engine's totals last counted
+        self.kv_pages = Gauge(names.KV_PAGES, "Pages of the paged KV cache's pool (0: a slot a request)", registry=r)
+        self.kv_pages_used = Gauge(names.KV_PAGES_USED, "KV cache pages running requests hold", registry=r)
+        self.preemptions = Counter(names.PREEMPTIONS, "Requests taken out of the batch for want of KV pages "
+                                                      "(they wait, then prefill again)", registry=r)
+        self.preemptions_seen = 0
         self.bad = Counter(names.BAD_MESSAGES, "Rejected wire messages", ["role"], registry=r)
         self.bad.labels("verify")  # exported at 0 from the start: a dashboard shows 0, not "no data"
         self.kind = drafter_kind
@@ -52,6 +59,13 @@ class VerifyMetrics:
         self.prefix_hits.inc(hit - seen_hit)
         self.prefix_seen = (queried, hit)
         self.prefix_cached.set(cached)
+
+    def record_pool(self, pages: int, used: int, preemptions: int) -> None:
+        """A paged KV cache's pool and the pages in use now; the engine's preemptions since start."""
+        self.kv_pages.set(pages)
+        self.kv_pages_used.set(used)
+        self.preemptions.inc(preemptions - self.preemptions_seen)
+        self.preemptions_seen = preemptions
 
     def record(self, report: StepReport) -> None:
         """One step's figures (once a step: the labelled children are kept, not looked up again each time)."""

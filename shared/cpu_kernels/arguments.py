@@ -10,8 +10,26 @@ TILE = 16  # output columns per weight tile (kTile in the source)
 KV_DTYPES = (torch.float32, torch.bfloat16)  # the KV cache element types the attention kernels read
 
 
+class CachePages(ctypes.Structure):
+    """cache_pages.h's struct: where a slot's positions lie in a cache [pages, kv_heads, page_size, dim]."""
+
+    _fields_ = [("table", ctypes.c_void_p), ("num_slots", ctypes.c_int64), ("pages_per_slot", ctypes.c_int64),
+                ("page_size", ctypes.c_int64), ("num_pages", ctypes.c_int64)]
+
+
+def cache_pages(keys: torch.Tensor, table: torch.Tensor | None) -> tuple[CachePages, torch.Tensor]:
+    """The C struct of a cache keys [pages, kv_heads, page_size, dim] read through table [slots, pages_per_slot]
+    (None: one page per slot, page = slot), and the int64 table it points into (the caller keeps it alive). The
+    kernels check every page they touch against the cache's."""
+    if table is None:
+        table = torch.arange(keys.shape[0], dtype=torch.int64).view(-1, 1)
+    table = table.to(torch.int64).contiguous()
+    check_arguments(table.dim() == 2 and table.device.type == "cpu", "cache pages", table)
+    return CachePages(table.data_ptr(), table.shape[0], table.shape[1], keys.shape[2], keys.shape[0]), table
+
+
 def caches_fit(keys: list[torch.Tensor], values: list[torch.Tensor], kv_heads: int, dim: int) -> bool:
-    """Each layer's caches [slots, kv_heads, capacity, dim] alike, contiguous, of a dtype the kernels read."""
+    """Each layer's caches [pages, kv_heads, page_size, dim] alike, contiguous, of a dtype the kernels read."""
     first = keys[0]
     return first.dtype in KV_DTYPES and all(
         k.dtype == v.dtype == first.dtype and k.shape == v.shape == first.shape and k.is_contiguous()

@@ -14,6 +14,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cache_pages.h"
 #include "simd_exp.h"
 
 namespace {
@@ -50,7 +51,7 @@ inline __m256 dot8(const float* q, const float* k, int64_t dim) {
   return _mm256_add_ps(lows, highs);  // [s0 .. s7]
 }
 
-constexpr int64_t kKeyBlock = 64;  // keys per block: a block's keys and values stay in L1 across the rows
+using dflash::kKeyBlock;  // keys per block (cache_pages.h)
 
 // out[0 .. 8 LANES) += sum over visible keys j in [begin, end), in order, of w[j] * v[j][0 .. 8 LANES)
 // (v rows of stride dim). The accumulators are registers (LANES is a compile-time count).
@@ -92,20 +93,25 @@ inline const float* block_rows(const uint16_t* x, int64_t begin, int64_t end, in
 // which is exact), so its result is the one it would get alone. T: float (float32 cache) or uint16_t (bfloat16).
 //   q: rows_total row pointers (dim each); visible: a mask row per row; out: a row of dim per row; padded: 8 keys
 //   of dim floats; widened: kKeyBlock keys of dim floats.
+//   k_pages, v_pages: where the keys (values) lie, page_rows rows of dim each a page: key j is row j % page_rows of
+//   page j / page_rows (one page of at least `keys` rows: contiguous keys); page_rows is a multiple of kKeyBlock
+//   where there are several, so that a block never straddles two pages.
 template <typename T>
 void attend_rows(const float* const* q, const uint8_t* const* visible, float* const* out, int64_t rows_total,
-                 const T* k, const T* v, int64_t keys, int64_t dim, float scale, float* scores, float* padded,
-                 float* widened) {
+                 const T* const* k_pages, const T* const* v_pages, int64_t page_rows, int64_t keys, int64_t dim,
+                 float scale, float* scores, float* padded, float* widened) {
   const int64_t stride = (keys + 7) / 8 * 8;  // scores row length
   const __m256 scale8 = _mm256_set1_ps(scale);
   for (int64_t block = 0; block < keys; block += kKeyBlock) {
     const int64_t end = block + kKeyBlock < keys ? block + kKeyBlock : keys;
-    const float* rows = block_rows(k, block, end, dim, padded, widened);  // null: float32 keys in place
+    const T* k = k_pages[block / page_rows] + (block % page_rows) * dim;  // the block's first key
+    const float* rows = block_rows(k, 0, end - block, dim, padded, widened);  // null: float32 keys in place
     const int64_t full = block + (end - block) / 8 * 8;
     for (int64_t r = 0; r < rows_total; ++r) {
       for (int64_t j = block; j < end; j += 8) {  // every key through dot8, the last partial chunk zero-padded
         const float* chunk = rows != nullptr ? rows + (j - block) * dim
-                                             : (j < full ? reinterpret_cast<const float*>(k) + j * dim : padded);
+                                             : (j < full ? reinterpret_cast<const float*>(k) + (j - block) * dim
+                                                         : padded);
         _mm256_storeu_ps(scores + r * stride + j, _mm256_mul_ps(dot8(q[r], chunk, dim), scale8));
       }
     }
@@ -132,8 +138,9 @@ void attend_rows(const float* const* q, const uint8_t* const* visible, float* co
   }
   for (int64_t block = 0; block < keys; block += kKeyBlock) {
     const int64_t end = block + kKeyBlock < keys ? block + kKeyBlock : keys, n = end - block;
-    const float* rows = block_rows(v, block, end, dim, padded, widened);
-    const float* values = rows != nullptr ? rows : reinterpret_cast<const float*>(v) + block * dim;  // (in place)
+    const T* v = v_pages[block / page_rows] + (block % page_rows) * dim;
+    const float* rows = block_rows(v, 0, n, dim, padded, widened);
+    const float* values = rows != nullptr ? rows : reinterpret_cast<const float*>(v);  // (in place)
     for (int64_t r = 0; r < rows_total; ++r) {
       if (inverse_total[r] == 0.0f) continue;
       const float* w = scores + r * stride + block;
@@ -200,10 +207,40 @@ void attend(const float* q, const T* k, const T* v, int64_t k_batch_stride, int6
         out_rows[r] = out + ((b * rows + i) * heads + h) * dim;
       }
     }
-    attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, k + b * k_batch_stride + g * k_head_stride,
-                v + b * v_batch_stride + g * v_head_stride, extent, dim, scale, scores.data(), padded.data(),
-                widened.data());
+    const T* k_page = k + b * k_batch_stride + g * k_head_stride;
+    const T* v_page = v + b * v_batch_stride + g * v_head_stride;
+    attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, &k_page, &v_page, keys > 0 ? keys : 1,
+                extent, dim, scale, scores.data(), padded.data(), widened.data());
   }
+}
+
+// attend() for one unit, batch entry b's query heads of kv head g, over a paged cache [pages, kv_heads,
+// page_size, dim] at slot `slot` (cache_pages.h): q [batch, heads, rows, dim], visible [batch, rows, keys], out
+// [batch, rows, heads, dim] as in attend.
+template <typename T>
+void attend_cache_unit(const float* q, const T* k_cache, const T* v_cache, const CachePages& pages, int64_t slot,
+                       const uint8_t* visible, int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys,
+                       int64_t dim, float scale, float* out, int64_t b, int64_t g) {
+  const int64_t group = heads / kv_heads, rows_total = group * rows;
+  std::vector<float> scores(rows_total * ((keys + 7) / 8 * 8)), padded(8 * dim), widened(kKeyBlock * dim);
+  std::vector<const float*> q_rows(rows_total);
+  std::vector<const uint8_t*> mask_rows(rows_total);
+  std::vector<float*> out_rows(rows_total);
+  for (int64_t h = g * group, r = 0; h < (g + 1) * group; ++h) {
+    for (int64_t i = 0; i < rows; ++i, ++r) {
+      q_rows[r] = q + ((b * heads + h) * rows + i) * dim;
+      mask_rows[r] = visible + (b * rows + i) * keys;
+      out_rows[r] = out + ((b * rows + i) * heads + h) * dim;
+    }
+  }
+  const int64_t extent = visible_extent(visible + b * rows * keys, rows, keys);
+  std::vector<const T*> k_pages, v_pages;
+  for (int64_t p = 0; p < extent; p += pages.page_size) {
+    k_pages.push_back(k_cache + dflash::cache_row(pages, kv_heads, slot, g, p, dim));
+    v_pages.push_back(v_cache + dflash::cache_row(pages, kv_heads, slot, g, p, dim));
+  }
+  attend_rows(q_rows.data(), mask_rows.data(), out_rows.data(), rows_total, k_pages.data(), v_pages.data(),
+              pages.page_size, extent, dim, scale, scores.data(), padded.data(), widened.data());
 }
 
 }  // namespace
@@ -222,6 +259,42 @@ void dflash_attention_units(const float* q, const void* k, const void* v, int64_
     attend(q, static_cast<const float*>(k), static_cast<const float*>(v), k_batch_stride, k_head_stride,
            v_batch_stride, v_head_stride, visible, heads, kv_heads, rows, keys, dim, scale, out, u0, u1);
   }
+}
+
+// Unit b * kv_heads + g of attention over one layer's paged cache (float32, or bfloat16 where bf16 != 0): batch
+// entry b's rows at slots[b]; the caller checks the shape and that the slots' pages hold the first `keys`
+// positions (cache_reads).
+void dflash_attention_cache_unit(const float* q, const void* k_cache, const void* v_cache, int64_t bf16,
+                                 const CachePages* pages, const int64_t* slots, const uint8_t* visible, int64_t heads,
+                                 int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale, float* out,
+                                 int64_t unit) {
+  const int64_t b = unit / kv_heads, g = unit % kv_heads;
+  if (bf16) {
+    attend_cache_unit(q, static_cast<const uint16_t*>(k_cache), static_cast<const uint16_t*>(v_cache), *pages,
+                      slots[b], visible, heads, kv_heads, rows, keys, dim, scale, out, b, g);
+  } else {
+    attend_cache_unit(q, static_cast<const float*>(k_cache), static_cast<const float*>(v_cache), *pages, slots[b],
+                      visible, heads, kv_heads, rows, keys, dim, scale, out, b, g);
+  }
+}
+
+// Attention over a layer's paged cache, every unit: q [batch, heads, rows, dim], slots [batch], visible [batch,
+// rows, keys], out [batch, rows, heads, dim]. Returns 0; -1 for a slot or page outside the cache; -2 for a shape
+// this kernel does not take (dim, heads, or pages a key block would straddle).
+int dflash_attention_cache(const float* q, const void* k_cache, const void* v_cache, int64_t bf16,
+                           const CachePages* pages, const int64_t* slots, const uint8_t* visible, int64_t batch,
+                           int64_t heads, int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale,
+                           float* out) {
+  if (dim % 8 != 0 || dim > 256 || kv_heads <= 0 || heads % kv_heads != 0) return -2;
+  if (!dflash::cache_pages_fit(*pages, kKeyBlock) || keys > dflash::cache_capacity(*pages)) return -2;
+  for (int64_t b = 0; b < batch; ++b) {
+    if (!dflash::cache_reads(*pages, slots[b], keys)) return -1;
+  }
+  for (int64_t unit = 0; unit < batch * kv_heads; ++unit) {
+    dflash_attention_cache_unit(q, k_cache, v_cache, bf16, pages, slots, visible, heads, kv_heads, rows, keys, dim,
+                                scale, out, unit);
+  }
+  return 0;
 }
 
 // attend() over float32 keys and values (bf16 != 0: bfloat16 ones, k and v pointing at uint16 bit patterns),

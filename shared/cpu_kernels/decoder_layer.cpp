@@ -43,10 +43,12 @@ struct StackShape {
 
 // One forward: batch rows of seq tokens each, attending over the first `keys` positions of their slots. cos, sin
 // [batch, seq, dim]; slots [batch]; positions [batch, seq]; visible [batch, seq, keys] (1 = the row sees the
-// key); k_caches, v_caches: a [num_slots, kv_heads, capacity, dim] cache per layer, float32 or (kv_bf16 != 0)
-// bfloat16; taps: per layer null, or where its output residual goes (rows of hidden floats, tap_stride apart).
+// key); k_caches, v_caches: a [pages, kv_heads, page_size, dim] cache per layer, float32 or (kv_bf16 != 0)
+// bfloat16, whose slots' positions lie where `pages` says (cache_pages.h: every layer's alike); taps: per layer
+// null, or where its output residual goes (rows of hidden floats, tap_stride apart).
 struct StackStep {
-  int64_t batch, seq, keys, num_slots, capacity, kv_bf16;
+  int64_t batch, seq, keys, kv_bf16;
+  const CachePages* pages;
   const float* cos;
   const float* sin;
   const int64_t* slots;
@@ -71,22 +73,25 @@ using dflash::jobs::pooled_gemm;
 extern "C" {
 
 // x [batch * seq, hidden]: the embeddings in, the last residual out (updated in place); h [batch * seq, hidden]:
-// the final norm's output. Returns 0; -1 for a slot or position outside the cache (nothing written); -2 for a
-// shape attention refuses (nothing written).
+// the final norm's output. Returns 0; -1 for a slot, position or page outside the cache (nothing written); -2 for
+// a shape attention refuses (nothing written).
 // pool: a dflash_pool_create pool, or null for this thread alone.
 int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, const StackStep* step,
                          const StackScratch* scratch, float* x, float* h, void* pool_handle) {
   dflash::WorkerPool* pool = static_cast<dflash::WorkerPool*>(pool_handle);
   const int64_t heads = shape->heads, kv_heads = shape->kv_heads, dim = shape->dim, hidden = shape->hidden;
   if (dim % 8 != 0 || dim > 256 || kv_heads <= 0 || heads % kv_heads != 0) return -2;
+  const CachePages& pages = *step->pages;
   for (int64_t b = 0; b < step->batch; ++b) {  // checked before layer 0 writes: every layer writes the same places
-    if (step->slots[b] < 0 || step->slots[b] >= step->num_slots) return -1;
     for (int64_t t = 0; t < step->seq; ++t) {
-      const int64_t position = step->positions[b * step->seq + t];
-      if (position < 0 || position >= step->capacity) return -1;
+      if (!dflash::cache_holds(pages, step->slots[b], step->positions[b * step->seq + t])) return -1;
     }
   }
-  if (step->keys > step->capacity) return -2;  // (after the range check: keys past the cache mean a position past it)
+  // (after the range check: keys past the cache mean a position past it)
+  if (step->keys > dflash::cache_capacity(pages) || !dflash::cache_pages_fit(pages, dflash::kKeyBlock)) return -2;
+  for (int64_t b = 0; b < step->batch; ++b) {
+    if (!dflash::cache_reads(pages, step->slots[b], step->keys)) return -1;
+  }
   const int64_t rows = step->batch * step->seq, width = (heads + 2 * kv_heads) * dim;
   dflash_rms_norm(x, rows, hidden, shape->first_norm, shape->first_eps, h);
   for (int64_t index = 0; index < shape->layers; ++index) {
@@ -96,10 +101,10 @@ int dflash_decoder_stack(const StackLayer* layers, const StackShape* shape, cons
     pooled_gemm(pool, shape->amx, h, rows, hidden, layer.qkv, width, scratch->qkv);
     dflash_qk_rotary_cache(scratch->qkv, step->batch, step->seq, heads, kv_heads, dim, layer.qk_norm, layer.qk_eps,
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
-                           step->num_slots, step->capacity, scratch->q);
-    dflash::jobs::CacheAttention attention{scratch->q, k_cache, v_cache, step->kv_bf16, step->capacity,
-                                           step->slots, step->visible, heads, kv_heads, dim, step->seq, step->keys,
-                                           shape->scale, scratch->attended};
+                           step->pages, scratch->q);
+    dflash::jobs::CacheAttention attention{scratch->q, k_cache, v_cache, step->kv_bf16, step->pages, step->slots,
+                                           step->visible, heads, kv_heads, dim, step->seq, step->keys, shape->scale,
+                                           scratch->attended};
     dflash::jobs::pooled_cache_attention(pool, step->batch, &attention);
     pooled_gemm(pool, shape->amx, scratch->attended, rows, heads * dim, layer.o, hidden, scratch->projected);
     dflash_add_rms_norm(x, scratch->projected, rows, hidden, layer.post_norm, layer.post_eps, x, h);

@@ -61,10 +61,11 @@ struct DraftShape {
 
 // One block per batch entry: seq rows at positions [batch, seq] of slots [batch], attending over the first `keys`
 // positions of their slots; cos, sin [batch, seq, dim]; visible: per layer [batch, seq, keys] (1 = the row sees
-// the key); k_caches, v_caches: a [num_slots, kv_heads, capacity, dim] cache per layer, float32 or (kv_bf16 != 0)
-// bfloat16.
+// the key); k_caches, v_caches: a [pages, kv_heads, page_size, dim] cache per layer, float32 or (kv_bf16 != 0)
+// bfloat16, whose slots' positions lie where `pages` says (cache_pages.h: every layer's alike).
 struct DraftStep {
-  int64_t batch, seq, keys, num_slots, capacity, kv_bf16;
+  int64_t batch, seq, keys, kv_bf16;
+  const CachePages* pages;
   const float* cos;
   const float* sin;
   const int64_t* slots;
@@ -78,7 +79,8 @@ struct DraftStep {
 // cos, sin [rows, dim]; the caches as in DraftStep; scratch: context and normed [rows, hidden], kv [rows, 2 *
 // kv_heads * dim].
 struct DraftContext {
-  int64_t rows, num_slots, capacity, kv_bf16;
+  int64_t rows, kv_bf16;
+  const CachePages* pages;
   const float* features;
   const float* cos;
   const float* sin;
@@ -165,8 +167,7 @@ int dflash_draft_ingest(const DraftLayer* layers, const DraftShape* shape, const
   const int64_t kv_heads = shape->kv_heads, dim = shape->dim, hidden = shape->hidden, rows = context->rows;
   if (shape->fc == nullptr || dim % 8 != 0 || dim > 256 || kv_heads <= 0) return -2;
   for (int64_t r = 0; r < rows; ++r) {
-    if (context->slots[r] < 0 || context->slots[r] >= context->num_slots) return -1;
-    if (context->positions[r] < 0 || context->positions[r] >= context->capacity) return -1;
+    if (!dflash::cache_holds(*context->pages, context->slots[r], context->positions[r])) return -1;
   }
   pooled_gemm(pool, shape->amx, context->features, rows, shape->features_width, shape->fc, hidden, context->context);
   dflash_rms_norm(context->context, rows, hidden, shape->context_norm, shape->context_eps, context->normed);
@@ -176,8 +177,7 @@ int dflash_draft_ingest(const DraftLayer* layers, const DraftShape* shape, const
     // each row a batch entry of one position: rows of several requests, each at its own slot
     if (dflash_qk_rotary_cache(context->kv, rows, 1, 0, kv_heads, dim, layer.k_norm, layer.k_eps, context->cos,
                                context->sin, context->slots, context->positions, context->k_caches[index],
-                               context->v_caches[index], context->kv_bf16, context->num_slots, context->capacity,
-                               nullptr) != 0) {
+                               context->v_caches[index], context->kv_bf16, context->pages, nullptr) != 0) {
       return -1;  // refused before this layer wrote (the checks above make it unreachable)
     }
   }
@@ -194,14 +194,16 @@ int dflash_draft_block(const DraftLayer* layers, const DraftShape* shape, const 
   if (dim % 8 != 0 || dim > 256 || kv_heads <= 0 || heads % kv_heads != 0) return -2;
   if (shape->conv_kernel < 0 || (shape->conv_kernel > 0 && (shape->conv_group <= 0 || hidden % shape->conv_group)))
     return -2;
+  const CachePages& pages = *step->pages;
   for (int64_t b = 0; b < step->batch; ++b) {  // checked before layer 0 writes: every layer writes the same places
-    if (step->slots[b] < 0 || step->slots[b] >= step->num_slots) return -1;
     for (int64_t t = 0; t < step->seq; ++t) {
-      const int64_t position = step->positions[b * step->seq + t];
-      if (position < 0 || position >= step->capacity) return -1;
+      if (!dflash::cache_holds(pages, step->slots[b], step->positions[b * step->seq + t])) return -1;
     }
   }
-  if (step->keys > step->capacity) return -2;
+  if (step->keys > dflash::cache_capacity(pages) || !dflash::cache_pages_fit(pages, dflash::kKeyBlock)) return -2;
+  for (int64_t b = 0; b < step->batch; ++b) {
+    if (!dflash::cache_reads(pages, step->slots[b], step->keys)) return -1;
+  }
   const int64_t rows = step->batch * step->seq, block = step->seq;
   dflash_rms_norm(x, rows, hidden, shape->first_norm, shape->first_eps, h);
   for (int64_t index = 0; index < shape->layers; ++index) {
@@ -213,12 +215,12 @@ int dflash_draft_block(const DraftLayer* layers, const DraftShape* shape, const 
     pooled_gemm(pool, shape->amx, input, rows, hidden, layer.q, heads * dim, scratch->q_rows);
     dflash_qk_rotary_cache(scratch->q_rows, step->batch, step->seq, heads, 0, dim, layer.q_norm, layer.q_eps,
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
-                           step->num_slots, step->capacity, scratch->q);
+                           step->pages, scratch->q);
     pooled_gemm(pool, shape->amx, input, rows, hidden, layer.kv, 2 * kv_heads * dim, scratch->kv);
     dflash_qk_rotary_cache(scratch->kv, step->batch, step->seq, 0, kv_heads, dim, layer.k_norm, layer.k_eps,
                            step->cos, step->sin, step->slots, step->positions, k_cache, v_cache, step->kv_bf16,
-                           step->num_slots, step->capacity, nullptr);
-    dflash::jobs::CacheAttention attention{scratch->q, k_cache, v_cache, step->kv_bf16, step->capacity, step->slots,
+                           step->pages, nullptr);
+    dflash::jobs::CacheAttention attention{scratch->q, k_cache, v_cache, step->kv_bf16, step->pages, step->slots,
                                            step->visible[index], heads, kv_heads, dim, step->seq, step->keys,
                                            shape->scale, scratch->attended};
     dflash::jobs::pooled_cache_attention(pool, step->batch, &attention);

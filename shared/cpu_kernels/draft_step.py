@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_kernels.arguments import caches_fit, carve, check_arguments, pointer_array, tiles_of
+from shared.cpu_kernels.arguments import cache_pages, caches_fit, carve, check_arguments, pointer_array, tiles_of
 
 _pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -31,14 +31,14 @@ class DraftShape(ctypes.Structure):
 
 
 class DraftContext(ctypes.Structure):
-    _fields_ = [("rows", _count), ("num_slots", _count), ("capacity", _count), ("kv_bf16", _count),
+    _fields_ = [("rows", _count), ("kv_bf16", _count), ("pages", _pointer),
                 *((name, _pointer) for name in ("features", "cos", "sin", "slots", "positions", "k_caches",
                                                 "v_caches", "context", "normed", "kv"))]
 
 
 class DraftStep(ctypes.Structure):
-    _fields_ = [("batch", _count), ("seq", _count), ("keys", _count), ("num_slots", _count), ("capacity", _count),
-                ("kv_bf16", _count), ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("positions", _pointer),
+    _fields_ = [("batch", _count), ("seq", _count), ("keys", _count), ("kv_bf16", _count), ("pages", _pointer),
+                ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("positions", _pointer),
                 ("visible", _pointer), ("k_caches", _pointer), ("v_caches", _pointer)]
 
 
@@ -184,12 +184,13 @@ class DraftStepInputs:
         check_arguments(ok, "draft step", cos, sin, slots, positions, *masks)
         c_visible = pointer_array(visible)
         k_caches, v_caches = pointer_array(keys), pointer_array(values)
-        c_step = DraftStep(batch, seq, length, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
+        pages, table = cache_pages(keys[0], None)
+        c_step = DraftStep(batch, seq, length, keys[0].dtype == torch.bfloat16, ctypes.addressof(pages),
                            cos.data_ptr(), sin.data_ptr(), slots.data_ptr(), positions.data_ptr(),
                            ctypes.addressof(c_visible), ctypes.addressof(k_caches), ctypes.addressof(v_caches))
         c_scratch, buffer = _scratch(batch * seq, shape)
         return cls(c_step, c_scratch, slots, positions, keys[0],
-                   (cos, sin, visible, keys, values, c_visible, k_caches, v_caches, buffer))
+                   (cos, sin, visible, keys, values, c_visible, k_caches, v_caches, buffer, pages, table))
 
 
 @dataclass(frozen=True)
@@ -220,11 +221,13 @@ class DraftContextInputs:
         check_arguments(ok, "draft ingest", features, cos, sin, slots, positions)
         k_caches, v_caches = pointer_array(keys), pointer_array(values)
         (context, normed, kv), buffer = carve(rows, [shape.hidden, shape.hidden, 2 * shape.kv_heads * shape.dim])
-        c_context = DraftContext(rows, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
+        pages, table = cache_pages(keys[0], None)
+        c_context = DraftContext(rows, keys[0].dtype == torch.bfloat16, ctypes.addressof(pages),
                                  features.data_ptr(), cos.data_ptr(), sin.data_ptr(), slots.data_ptr(),
                                  positions.data_ptr(), ctypes.addressof(k_caches), ctypes.addressof(v_caches),
                                  context, normed, kv)
-        return cls(c_context, slots, positions, keys[0], (features, cos, sin, keys, values, k_caches, v_caches, buffer))
+        return cls(c_context, slots, positions, keys[0],
+                   (features, cos, sin, keys, values, k_caches, v_caches, buffer, pages, table))
 
 
 def _scratch(rows: int, shape: DraftShape) -> tuple[DraftScratch, torch.Tensor]:

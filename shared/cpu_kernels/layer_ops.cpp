@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <cstring>
 
+#include "cache_pages.h"
 #include "simd_exp.h"
 
 namespace {
@@ -69,7 +70,7 @@ inline void store(uint16_t* out, float x) {
 template <typename T>
 void rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
                   const float* norm_weight, float eps, const float* cos, const float* sin, const int64_t* slots,
-                  const int64_t* positions, T* k_cache, T* v_cache, int64_t capacity, float* q) {
+                  const int64_t* positions, T* k_cache, T* v_cache, const CachePages& pages, float* q) {
   const int64_t half = dim / 2, width = (heads + 2 * kv_heads) * dim;
   float normed[1024], rotated[1024];
   for (int64_t b = 0; b < batch; ++b) {
@@ -90,13 +91,13 @@ void rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, i
           out[d + half] = x[d + half] * c[d + half] + x[d] * s[d + half];
         }
         if (h >= heads) {
-          T* key = k_cache + ((slots[b] * kv_heads + (h - heads)) * capacity + position) * dim;
+          T* key = k_cache + dflash::cache_row(pages, kv_heads, slots[b], h - heads, position, dim);
           for (int64_t d = 0; d < dim; ++d) store(key + d, rotated[d]);
         }
       }
       for (int64_t h = 0; h < kv_heads; ++h) {
         const float* x = row + (heads + kv_heads + h) * dim;
-        T* out = v_cache + ((slots[b] * kv_heads + h) * capacity + position) * dim;
+        T* out = v_cache + dflash::cache_row(pages, kv_heads, slots[b], h, position, dim);
         for (int64_t d = 0; d < dim; ++d) store(out + d, x[d]);
       }
     }
@@ -109,26 +110,25 @@ extern "C" {
 
 // qkv [batch, seq, (heads + 2 kv_heads) * dim] (a fused projection's rows); cos, sin [batch, seq, dim];
 // norm_weight [heads + kv_heads, dim] or null (no q/k norm); slots [batch]; positions [batch, seq].
-// Writes q [batch, heads, seq, dim] and, for each row, k and v into the caches [slots, kv_heads, capacity, dim]
-// (float32, or bfloat16 where bf16 != 0) at (slots[b], :, positions[b, t]). Returns 0, or -1 (nothing written)
-// when a slot or position is outside the cache or dim is odd.
+// Writes q [batch, heads, seq, dim] and, for each row, k and v into the caches [pages, kv_heads, page_size, dim]
+// (float32, or bfloat16 where bf16 != 0) where `pages` puts (slots[b], positions[b, t]) (cache_pages.h). Returns 0,
+// or -1 (nothing written) when a slot, position or page is outside the cache or dim is odd.
 int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
                            const float* norm_weight, float eps, const float* cos, const float* sin,
                            const int64_t* slots, const int64_t* positions, void* k_cache, void* v_cache, int64_t bf16,
-                           int64_t num_slots, int64_t capacity, float* q) {
+                           const CachePages* pages, float* q) {
   if (dim % 2 != 0 || dim > 1024) return -1;
   for (int64_t b = 0; b < batch; ++b) {
-    if (slots[b] < 0 || slots[b] >= num_slots) return -1;
     for (int64_t t = 0; t < seq; ++t) {
-      if (positions[b * seq + t] < 0 || positions[b * seq + t] >= capacity) return -1;
+      if (!dflash::cache_holds(*pages, slots[b], positions[b * seq + t])) return -1;
     }
   }
   if (bf16) {
     rotary_cache(qkv, batch, seq, heads, kv_heads, dim, norm_weight, eps, cos, sin, slots, positions,
-                 static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), capacity, q);
+                 static_cast<uint16_t*>(k_cache), static_cast<uint16_t*>(v_cache), *pages, q);
   } else {
     rotary_cache(qkv, batch, seq, heads, kv_heads, dim, norm_weight, eps, cos, sin, slots, positions,
-                 static_cast<float*>(k_cache), static_cast<float*>(v_cache), capacity, q);
+                 static_cast<float*>(k_cache), static_cast<float*>(v_cache), *pages, q);
   }
   return 0;
 }

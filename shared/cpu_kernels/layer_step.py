@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from shared.cpu_kernels.arguments import caches_fit, carve, check_arguments, pointer_array, tiles_of
+from shared.cpu_kernels.arguments import cache_pages, caches_fit, carve, check_arguments, pointer_array, tiles_of
 
 _pointer, _count, _real = ctypes.c_void_p, ctypes.c_int64, ctypes.c_float
 
@@ -25,8 +25,8 @@ class StackShape(ctypes.Structure):
 
 
 class StackStep(ctypes.Structure):
-    _fields_ = [("batch", _count), ("seq", _count), ("keys", _count), ("num_slots", _count), ("capacity", _count),
-                ("kv_bf16", _count), ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("positions", _pointer),
+    _fields_ = [("batch", _count), ("seq", _count), ("keys", _count), ("kv_bf16", _count), ("pages", _pointer),
+                ("cos", _pointer), ("sin", _pointer), ("slots", _pointer), ("positions", _pointer),
                 ("visible", _pointer), ("k_caches", _pointer), ("v_caches", _pointer), ("taps", _pointer),
                 ("tap_stride", _count)]
 
@@ -126,10 +126,10 @@ class StackStepInputs:
     @classmethod
     def build(cls, cos: torch.Tensor, sin: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
               mask: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], stack: StackWeights,
-              tap_layers: tuple[int, ...]) -> "StackStepInputs":
+              tap_layers: tuple[int, ...], table: torch.Tensor | None = None) -> "StackStepInputs":
         """cos, sin [batch, seq, dim] float32; slots [batch]; positions [batch, seq]; mask [batch, 1, seq, keys]
-        bool (shared.attention.visibility_mask); keys, values: each layer's cache [slots, kv_heads, capacity,
-        dim], float32 or bfloat16 (all alike)."""
+        bool (shared.attention.visibility_mask); keys, values: each layer's cache [pages, kv_heads, page_size,
+        dim], float32 or bfloat16 (all alike), read through table [slots, pages_per_slot] (None: a page a slot)."""
         batch, seq = positions.shape
         length = mask.shape[-1]
         layers = stack.layers
@@ -148,13 +148,14 @@ class StackStepInputs:
         for order, layer in enumerate(tap_layers):
             tap_pointers[layer] = taps.data_ptr() + order * hidden * 4  # bytes
         k_caches, v_caches, c_taps = pointer_array(keys), pointer_array(values), pointer_array(tap_pointers)
-        c_step = StackStep(batch, seq, length, keys[0].shape[0], keys[0].shape[2], keys[0].dtype == torch.bfloat16,
+        pages, table = cache_pages(keys[0], table)
+        c_step = StackStep(batch, seq, length, keys[0].dtype == torch.bfloat16, ctypes.addressof(pages),
                            cos.data_ptr(), sin.data_ptr(),
                            slots.data_ptr(), positions.data_ptr(), visible.data_ptr(), ctypes.addressof(k_caches),
                            ctypes.addressof(v_caches), ctypes.addressof(c_taps), len(tap_layers) * hidden)
         c_scratch, buffer = _scratch(rows, layers[0])
         return cls(c_step, c_scratch, slots, positions, keys[0], taps,
-                   (cos, sin, visible, keys, values, k_caches, v_caches, c_taps, buffer))
+                   (cos, sin, visible, keys, values, k_caches, v_caches, c_taps, buffer, pages, table))
 
 
 def _scratch(rows: int, layer: DenseLayerWeights) -> tuple[StackScratch, torch.Tensor]:

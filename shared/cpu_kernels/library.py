@@ -22,7 +22,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from shared.attention import cached_attention
-from shared.cpu_kernels.arguments import KV_DTYPES, TILE, check_arguments
+from shared.cpu_kernels.arguments import KV_DTYPES, TILE, cache_pages, check_arguments
 from shared.native_build import cached_library
 
 if TYPE_CHECKING:  # layer_step imports this module
@@ -34,7 +34,7 @@ SOURCES = [Path(__file__).with_name(name) for name in ("bf16_gemm.cpp", "bf16_ge
                                                         "attention.cpp", "layer_ops.cpp", "decoder_layer.cpp",
                                                         "draft_block.cpp", "draft_walk.cpp", "worker_pool.cpp",
                                                         "top_k.cpp", "top_p.cpp")]
-HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h",
+HEADERS = [Path(__file__).with_name(name) for name in ("simd_exp.h", "worker_pool.h", "pooled_jobs.h", "cache_pages.h",
                                                         "no_contraction.h")]
 FLAGS = ["-std=c++17", "-O3", "-mavx2", "-mfma", "-shared", "-fPIC", "-pthread"]
 
@@ -69,8 +69,11 @@ class CpuKernels:
         self._add_rms_norm.argtypes = [pointer, pointer, count, count, pointer, real, pointer, pointer]
         self._qk_rotary_cache = library.dflash_qk_rotary_cache
         self._qk_rotary_cache.restype = ctypes.c_int
-        self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] * 3 + \
-            [pointer]  # (..., k_cache, v_cache, bf16, num_slots, capacity, q)
+        self._qk_rotary_cache.argtypes = [pointer] + [count] * 5 + [pointer, real] + [pointer] * 6 + [count] + \
+            [pointer] * 2  # (..., k_cache, v_cache, bf16, pages, q)
+        self._attention_cache = library.dflash_attention_cache
+        self._attention_cache.restype = ctypes.c_int
+        self._attention_cache.argtypes = [pointer] * 3 + [count] + [pointer] * 3 + [count] * 6 + [real, pointer]
 
         self._decoder_stack = library.dflash_decoder_stack
         self._decoder_stack.restype = ctypes.c_int
@@ -224,11 +227,13 @@ class CpuKernels:
 
     def qk_rotary_cache(self, qkv: torch.Tensor, heads: int, kv_heads: int, dim: int, norm_weight, eps: float,
                         cos: torch.Tensor, sin: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        slots: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+                        slots: torch.Tensor, positions: torch.Tensor,
+                        table: torch.Tensor | None = None) -> torch.Tensor:
         """The attention input from a fused q/k/v projection qkv [b, s, (heads + 2 kv_heads) * dim]: q and k heads
         normalized (norm_weight [heads + kv_heads, dim], or None) and rotated by cos/sin [b, s, dim], k and v
-        written into one layer's caches keys/values [slots, kv_heads, capacity, dim] (float32, or bfloat16 rounded
-        as PyTorch rounds) at slots [b] and positions [b, s]. Returns q [b, heads, s, dim]."""
+        written into one layer's caches keys/values [pages, kv_heads, page_size, dim] (float32, or bfloat16 rounded
+        as PyTorch rounds) at slots [b] and positions [b, s], through the page table [slots, pages_per_slot] (None:
+        a page a slot, page = slot). Returns q [b, heads, s, dim]."""
         batch, seq = qkv.shape[0], qkv.shape[1]
         qkv, cos, sin = qkv.contiguous(), cos.contiguous(), sin.contiguous()
         slots, positions = slots.to(torch.int64).contiguous(), positions.to(torch.int64).contiguous()
@@ -246,13 +251,41 @@ class CpuKernels:
         q = torch.empty(batch, heads, seq, dim, dtype=torch.float32)
         norm_weight = None if norm_weight is None else norm_weight.contiguous()  # held for the call
         norm = 0 if norm_weight is None else norm_weight.data_ptr()
+        pages, table = cache_pages(keys, table)
         status = self._qk_rotary_cache(qkv.data_ptr(), batch, seq, heads, kv_heads, dim, norm, eps, cos.data_ptr(),
                                        sin.data_ptr(), slots.data_ptr(), positions.data_ptr(), keys.data_ptr(),
-                                       values.data_ptr(), keys.dtype == torch.bfloat16, keys.shape[0], keys.shape[2],
+                                       values.data_ptr(), keys.dtype == torch.bfloat16, ctypes.addressof(pages),
                                        q.data_ptr())
         if status != 0:
             raise _outside_cache(keys, slots, positions)
         return q
+
+    def cache_attention(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, table: torch.Tensor | None,
+                        slots: torch.Tensor, mask: torch.Tensor, scale: float) -> torch.Tensor:
+        """attention() read straight from one layer's caches keys/values [pages, kv_heads, page_size, dim] through
+        the page table [slots, pages_per_slot] (None: a page a slot): q [batch, heads, queries, dim] float32 over
+        positions 0..keys-1 of slots [batch], mask [batch, 1, queries, keys]. Returns [batch, queries, heads *
+        dim]."""
+        batch, heads, queries, dim = q.shape
+        keys_len = mask.shape[-1]
+        slots = slots.to(torch.int64).contiguous()
+        check_arguments(q.dtype == torch.float32 and keys.dtype == values.dtype and keys.dtype in KV_DTYPES
+                        and keys.shape == values.shape and keys.is_contiguous() and values.is_contiguous()
+                        and keys.shape[3] == dim and slots.shape == (batch,) and mask.shape[-2] == queries,
+                        "cache_attention", q, keys, values, slots, mask)
+        q = q.contiguous()
+        visible = mask.expand(batch, 1, queries, keys_len)[:, 0].contiguous().view(torch.uint8)
+        out = torch.empty(batch, queries, heads * dim, dtype=torch.float32)
+        pages, table = cache_pages(keys, table)
+        status = self._attention_cache(q.data_ptr(), keys.data_ptr(), values.data_ptr(), keys.dtype == torch.bfloat16,
+                                       ctypes.addressof(pages), slots.data_ptr(), visible.data_ptr(), batch, heads,
+                                       keys.shape[1], queries, keys_len, dim, scale, out.data_ptr())
+        if status == -1:
+            raise _outside_cache(keys, slots, torch.tensor([keys_len - 1]))
+        if status != 0:
+            raise ValueError(f"cache_attention: a shape the kernel does not take (head size {dim}, {heads} heads on "
+                             f"{keys.shape[1]}, pages of {keys.shape[2]})")
+        return out
 
 
     def silu_mul(self, gate_up: torch.Tensor) -> torch.Tensor:
@@ -385,8 +418,8 @@ def pool_awake(pool: WorkerPool | None, on: bool = True) -> contextlib.AbstractC
 
 
 def _outside_cache(keys: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor) -> IndexError:
-    """The error of a cache write the kernel refused: keys [slots, kv_heads, capacity, dim]."""
-    return IndexError(f"cache write outside the cache ({keys.shape[0]} slots x {keys.shape[2]} positions): "
+    """The error of a cache access the kernel refused: keys [pages, kv_heads, page_size, dim]."""
+    return IndexError(f"outside the cache ({keys.shape[0]} pages x {keys.shape[2]} positions): "
                       f"slots {slots.tolist()}, positions {int(positions.min())}..{int(positions.max())}")
 
 

@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <vector>
 
+#include "cache_pages.h"
 #include "worker_pool.h"
 
 extern "C" {
@@ -28,7 +29,11 @@ void dflash_add_rms_norm(const float* x, const float* delta, int64_t rows, int64
 int dflash_qk_rotary_cache(const float* qkv, int64_t batch, int64_t seq, int64_t heads, int64_t kv_heads, int64_t dim,
                            const float* norm_weight, float eps, const float* cos, const float* sin,
                            const int64_t* slots, const int64_t* positions, void* k_cache, void* v_cache, int64_t bf16,
-                           int64_t num_slots, int64_t capacity, float* q);
+                           const CachePages* pages, float* q);
+void dflash_attention_cache_unit(const float* q, const void* k_cache, const void* v_cache, int64_t bf16,
+                                 const CachePages* pages, const int64_t* slots, const uint8_t* visible, int64_t heads,
+                                 int64_t kv_heads, int64_t rows, int64_t keys, int64_t dim, float scale, float* out,
+                                 int64_t unit);
 void dflash_silu_mul(const float* gate_up, int64_t rows, int64_t intermediate, float* act);
 
 }  // extern "C"
@@ -87,14 +92,16 @@ inline void pooled_gemm(WorkerPool* pool, int64_t amx, const float* x, int64_t M
   run_parts(pool, parts, gemm_part, &job);
 }
 
-// Attention of batch entries of seq rows each, read straight from one layer's cache [num_slots, kv_heads,
-// capacity, dim] (float32, or bfloat16 where kv_bf16): q [batch, heads, seq, dim]; slots [batch]; visible
-// [batch, seq, keys] (1 = the row sees the key); attended [batch, seq, heads * dim].
+// Attention of batch entries of seq rows each, read straight from one layer's cache [pages, kv_heads, page_size,
+// dim] (float32, or bfloat16 where kv_bf16; `pages` says where each slot's positions lie): q [batch, heads, seq,
+// dim]; slots [batch]; visible [batch, seq, keys] (1 = the row sees the key); attended [batch, seq, heads * dim].
+// The caller checks that the slots' pages hold the first `keys` positions.
 struct CacheAttention {
   const float* q;
   const char* k_cache;
   const char* v_cache;
-  int64_t kv_bf16, capacity;
+  int64_t kv_bf16;
+  const CachePages* pages;
   const int64_t* slots;
   const uint8_t* visible;
   int64_t heads, kv_heads, dim, seq, keys;
@@ -105,13 +112,8 @@ struct CacheAttention {
 // Unit b * kv_heads + g: batch entry b's query heads of kv head g.
 inline void cache_attention_part(void* context, int64_t unit) {
   const CacheAttention& job = *static_cast<const CacheAttention*>(context);
-  const int64_t heads = job.heads, kv_heads = job.kv_heads, dim = job.dim, seq = job.seq;
-  const int64_t b = unit / kv_heads, g = unit % kv_heads;
-  const int64_t slot_stride = kv_heads * job.capacity * dim, head_stride = job.capacity * dim;
-  const int64_t offset = job.slots[b] * slot_stride * (job.kv_bf16 ? 2 : 4);  // bytes
-  dflash_attention_units(job.q + b * heads * seq * dim, job.k_cache + offset, job.v_cache + offset, job.kv_bf16,
-                         slot_stride, head_stride, slot_stride, head_stride, job.visible + b * seq * job.keys, heads,
-                         kv_heads, seq, job.keys, dim, job.scale, job.attended + b * seq * heads * dim, g, g + 1);
+  dflash_attention_cache_unit(job.q, job.k_cache, job.v_cache, job.kv_bf16, job.pages, job.slots, job.visible,
+                              job.heads, job.kv_heads, job.seq, job.keys, job.dim, job.scale, job.attended, unit);
 }
 
 inline void pooled_cache_attention(WorkerPool* pool, int64_t batch, CacheAttention* job) {

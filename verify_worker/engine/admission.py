@@ -1,6 +1,7 @@
 """Admission: a request checked (shared/generation_request.check_request, as the gateway did), queued,
 aborted; its cache slot (a kept or running prefix reused where one begins its prompt: prefix_cache.py, else the
-lowest free slot)."""
+lowest free slot) or, where the cache is paged, its slot and the indexed pages its prompt begins with
+(page_tables.py)."""
 
 import heapq
 
@@ -56,6 +57,13 @@ class Admission:
         return bool(self.waiting or self.prefilling or self.running)
 
     @property
+    def kept_prefix_tokens(self) -> int:
+        """Tokens kept for later prompts: the indexed pages' (a paged cache), or the free slots' prefixes."""
+        if self.pages is not None:
+            return self.pages.cached_tokens
+        return self.prefix_cache.cached_tokens if self.prefix_cache is not None else 0
+
+    @property
     def num_running(self) -> int:
         return len(self.running) + len(self.prefilling)
 
@@ -65,6 +73,11 @@ class Admission:
         slot holding nothing that the prefix is copied into (the family copies, one is free: a kept prefix stays
         kept), else in the kept slot itself (a running request's prefix is only copied). Otherwise it takes a slot
         holding no prefix, else the least recently used one's."""
+        self.admissions += 1
+        state.admitted = self.admissions
+        if self.pages is not None:
+            self._admit_paged(state)
+            return
         cache, hit = self.prefix_cache, None
         copy = getattr(self.target, "copy_prefix", None)  # a tensor-parallel leader has none: the slot moves
         empty = None if cache is None or copy is None else cache.empty_slot(self.free_slots)
@@ -89,6 +102,26 @@ class Admission:
             if hit.features is not None:
                 state.feature_chunks = [hit.features]
             self.prefix_hit_tokens += hit.tokens
+        state.slot, state.status = slot, Status.PREFILLING
+        self.prefilling.append(state)
+
+    def _admit_paged(self, state: RequestState) -> None:
+        """state takes the lowest free slot, with the indexed pages its tokens begin with (engine/page_tables.py):
+        its prefill starts past them, the drafter's rows of them kept."""
+        slot = self._take_slot()
+        self.target.reset(self.state, slot)
+        ids = state.prefill_ids
+        hit = None if state.request.prompt_logprobs else self.pages.lookup(ids)
+        tokens = self.pages.assign(slot, hit)
+        if state.rebuild is None:
+            self.prefix_query_tokens += len(ids) if self.pages.caching and not state.request.prompt_logprobs else 0
+        if tokens:
+            state.cache_len = tokens
+            if state.rebuild is None:  # (a rebuild keeps its own feature rows)
+                state.stats.cached_tokens = tokens
+                self.prefix_hit_tokens += tokens
+                if self.proposer is not None:
+                    state.feature_chunks = list(hit.features)
         state.slot, state.status = slot, Status.PREFILLING
         self.prefilling.append(state)
 

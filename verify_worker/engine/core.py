@@ -8,9 +8,11 @@ Continuous batching: requests may be added or aborted between steps. Each step p
 most max_prefill_tokens in all, so a long prompt does not stall running streams) in one target forward, then
 decodes every running request in one more.
 
-Its parts, one job each: admission.py (validation, queues, slots), isolation.py (undoing a failed step and
-bisecting its batch), speculation.py (drafting and the policy's measurements), verify_inputs.py (the verify
-call), early_stops.py (min_tokens), output.py (commits, log-probabilities, freeing).
+Its parts, one job each: admission.py (validation, queues, slots), paging.py (the KV pool's pages: admission
+that waits for them, preemption where they run out; page_tables.py owns the pool and the prefix index),
+isolation.py (undoing a failed step and bisecting its batch), speculation.py (drafting and the policy's
+measurements), verify_inputs.py (the verify call), early_stops.py (min_tokens), output.py (commits,
+log-probabilities, freeing).
 """
 
 import logging
@@ -28,6 +30,8 @@ from verify_worker.engine.admission import Admission
 from verify_worker.engine.grammar_masks import GRAMMAR_DRAFTS, forced_drafts, grammar_drafts
 from verify_worker.engine.isolation import Isolation
 from verify_worker.engine.output import Output
+from verify_worker.engine.page_tables import PAGE_SIZE, PageTables
+from verify_worker.engine.paging import Paging
 from verify_worker.engine.prefix_cache import PrefixCache
 from verify_worker.engine.speculation import Speculation
 from verify_worker.engine.verify_inputs import verify_block_rows
@@ -38,7 +42,7 @@ from verify_worker.spec_policy import AdaptiveSpeculation
 from verify_worker.step_buckets import StepBuckets
 
 
-class SpeculativeEngine(Admission, Isolation, Speculation, Output):
+class SpeculativeEngine(Admission, Paging, Isolation, Speculation, Output):
     """A batch of requests stepped together; the step, prefill and decode are here, each part's methods in its
     own file (the parts share the engine's fields: the queues, the slots, the target's state, the policy)."""
 
@@ -54,14 +58,19 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         grammar_vocabulary=None,
         grammar_drafts: str = "forced",
         prefix_caching: bool = True,
+        page_size: int | None = PAGE_SIZE,
+        kv_pages: int | None = None,
     ):
         """step_buckets: None runs each decode step at its own shape; "eager" pads it to a bucket
         (verify_worker/step_buckets.py), "cuda-graphs" too and replays one CUDA graph per bucket (a CUDA target
         whose family takes padded steps). grammar_vocabulary: the target's tokenizer as grammars see it
         (shared.grammar.grammar_vocabulary; None: requests with a grammar are refused); grammar_drafts: how a
         constrained request's drafts obey its grammar (engine/grammar_masks.py: "target", "cut", "forced",
-        "masked", "drafted"). prefix_caching: a finished request's slot keeps its prefix for a later prompt that
-        begins with it (engine/prefix_cache.py; families whose cache is positional)."""
+        "masked", "drafted"). prefix_caching: prompts reuse the KV of prefixes computed before (paged: full pages
+        indexed by their tokens, engine/page_tables.py; else a finished request's slot keeps its prefix,
+        engine/prefix_cache.py; families whose cache is positional). page_size: positions a page of the KV cache
+        holds, where the family takes pages (`takes_pages`; None: a slot of max_model_len positions a request);
+        kv_pages: the pool's pages (None: enough for every request at max_model_len)."""
         cfg = target.config
         self.target = target
         self.proposer = proposer
@@ -94,10 +103,21 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
             raise ConfigError(f"{type(target).__name__} does not take padded steps (CUDA graphs): padding could reach "
                               f"its committed state, or its step reads the host or is mirrored on other ranks")
         # a padded step's extra rows write into one more slot, which no request holds
-        self.state = target.new_state(max_requests + (step_buckets is not None),
-                                      self.max_model_len + max(self.block_size, 1), max(self.block_size, 1))
+        slots, capacity = max_requests + (step_buckets is not None), self.max_model_len + max(self.block_size, 1)
+        self.pages = None  # the page pool's owner where the cache is paged
+        if page_size is not None and getattr(target, "takes_pages", False):
+            per_slot = -(-capacity // page_size)
+            if kv_pages is not None and kv_pages < per_slot:
+                raise ConfigError(f"a KV pool of {kv_pages} pages of {page_size} positions cannot hold one request "
+                                  f"of {capacity} positions ({per_slot} pages)")
+            self.state = target.new_paged_state(slots, capacity, page_size, kv_pages or max_requests * per_slot)
+            self.pages = PageTables(self.state, caching=prefix_caching)
+        else:
+            self.state = target.new_state(slots, capacity, max(self.block_size, 1))
         self.free_slots = list(range(max_requests))  # a heap (see _take_slot)
-        self.prefix_cache = PrefixCache(self.prefill_align) if prefix_caching and not target.commits_state else None
+        self.prefix_cache = PrefixCache(self.prefill_align) if (prefix_caching and self.pages is None
+                                                                and not target.commits_state) else None
+        self.admissions = self.preemptions = 0  # requests given a slot, and taken out of the batch, since start
         self.prefix_query_tokens = self.prefix_hit_tokens = 0  # prompt tokens looked up, and found, since start
         self.buckets = None if step_buckets is None else StepBuckets(
             target, self.state, max_requests, max(self.block_size, 1), self.tap_layers,
@@ -127,14 +147,18 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         """Admit what fits, then one step of every admitted request. A step that raises is undone and retried in
         halves of its batch; a request that fails on its own ends with finish reason "error" (its event carries
         the error), and the others advance as if nothing had happened."""
-        while self.waiting and self.free_slots:
+        while self.waiting and self.free_slots and self._fits_pages(self.waiting[0]):
             self._admit(self.waiting.pop(0))
+        if self.pages is not None:
+            self._reserve_pages()
         groups = [[s.request_id for s in self.prefilling] + list(self.running)]
         events, self.last_reports = [], []
         # its helpers spin between the step's calls (a gap of over 2 ms without one, as the bookkeeping of a large
         # batch can take, lets them sleep: the gateway needs the cores then)
         with pool_awake(self._target_pool()):
             self._step_groups(groups, events)
+        if self.pages is not None:
+            self._index_step()
         return events
 
     def _target_pool(self):
@@ -193,12 +217,14 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
         width = max(n for _, n in chunks)
         ids = torch.zeros(len(chunks), width, dtype=torch.long)
         for row, (state, n) in enumerate(chunks):
-            ids[row, :n] = torch.tensor(state.request.prompt_ids[state.prefilled: state.prefilled + n])
+            ids[row, :n] = torch.tensor(state.prefill_ids[state.prefilled: state.prefilled + n])
         starts = torch.tensor([state.prefilled for state, _ in chunks])
         # [b, width]; padding sits past each chunk, never past the cache (real positions stay < max_model_len)
         positions = (starts[:, None] + torch.arange(width)).clamp(max=self.state.capacity - 1)
         out = self._forward(ids, positions, [state.slot for state, _ in chunks], [n for _, n in chunks], prefill=True)
-        done = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.request.prompt_ids)]
+        ended = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.prefill_ids)]
+        rebuilt = [chunks[row][0] for row in ended if chunks[row][0].rebuild is not None]  # they decode on
+        done = [row for row in ended if chunks[row][0].rebuild is None]
         first = None
         if done:
             last = torch.tensor([chunks[row][1] - 1 for row in done], device=self.device)
@@ -208,13 +234,18 @@ class SpeculativeEngine(Admission, Isolation, Speculation, Output):
                                       logits[:, None], self.device)[1]
         report.prefill_tokens += sum(n for _, n in chunks)
         for row, (state, n) in enumerate(chunks):
-            if state.request.prompt_logprobs:
-                self._score_prompt(state, out.hidden[row, :n])
-            if self.proposer is not None:
-                state.feature_chunks.append(out.taps[row, :n].clone())  # a copy: a view would pin the batch
+            if state.rebuild is None:  # (a rebuild's features and scores were kept)
+                if state.request.prompt_logprobs:
+                    self._score_prompt(state, out.hidden[row, :n])
+                if self.proposer is not None:
+                    state.feature_chunks.append(out.taps[row, :n].clone())  # a copy: a view would pin the batch
             state.cache_len += n
             kept[state.slot] = kept.get(state.slot, 0) + n
         report.seconds["prefill"] += time.perf_counter() - started
+        for state in rebuilt:
+            self.prefilling.remove(state)
+            state.rebuild, state.status = None, Status.RUNNING
+            self.running[state.request_id] = state
         for i, row in enumerate(done):
             state = chunks[row][0]
             self.prefilling.remove(state)

@@ -37,8 +37,9 @@ class Isolation:
 
     def _save(self, group: list[str]) -> tuple[list[str], list[str], list[RequestSnapshot]]:
         states = {s.request_id: s for s in self.prefilling} | self.running
-        return list(self.running), [s.request_id for s in self.prefilling], [RequestSnapshot.take(states[r])
-                                                                             for r in group]
+        pages = (lambda state: self.pages.snapshot(state.slot)) if self.pages is not None else (lambda state: None)
+        return list(self.running), [s.request_id for s in self.prefilling], [
+            RequestSnapshot.take(states[r], pages(states[r])) for r in group]
 
     def _restore(self, saved: tuple[list[str], list[str], list[RequestSnapshot]]) -> None:
         """Undo a failed step for its requests: their fields, their queue (in its old order) and their slot."""
@@ -52,6 +53,8 @@ class Isolation:
                 heapq.heapify(self.free_slots)
                 if self.prefix_cache is not None:
                     self.prefix_cache.forget(snapshot.slot)
+                if self.pages is not None:  # and its pages (no step has given them out since)
+                    self.pages.retake(snapshot.slot, *snapshot.pages)
             snapshot.restore()
             if state.status == Status.RUNNING:
                 self.running[state.request_id] = state

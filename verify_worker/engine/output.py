@@ -107,6 +107,10 @@ class Output:
         state.finish_reason = state.finish_reason or reason
         if self.prefix_cache is not None and state.slot >= 0:
             self._keep_prefix(state, reason)
+        if self.pages is not None and state.slot >= 0:  # its full pages stay indexed; a failed request's do not
+            if reason != "error":
+                self._index_pages(state, last=True)
+            self.pages.release(state.slot)
         state.feature_chunks = []
         if state.slot >= 0:
             heapq.heappush(self.free_slots, state.slot)

@@ -100,9 +100,12 @@ class KernelLayers:
         eps = attention.q_norm.eps if attention.q_norm is not None else 0.0
         index, dim = attention.layer_index, attention.head_dim
         q = self.kernels.qk_rotary_cache(qkv, attention.num_heads, attention.num_kv_heads, dim, norm, eps, cos, sin,
-                                         cache.keys[index], cache.values[index], slots, positions)
-        keys, values = cache.read(index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
-        return attention.o_proj(self.kernels.attention(q, keys, values, mask, dim**-0.5))
+                                         cache.keys[index], cache.values[index], slots, positions, cache.page_table)
+        if dim % 8 or dim > 256:  # a head size the kernel does not take: PyTorch's attention over the keys read
+            keys, values = cache.read(index, read_slots, kv_len)  # [b, kv_heads, kv_len, dim]
+            return attention.o_proj(self.kernels.attention(q, keys, values, mask, dim**-0.5))
+        return attention.o_proj(self.kernels.cache_attention(q, cache.keys[index], cache.values[index],
+                                                             cache.page_table, slots, mask, dim**-0.5))
 
 
 class WholeStack(KernelLayers):
@@ -150,7 +153,7 @@ class WholeStack(KernelLayers):
         cos, sin = rope
         batch, seq, hidden = x.shape
         step = StackStepInputs.build(cos, sin, slots, positions, mask, cache.keys, cache.values, self.weights,
-                                     tap_layers)
+                                     tap_layers, cache.page_table)
         _, h = self.kernels.decoder_stack(x.reshape(batch * seq, hidden), self.weights, step, model.pool)
         tapped = None if step.taps is None else step.taps.view(batch, seq, -1)  # in the drafter's order
         return TargetOutput(hidden=h.view(batch, seq, hidden), taps=tapped)

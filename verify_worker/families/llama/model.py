@@ -160,10 +160,26 @@ class TargetModel(EmbeddingHead, nn.Module):
             dtype=self.kv_dtype or self.embed_weight.dtype, device=self.embed_weight.device,
         )
 
+    @property
+    def takes_pages(self) -> bool:
+        """Whether its steps read a paged cache (new_paged_state): on a CPU, every backend but the rows layout,
+        whose row attention reads a slot's positions in one piece."""
+        return self.embed_weight.device.type == "cpu" and not self.rows_layout
+
     # the family interface (verify_worker/families/interface.py)
     def new_state(self, num_slots: int, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> PositionalKVCache:
         """block_tokens: not needed (a positional cache rolls back by its length)."""
         return self.new_cache(num_slots, capacity)
+
+    def new_paged_state(self, num_slots: int, capacity: int, page_size: int, num_pages: int) -> PositionalKVCache:
+        """Optional (where takes_pages): num_pages pages of page_size positions that num_slots slots of capacity
+        positions share through a page table (engine/page_tables.py gives them out)."""
+        cfg = self.config
+        return PositionalKVCache(
+            cfg.num_layers, num_slots, self.local.num_kv_heads, capacity, cfg.head_dim,
+            dtype=self.kv_dtype or self.embed_weight.dtype, device=self.embed_weight.device,
+            page_size=page_size, num_pages=num_pages,
+        )
 
     def state_bytes_per_slot(self, capacity: int, block_tokens: int = DEFAULT_BLOCK_TOKENS) -> int:
         cfg = self.config
