@@ -75,6 +75,29 @@ def test_a_request_s_last_page_partly_filled_is_copied_to_the_token():
     assert tables.lookup(tokens + (1,)).rows == 20  # the indexed page kept its rows
 
 
+def test_the_partial_page_found_is_the_one_a_prompt_begins_with_most_of():
+    """Many ended requests' last pages under one parent: the lookup's pick (a neighbour in sorted order) is the
+    brute force's best."""
+    from verify_worker.engine.prefix_cache import common_prefix
+
+    cache = small_cache(40, slots=1, capacity=PAGE)
+    tables = PageTables(cache)
+    rng = random.Random(5)
+    held = []
+    for _ in range(30):
+        tokens = tuple(rng.randrange(3) for _ in range(rng.randrange(16, PAGE)))
+        tables.assign(0, None)
+        assert tables.grow(0, len(tokens))
+        tables.index(0, tokens, None, last=True)
+        tables.release(0)
+        held.append(tokens)
+    for _ in range(200):
+        prompt = tuple(rng.randrange(3) for _ in range(rng.randrange(2, PAGE)))
+        best = max(common_prefix(tokens, prompt[:-1]) for tokens in held)
+        hit = tables.lookup(prompt)
+        assert (hit.rows if hit is not None else 0) == best
+
+
 def test_fresh_pages_are_zeroed_and_unassigned_positions_name_the_scratch_page():
     cache = small_cache(4)
     for tensor in cache.keys + cache.values:

@@ -86,9 +86,10 @@ def budget_pages(settings: VerifyCommand, target, planned: int | None, draft_cfg
     block = (settings.model.block_size or draft_cfg.block_size) if draft_cfg else 1
     pages = int(budget * 2**20 // target.state_bytes_per_slot(PAGE_SIZE, block))
     max_len = served_max_len(settings.model, target.config)
-    if pages * PAGE_SIZE < max_len + block:
-        raise DFlashError(f"--kv-cache-budget-mb {budget} holds {pages} pages of {PAGE_SIZE} positions, less than one "
-                          f"request of {max_len} tokens: raise it or lower --max-model-len")
+    needed = -(-(max_len + block) // PAGE_SIZE)
+    if pages < needed:
+        raise DFlashError(f"--kv-cache-budget-mb {budget} holds no request of {max_len} tokens ({pages} KV pages of "
+                          f"{PAGE_SIZE} positions; one request takes {needed}): raise it or lower --max-model-len")
     return pages if planned is None else min(pages, planned)
 
 

@@ -221,6 +221,7 @@ class SpeculativeEngine(Admission, Paging, Isolation, Speculation, Output):
         starts = torch.tensor([state.prefilled for state, _ in chunks])
         # [b, width]; padding sits past each chunk, never past the cache (real positions stay < max_model_len)
         positions = (starts[:, None] + torch.arange(width)).clamp(max=self.state.capacity - 1)
+        self._cover_pages([state.slot for state, _ in chunks], [state.prefilled + n for state, n in chunks])
         out = self._forward(ids, positions, [state.slot for state, _ in chunks], [n for _, n in chunks], prefill=True)
         ended = [row for row, (state, n) in enumerate(chunks) if state.prefilled + n == len(state.prefill_ids)]
         rebuilt = [chunks[row][0] for row in ended if chunks[row][0].rebuild is not None]  # they decode on
@@ -288,6 +289,7 @@ class SpeculativeEngine(Admission, Paging, Isolation, Speculation, Output):
         n = drafts.shape[1]
         block = torch.cat([torch.tensor([[s.last_token] for s in states]), drafts], dim=1)  # [b, n+1]
         positions = torch.tensor([s.cache_len for s in states])[:, None] + torch.arange(n + 1)  # [b, n+1]
+        self._cover_pages([s.slot for s in states], [s.cache_len + c + 1 for s, c in zip(states, counts)])
         if self.buckets is not None:
             out = self.buckets.step(block, positions, [s.slot for s in states], int(positions.max()) + 1,
                                     [c + 1 for c in counts])

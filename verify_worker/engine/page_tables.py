@@ -13,6 +13,7 @@ full committed pages are held by others), then the rows of the indexed page afte
 the most of (full or partial), copied into a page of its own; it prefills the rest.
 """
 
+import bisect
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -67,7 +68,9 @@ class PageTables:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # held by nobody, indexed; least recent first
         self.by_key: dict[tuple, PageEntry] = {}
         self.by_page: dict[int, PageEntry] = {}
-        self.children: dict[int, dict[int, PageEntry]] = {}  # parent chain id -> its indexed next pages by page
+        # parent chain id -> (tokens, page) of the pages indexed after it, sorted: the one whose tokens a prompt
+        # begins with the most of is a neighbour of the prompt's place among them
+        self.children: dict[int, list[tuple[tuple[int, ...], int]]] = {}
         self.cached_tokens = 0  # tokens the indexed pages hold
         self.next_chain = ROOT + 1
         self.slots: dict[int, SlotPages] = {}
@@ -110,10 +113,12 @@ class PageTables:
             parent = entry.chain
         rest = tokens[len(pages) * size:limit]
         partial, rows = None, 0
-        for entry in self.children.get(parent, {}).values():  # the page after them its tokens begin with most of
-            n = common_prefix(entry.tokens, rest)
+        siblings = self.children.get(parent, [])
+        at = bisect.bisect_left(siblings, (rest,))
+        for held, page in siblings[max(0, at - 1):at + 1]:  # the page after them its tokens begin with most of
+            n = common_prefix(held, rest)
             if n > rows:
-                partial, rows = entry, n
+                partial, rows = self.by_page[page], n
         if not pages and partial is None:
             return None
         if partial is not None:
@@ -216,7 +221,7 @@ class PageTables:
             self.next_chain += 1
             self.by_key[entry.key] = entry
             self.by_page[entry.page] = entry
-            self.children.setdefault(parent, {})[entry.page] = entry
+            bisect.insort(self.children.setdefault(parent, []), (tokens, entry.page))
             self.cached_tokens += len(tokens)
         return entry
 
@@ -224,7 +229,7 @@ class PageTables:
         del self.by_key[entry.key]
         del self.by_page[entry.page]
         siblings = self.children[entry.parent]
-        del siblings[entry.page]
+        siblings.pop(bisect.bisect_left(siblings, (entry.tokens, entry.page)))
         if not siblings:
             del self.children[entry.parent]
         self.cached_tokens -= len(entry.tokens)

@@ -38,6 +38,17 @@ class Paging:
             while state.slot >= 0 and not self.pages.grow(state.slot, positions):
                 self._preempt(max([*self.running.values(), *self.prefilling], key=lambda s: s.admitted))
 
+    def _cover_pages(self, slots: list[int], ends: list[int]) -> None:
+        """Each slot's pages cover its positions below its end before a forward writes them (they were reserved
+        for the step: a slot without them would write into the scratch page, so that is an error, never a
+        silent one)."""
+        if self.pages is None:
+            return
+        for slot, end in zip(slots, ends):
+            if not self.pages.grow(slot, end):
+                raise RuntimeError(f"slot {slot} has no KV pages for positions up to {end} (the step reserved "
+                                   f"fewer than it writes)")
+
     def _preempt(self, state: RequestState) -> None:
         """Out of the batch and back to the head of the queue, its pages returned: a decoding request rebuilds
         its committed positions when admitted again; a prefilling one starts its prompt again."""
