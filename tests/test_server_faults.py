@@ -184,7 +184,11 @@ def test_client_disconnect_aborts_and_frees_the_cache(tmp_path):
             while time.monotonic() < deadline and aborted() < expected:
                 time.sleep(0.1)
             assert aborted() == expected, choices  # the verify worker dropped every choice, none ran on
-            time.sleep(0.6)  # the running gauge is refreshed by the worker's heartbeat (every 0.25 s)
+            # the running gauge is refreshed by the worker's heartbeat (every 0.25 s); a readiness probe's request
+            # (every 2 s) may be running at one reading, never at every reading for 5 s
+            deadline = time.monotonic() + 5
+            while metric_value(server.metrics("verify"), "dflash_running_requests") and time.monotonic() < deadline:
+                time.sleep(0.3)
             assert metric_value(server.metrics("verify"), "dflash_running_requests") == 0
             assert metric_value(server.metrics("gateway"), "dflash_requests_total", {"outcome": "aborted"}) == round_
             assert completion_tokens(server.url, "ok", 4)["usage"]["completion_tokens"] == 4  # and serving on

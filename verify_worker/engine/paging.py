@@ -16,8 +16,9 @@ class Paging:
     slot a request)."""
 
     def _fits_pages(self, state: RequestState) -> bool:
-        """Whether the pool has pages for the request's prompt and a block beyond it, and a page of growth for
-        every request holding pages (those it found indexed taken into account)."""
+        """Whether the pool has pages for the request's prompt and a block beyond it (those it finds indexed taken
+        into account), beside what the requests admitted before it still want: a prefilling one its prompt's
+        pages and a block, a decoding one a page of growth."""
         if self.pages is None:
             return True
         tables = self.pages
@@ -25,7 +26,10 @@ class Paging:
         found = hit.pages if hit is not None else []
         wanted = tables.pages_for(len(state.prefill_ids) + self.block_size) - len(found)
         evictable_found = sum(page in tables.evictable for page in found)  # (taken off the evictable by the hit)
-        return tables.available - evictable_found >= wanted + len(self.running) + len(self.prefilling)
+        promised = len(self.running) + sum(
+            max(0, tables.pages_for(len(s.prefill_ids) + self.block_size) - len(tables.slots[s.slot].pages))
+            for s in self.prefilling)
+        return tables.available - evictable_found >= wanted + promised
 
     def _reserve_pages(self) -> None:
         """Pages for every position this step may write: each prompt chunk planned (and a block past it: a prompt
