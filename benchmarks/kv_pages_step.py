@@ -1,7 +1,7 @@
 """The paged KV cache's cost per decode step against a slot a request, side by side in one process: the same
 target, the same greedy batch of requests (prompts of --prompt-tokens, --new-tokens each, plain decoding), served
 by an engine with the cache paged (the default on a CPU) and one with a slot a request (page_size None),
-alternately for --rounds rounds. Prints the median decode step (ms) and tokens/s of each and their ratio, and
+alternately for --rounds rounds (each round's first engine alternating). Prints the median decode step (ms) and tokens/s of each and their ratio, and
 checks that the outputs are the same.
 
     python benchmarks/kv_pages_step.py --target /tmp/q06 [--requests 8] [--prompt-tokens 512] [--new-tokens 32]
@@ -60,8 +60,9 @@ def main() -> int:
     for round_ in range(args.rounds):
         requests = [GenerationRequest(tuple(rng.randrange(vocab) for _ in range(args.prompt_tokens)), args.new_tokens,
                                       request_id=f"{round_}-{i}") for i in range(args.requests)]
-        for name, engine in engines.items():
-            times, outputs[name] = serve(engine, requests)
+        order = list(engines) if round_ % 2 == 0 else list(engines)[::-1]  # neither always runs first
+        for name in order:
+            times, outputs[name] = serve(engines[name], requests)
             steps[name] += times
         if outputs["paged"] != outputs["slots"]:
             raise SystemExit(f"round {round_}: the paged engine's outputs differ from the slot engine's")

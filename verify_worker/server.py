@@ -189,7 +189,8 @@ def log_cache(log, path: str, target, engine: SpeculativeEngine, max_running: in
                  max_running, capacity, state.nbytes() / 2**20, per_request / 2**20, per_request / capacity / 2**10,
                  features / 2**20)
     if engine.pages is not None and engine.pages.caching:
-        caching = f"on (full pages of {state.page_size} committed tokens indexed for later prompts)"
+        caching = (f"on (pages of {state.page_size} committed tokens indexed for later prompts: full ones as they "
+                   f"fill, an ended request's last one too)")
     elif engine.prefix_cache is not None:
         caching = "on (finished requests' slots keep their prefixes for later prompts)"
     elif no_caching:
