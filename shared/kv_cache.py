@@ -68,8 +68,11 @@ class PositionalKVCache:
     def write(self, layer: int, slots: torch.Tensor, positions: torch.Tensor, k: torch.Tensor, v: torch.Tensor):
         """Store k, v [batch, seq, kv_heads, head_dim] at slots [batch] and positions [batch, seq] (rounded to the
         cache's dtype)."""
-        pages = self.page_table[slots[:, None], positions // self.page_size]  # [batch, seq]
-        index = (pages, slice(None), positions % self.page_size)
+        if self.paged:
+            index = (self.page_table[slots[:, None], positions // self.page_size], slice(None),
+                     positions % self.page_size)  # pages [batch, seq]
+        else:  # a page a slot: the slot is the page (no table read in every layer's write)
+            index = (slots[:, None], slice(None), positions)
         self.keys[layer][index] = k.to(self.keys[layer].dtype)
         self.values[layer][index] = v.to(self.values[layer].dtype)
 

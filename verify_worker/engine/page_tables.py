@@ -159,15 +159,11 @@ class PageTables:
         self.cache.set_pages(slot, own.pages)
         return True
 
-    def release(self, slot: int) -> list[int]:
-        """The slot's pages returned, its last first (so that a chain's tail is evicted before its head); returns
-        them."""
+    def release(self, slot: int) -> None:
+        """The slot's pages returned, its last first (so that a chain's tail is evicted before its head)."""
         own = self.slots.pop(slot, None)
-        if own is None:
-            return []
-        for page in reversed(own.pages):
+        for page in reversed(own.pages if own is not None else []):
             self._drop(page)
-        return own.pages
 
     def retake(self, slot: int, pages: list[int], chains: list[int]) -> None:
         """A step that raised is undone for a request that ended in it: the slot holds its pages again (released in
