@@ -64,8 +64,9 @@ def step_phases_ms(before: dict, after: dict) -> dict[str, float]:
 
 async def one_request(client, url, prompt, args, spec_tokens):
     body = {"prompt": prompt, "max_tokens": args.max_tokens, "temperature": args.temperature, "top_p": args.top_p,
-            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True,
-            "num_speculative_tokens": spec_tokens}
+            "stream": True, "stream_options": {"include_usage": True}, "return_token_ids": True}
+    if spec_tokens is not None:  # None: the server's policy chooses
+        body["num_speculative_tokens"] = spec_tokens
     if args.seed is not None:
         body["seed"] = args.seed
     started, arrivals, tokens, usage = time.perf_counter(), [], [], None
@@ -200,10 +201,11 @@ def measure_setting(servers, prompts, args, block: int, concurrency: int) -> tup
         for label, url, metrics_url in servers:
             wait_idle(url)
             before = parse_metrics(httpx.get(metrics_url, timeout=10).text)
-            spec = asyncio.run(wave(url, prompts, args, block - 1, concurrency))
+            spec = asyncio.run(wave(url, prompts, args, None if args.server_choice else block - 1, concurrency))
             after = parse_metrics(httpx.get(metrics_url, timeout=10).text)
             last = drafted_positions(before, after, block)
-            if 0 < last < min(block - 1, args.max_tokens - 2):  # the first step may draft max_tokens - 2
+            # (the first step may draft max_tokens - 2)
+            if not args.server_choice and 0 < last < min(block - 1, args.max_tokens - 2):
                 raise SystemExit(f"dflash-bench: error: {label} drafted at most {last} tokens per step, so block "
                                  f"size {block} would be measured as {last + 1}: start that server with "
                                  f"--block-size {block}")
@@ -259,6 +261,10 @@ def main(argv=None) -> int:
     parser.add_argument("--top-p", type=float, default=1.0)
     parser.add_argument("--seed", type=int)
     parser.add_argument("--rounds", type=int, default=2, help="measured spec/plain wave pairs per setting")
+    parser.add_argument("--server-choice", action="store_true",
+                        help="the speculative waves leave num_speculative_tokens unset, so the server's policy "
+                             "chooses each step (its default against plain decoding; the block size is then the "
+                             "server's, and --block-sizes only labels the results)")
     parser.add_argument("--hf-target", help="also time transformers' generate on this target checkpoint")
     parser.add_argument("--hf-dtype", choices=["float32", "bfloat16"], default="float32",
                         help="transformers' weights and activations (on 2 CPU cores both ran at the same speed)")

@@ -279,8 +279,9 @@ def test_a_probe_that_catches_up_on_context_still_measures_acceptance(tmp_path):
     proposer = LocalProposer(drafter, target.embed_weight, target.lm_head_weight, block_size=4, max_requests=1)
     # a probe after every 4 plain steps (no budget: against a plain step of 1 us any probe would cost too much)
     policy = AdaptiveSpeculation(probe_every=4, max_probe_every=4, probe_budget=None)
-    policy.step_samples[(1, True)] = deque([1.0])  # drafting looks slow: plain decoding is preferred
-    policy.step_samples[(1, False)] = deque([1e-6])
+    policy.step_samples[(1, True)] = deque([1.0])  # drafting looks slow, at either draft count: plain decoding is
+    policy.step_samples[(1, False)] = deque([1e-6])  # preferred
+    policy.widths.narrow_samples[1] = deque([1.0])
     engine = SpeculativeEngine(target, proposer, max_requests=1, policy=policy)
     state = engine.add(GenerationRequest((5, 6, 7), 60))
     means, catch_ups = [], 0
@@ -323,6 +324,7 @@ def test_a_greedy_probe_is_a_plain_step_whose_drafts_are_scored_like_a_verify(tm
     # a probe's 7 drafts are scored 7 steps later (no budget: plain steps of 1 ms make any probe too costly)
     policy = AdaptiveSpeculation(probe_every=8, max_probe_every=8, probe_budget=None)
     policy.step_samples[(2, True)] = deque([1.0])
+    policy.widths.narrow_samples[2] = deque([1.0])  # slow at the narrow draft count too
     policy.step_samples[(2, False)] = deque([1e-3])  # plain: 8 tokens x 1 ms < 1 s
     engine = SpeculativeEngine(target, proposer, max_requests=2, policy=policy)
     states = [engine.add(r) for r in requests]
@@ -487,6 +489,7 @@ def test_a_scored_probe_drafts_a_few_requests_in_turn(tmp_path):
     # no probe budget: the probes' measured cost (timing) would space them further on a busy machine
     policy = AdaptiveSpeculation(probe_every=4, max_probe_every=4, probe_rows=3, probe_budget=None)
     policy.step_samples[(8, True)] = deque([1.0])
+    policy.widths.narrow_samples[8] = deque([1.0])  # slow at the narrow draft count too
     policy.step_samples[(8, False)] = deque([1e-3])  # plain: 8 tokens x 1 ms < 1 s
     engine = SpeculativeEngine(target, proposer, max_requests=8, policy=policy)
     states = [engine.add(r) for r in requests]

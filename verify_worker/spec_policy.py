@@ -41,6 +41,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from verify_worker.draft_widths import DraftWidths
 from verify_worker.spec_step import RowNeed, StepOutcome, StepPlan
 
 
@@ -86,6 +87,12 @@ class AdaptiveSpeculation:
     overhead_samples: deque = field(default_factory=lambda: deque(maxlen=63))  # seconds a step costs outside decode
     # request -> (a scored probe's drafts, the tokens committed since): scored once they cover the drafts
     shadow_drafts: dict[str, tuple[list[int], list[int]]] = field(default_factory=dict)
+    widths: DraftWidths = field(default_factory=DraftWidths)  # the full block's drafts or about half (set_block)
+
+    def set_block(self, block_size: int) -> None:
+        """The engine's block size: a speculative step drafts block_size - 1 tokens a row, or the narrower count
+        (draft_widths.py) where that commits tokens faster."""
+        self.widths.set_full(max(0, block_size - 1))
 
     def plan(self, rows: list[RowNeed]) -> StepPlan:
         """The step's plan, decided once: the policy chooses for the rows that leave it the choice (not pinned,
@@ -100,15 +107,21 @@ class AdaptiveSpeculation:
         if scored:
             measured = set(self.probing)
             drafting = [pin or row.request_id in measured for row, pin in zip(rows, pinned)]
+        drafts = None
+        if free and speculate and not scored:
+            bucket = batch_bucket(len(rows))
+            full = self._full_width_seconds(bucket)
+            drafts = self.widths.choose(full, self.widths.equivalent_seconds(
+                bucket, self._expected_acceptance([row.request_id for row in rows]), self.step_overhead()))
         return StepPlan(speculate=speculate, pinned=pinned, drafting=drafting, scored=scored,
-                        policy_plain=free and not speculate)
+                        policy_plain=free and not speculate, drafts=drafts)
 
     def record(self, plan: StepPlan, outcome: StepOutcome) -> None:
         """What the step did, taken once: its time and commits (`observe`), finished requests forgotten, and the
         probe drafts now covered by committed tokens scored as the acceptance a verify would have given."""
         ids = outcome.request_ids
         self.observe(ids, plan.speculate, outcome.timed, outcome.seconds, outcome.committed,
-                     [count > 0 for count in outcome.counts])
+                     [count > 0 for count in outcome.counts], drafts=plan.drafts, counts=outcome.counts)
         for request_id, drafts in outcome.probe_drafts.items():
             self.shadow_drafts[request_id] = (drafts, [])
         for request_id, tokens, finished in zip(ids, outcome.new_tokens, outcome.finished):
@@ -120,6 +133,8 @@ class AdaptiveSpeculation:
                 if len(seen) >= len(drafted):
                     del self.shadow_drafts[request_id]
                     accepted = next((i for i, (d, t) in enumerate(zip(drafted, seen)) if d != t), len(drafted))
+                    if len(drafted) >= self.widths.full:
+                        self.widths.record_full(accepted)
                     self.record_acceptance(request_id, accepted + 1)
 
     def speculate(self, request_ids: list[str], asked: bool = False, seeded_sampling: bool = False) -> bool:
@@ -166,8 +181,23 @@ class AdaptiveSpeculation:
         return min(math.ceil(statistics.median(costs) / (self.probe_budget * plain_step)), self.max_budget_spacing)
 
     def step_seconds(self, batch_size: int, speculative: bool) -> float | None:
-        """The median step time of a mode at this batch size, None before it was measured."""
-        samples = self.step_samples.get((batch_bucket(batch_size), speculative))
+        """The median step time of a mode at this batch size, None before it was measured. Speculative: that of
+        the full block, or where the narrower draft count commits tokens faster, the full-block time that would
+        commit them as fast (DraftWidths.equivalent_seconds, at the requests' mean acceptance)."""
+        bucket = batch_bucket(batch_size)
+        if not speculative:
+            samples = self.step_samples.get((bucket, False))
+            return statistics.median(samples) if samples else None
+        full = self._full_width_seconds(bucket)
+        if full is not None and self.widths.narrow and self.widths.known() and \
+                self.widths.narrow_seconds(bucket) is None:
+            return None  # speculation is not measured until its narrow width is: a full block losing is not enough
+        acceptance = self._measured_mean() or self.mean_acceptance or 1.0
+        equivalent = self.widths.equivalent_seconds(bucket, acceptance, self.step_overhead())
+        return full if equivalent is None or full is None else min(full, equivalent)
+
+    def _full_width_seconds(self, bucket: int) -> float | None:
+        samples = self.step_samples.get((bucket, True))
         return statistics.median(samples) if samples else None
 
     def _preferred(self, request_ids: list[str]) -> bool | None:
@@ -275,21 +305,36 @@ class AdaptiveSpeculation:
         return min(self.best_acceptance, mean + 2 * sd / unmeasured ** 0.5)
 
     def observe(self, request_ids: list[str], chosen: bool, timed: bool | None, seconds: float,
-                committed: list[int], drafted: list[bool]) -> None:
+                committed: list[int], drafted: list[bool], drafts: int | None = None,
+                counts: list[int] | None = None) -> None:
         """One decode step: the rows' requests; the mode this policy chose (the probe schedule follows it, even
         when a drafter fallback made the step plain); which mode the step's time measures (None: neither, for
         mixed rows, prefill in the step, a fallback or resync, or a draft call catching up on context); its
         decode seconds; the tokens each row committed and whether the row drafted (every drafted row measures
-        its request's acceptance length, pure step or not)."""
+        its request's acceptance length, pure step or not). drafts: the cap the plan put on the free rows' drafts
+        (None: the full block); counts: the drafts each row verified. A narrow step's time measures the narrow
+        width, and its rows' tokens count as a full-width step would likely have committed them; a full-width row
+        adds to the survival counts the widths are compared by."""
         self.steps += 1
         self.steps_in_mode = self.steps_in_mode + 1 if self.last_mode == chosen else 1
         self.last_mode = chosen
+        counts = counts or [None] * len(request_ids)
+        narrow = drafts is not None and all(c is None or c <= drafts for c in counts)
         if timed is not None and seconds > 0 and request_ids:
-            key = (batch_bucket(len(request_ids)), timed)
-            self.step_samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
-        for request_id, tokens, drew in zip(request_ids, committed, drafted):
+            if timed and narrow:
+                self.widths.record_narrow_seconds(batch_bucket(len(request_ids)), seconds)
+            else:
+                key = (batch_bucket(len(request_ids)), timed)
+                self.step_samples.setdefault(key, deque(maxlen=self.window)).append(seconds)
+        for request_id, tokens, drew, count in zip(request_ids, committed, drafted, counts):
             self.tokens_since[request_id] = self.tokens_since.get(request_id, 0) + tokens
-            if drew:
+            if not drew:
+                continue
+            if count is not None and self.widths.full and count >= self.widths.full:
+                self.widths.record_full(tokens - 1)
+            if count is not None and drafts is not None and count == drafts:
+                self.record_acceptance(request_id, self.widths.uncensored(tokens, count))
+            else:
                 self.record_acceptance(request_id, tokens)
         if self.probing is not None and chosen and request_ids:  # the probe's verdict sets the next spacing
             bucket = batch_bucket(len(request_ids))

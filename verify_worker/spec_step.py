@@ -19,13 +19,15 @@ class RowNeed:
 class StepPlan:
     """What a decode step does: whether it speculates, the rows pinned to drafting whatever the policy prefers,
     the rows that draft, and whether it is a scored probe (the free rows' drafts kept and scored later against
-    what plain steps commit, not verified). policy_plain: the policy chose plain decoding for the free rows."""
+    what plain steps commit, not verified). policy_plain: the policy chose plain decoding for the free rows.
+    drafts: a narrower draft count for the free rows (verify_worker/draft_widths.py)."""
 
     speculate: bool
     pinned: list[bool]
     drafting: list[bool]
     scored: bool = False
     policy_plain: bool = False
+    drafts: int | None = None  # the most drafts a free (not pinned) row asks for (None: the full block)
 
     @classmethod
     def every_row(cls, rows: int) -> "StepPlan":

@@ -73,8 +73,10 @@ class SpeculationSettings:
     TITLE: ClassVar[str] = "speculation"
     spec_policy: str = option("adaptive", "adaptive: decode plainly while drafting is expected not to pay at the "
                                           "batch size (a drafted step after 8 plain ones, and rarer where such probes "
-                                          "would cost over 5% of the time, re-measures it; steps with a seeded "
-                                          "sampled request always draft); always: every step drafts",
+                                          "would cost over 5% of the time, re-measures it; a drafting step asks "
+                                          "for the full block or about half of it, whichever commits tokens faster; "
+                                          "steps with a seeded sampled request always draft); always: every step "
+                                          "drafts the full block",
                               choices=("always", "adaptive"), env="DFLASH_SPEC_POLICY")
     draft_placement: str = option("worker", "worker: a draft worker process (at --draft-addr); local: the drafter "
                                             "runs inside the verify worker (no draft call between processes; a "

@@ -129,6 +129,8 @@ class SpeculativeEngine(Admission, Paging, Isolation, Speculation, Output):
         self.last_report = StepReport()
         self.last_reports: list[StepReport] = []  # one per ordinary step of the last step() (more after a fault)
         self.policy = policy if proposer is not None else None  # None: every step drafts what it may
+        if self.policy is not None:
+            self.policy.set_block(self.block_size)
         self.log = logging.getLogger("dflash.engine")
 
     def warm_up(self, progress=None) -> int:

@@ -32,6 +32,8 @@ class Speculation:
         report.policy_plain = plan.policy_plain
         asked = [num_drafts(s, self.block_size, self.proposer is not None and drafts)
                  for s, drafts in zip(states, plan.drafting)]
+        if plan.drafts is not None:  # the policy's narrower width, for the rows that leave it the choice
+            asked = [n if pin else min(n, plan.drafts) for n, pin in zip(asked, plan.pinned)]
         return plan, asked
 
     def _keep_probe_drafts(self, plan: StepPlan, states: list[RequestState], drafts: torch.Tensor,
