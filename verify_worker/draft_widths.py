@@ -40,7 +40,9 @@ class DraftWidths:
         return self.full // 2 if self.full >= 2 else 0
 
     def record_full(self, accepted: int) -> None:
-        """A full-width row that accepted `accepted` of its drafts."""
+        """A full-width row that accepted `accepted` of its drafts (nothing before the full width is set)."""
+        if not self.full:
+            return
         self.survival = [count * self.keep for count in self.survival]
         for i in range(min(accepted, self.full) + 1):
             self.survival[i] += 1.0

@@ -110,7 +110,7 @@ class AdaptiveSpeculation:
         drafts = None
         if free and speculate and not scored:
             bucket = batch_bucket(len(rows))
-            full = self._full_width_seconds(bucket)
+            full = self._median_seconds(bucket, True)
             drafts = self.widths.choose(full, self.widths.equivalent_seconds(
                 bucket, self._expected_acceptance([row.request_id for row in rows]), self.step_overhead()))
         return StepPlan(speculate=speculate, pinned=pinned, drafting=drafting, scored=scored,
@@ -185,10 +185,9 @@ class AdaptiveSpeculation:
         the full block, or where the narrower draft count commits tokens faster, the full-block time that would
         commit them as fast (DraftWidths.equivalent_seconds, at the requests' mean acceptance)."""
         bucket = batch_bucket(batch_size)
+        full = self._median_seconds(bucket, speculative)
         if not speculative:
-            samples = self.step_samples.get((bucket, False))
-            return statistics.median(samples) if samples else None
-        full = self._full_width_seconds(bucket)
+            return full
         if full is not None and self.widths.narrow and self.widths.known() and \
                 self.widths.narrow_seconds(bucket) is None:
             return None  # speculation is not measured until its narrow width is: a full block losing is not enough
@@ -196,8 +195,9 @@ class AdaptiveSpeculation:
         equivalent = self.widths.equivalent_seconds(bucket, acceptance, self.step_overhead())
         return full if equivalent is None or full is None else min(full, equivalent)
 
-    def _full_width_seconds(self, bucket: int) -> float | None:
-        samples = self.step_samples.get((bucket, True))
+    def _median_seconds(self, bucket: int, speculative: bool) -> float | None:
+        """The median of a mode's measured step times at a bucket (speculative: full-block steps only)."""
+        samples = self.step_samples.get((bucket, speculative))
         return statistics.median(samples) if samples else None
 
     def _preferred(self, request_ids: list[str]) -> bool | None:
@@ -330,7 +330,7 @@ class AdaptiveSpeculation:
             self.tokens_since[request_id] = self.tokens_since.get(request_id, 0) + tokens
             if not drew:
                 continue
-            if count is not None and self.widths.full and count >= self.widths.full:
+            if count is not None and count >= self.widths.full:
                 self.widths.record_full(tokens - 1)
             if count is not None and drafts is not None and count == drafts:
                 self.record_acceptance(request_id, self.widths.uncensored(tokens, count))
